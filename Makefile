@@ -1,0 +1,46 @@
+# moeshard — every target builds what it needs from pyproject.toml on a fresh clone.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+REF_VENV := .venv-ref
+REF_PY := $(REF_VENV)/bin/python
+DEMO_SRC := models/demo-hf
+DEMO_OUT := out/demo
+PROMPT ?= The function returns
+
+.PHONY: all test lint demo demo-local fixtures ref-venv proto clean
+
+all: test
+
+$(VENV)/.stamp: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.stamp
+
+lint: $(VENV)/.stamp
+	$(VENV)/bin/ruff check moe node coordinator tests tools
+	$(VENV)/bin/ruff format --check moe node coordinator tests tools
+
+test: $(VENV)/.stamp lint
+	$(PY) -m pytest
+
+# Reference-only environment (torch + transformers): fixtures and demo-model training, never runtime.
+$(REF_VENV)/.stamp:
+	$(PYTHON) -m venv $(REF_VENV)
+	$(REF_PY) -m pip install -q torch==2.13.0 transformers safetensors tokenizers numpy matplotlib
+	touch $@
+
+ref-venv: $(REF_VENV)/.stamp
+
+fixtures: $(REF_VENV)/.stamp
+	$(REF_PY) tools/make_fixtures.py --out tests/fixtures
+
+demo: $(VENV)/.stamp
+	$(VENV)/bin/moeshard convert $(DEMO_SRC) $(DEMO_OUT) --force
+	$(VENV)/bin/moeshard generate $(DEMO_OUT) --prompt "$(PROMPT)" --max-tokens 48
+
+clean:
+	rm -rf out build *.egg-info
