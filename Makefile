@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 REF_VENV := .venv-ref
 REF_PY := $(REF_VENV)/bin/python
-DEMO_SRC := models/demo-hf
+# The trained demo model once it is committed; until then a tiny random checkpoint of the repo.
+DEMO_SRC := $(if $(wildcard models/demo-hf/config.json),models/demo-hf,tests/fixtures/qwen3_moe)
 DEMO_OUT := out/demo
 PROMPT ?= The function returns
 

@@ -1,0 +1,163 @@
+"""The `moeshard` command line. Exit codes: 0 ok, 1 internal error, 2 bad input, 130 interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import numpy as np
+
+from moe.errors import MoeshardError
+
+log = logging.getLogger("moeshard")
+
+EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def _add_convert(sub) -> None:
+    from moe.convert import (
+        DEFAULT_EXPERT_FORMAT,
+        DEFAULT_TRUNK_FORMAT,
+        EXPERT_FORMATS,
+        TRUNK_FORMATS,
+    )
+
+    p = sub.add_parser("convert", help="Hugging Face checkpoint directory -> model directory")
+    p.add_argument("src", help="checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("out", help="model directory to create")
+    p.add_argument("--experts", choices=EXPERT_FORMATS, default=DEFAULT_EXPERT_FORMAT)
+    p.add_argument("--trunk", choices=TRUNK_FORMATS, default=DEFAULT_TRUNK_FORMAT)
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_convert)
+
+
+def cmd_convert(args) -> int:
+    from moe.convert import convert
+
+    s = convert(args.src, args.out, args.experts, args.trunk, args.force, not args.quiet)
+    print(
+        f"converted {args.src} -> {args.out}: {s.params / 1e6:.2f} M params "
+        f"(trunk {s.trunk_params / 1e6:.2f} M, experts {s.expert_params / 1e6:.2f} M), "
+        f"{s.bytes_written / 1e6:.1f} MB written in {s.seconds:.1f} s; model id {s.model_id[:16]}"
+    )
+    if s.skipped:
+        print(f"skipped {len(s.skipped)} checkpoint tensors not used by inference:")
+        reasons: dict[str, list[str]] = {}
+        for name, reason in s.skipped.items():
+            reasons.setdefault(reason, []).append(name)
+        for reason, names in reasons.items():
+            shown = ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+            print(f"  {len(names)} x {reason}: {shown}")
+    return EXIT_OK
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt")
+    p.add_argument("model", help="model directory (from `moeshard convert`)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--dump-logits", metavar="FILE.npy", help="save float32 [tokens, vocab]")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args) -> int:
+    from coordinator.generate import SamplingOptions, generate
+    from coordinator.runtime import open_local
+
+    if args.max_tokens < 1:
+        raise MoeshardError("--max-tokens must be at least 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
+        raise MoeshardError("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
+    rt = open_local(args.model)
+    if args.prompt_ids is not None:
+        try:
+            prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise MoeshardError(
+                f"--prompt-ids: not a comma-separated list: {args.prompt_ids}"
+            ) from None
+        bad = [t for t in prompt_ids if not 0 <= t < rt.config.vocab_size]
+        if bad:
+            raise MoeshardError(f"--prompt-ids: {bad[0]} is outside the vocabulary")
+    else:
+        prompt_ids = rt.encode(args.prompt)
+    opts = SamplingOptions(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_ids=tuple(rt.eos_ids),
+        keep_logits=bool(args.dump_logits),
+    )
+    stream = None if args.json else rt.text_streamer(sys.stdout)
+    result = generate(rt.transformer, prompt_ids, opts, stream)
+    if stream:
+        stream.finish()
+    stats = rt.stats(result)
+    if args.dump_logits:
+        np.save(args.dump_logits, np.stack(result.logits).astype(np.float32))
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "prompt_ids": result.prompt_ids,
+                    "tokens": result.tokens,
+                    "text": rt.decode(result.tokens),
+                    "stats": stats,
+                }
+            )
+        )
+    else:
+        print(
+            f"[{len(result.prompt_ids)} prompt tokens, prefill {stats['prefill_s']:.3f} s; "
+            f"{len(result.tokens)} tokens at {stats['decode_s_per_token']:.4f} s/token "
+            f"({stats['tokens_per_s']:.1f} tok/s); experts read "
+            f"{stats['expert_bytes_read'] / 1e6:.1f} MB; stop: {result.stopped_by}]",
+            file=sys.stderr,
+        )
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moeshard", description="Run mixture-of-experts models larger than RAM."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_convert(sub)
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.func(args)
+    except MoeshardError as exc:
+        print(f"moeshard: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("moeshard: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Wiring for one generation process: model directory, trunk, experts backend, tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from tokenizers import Tokenizer
+
+from moe.config import eos_ids, read_json
+from moe.errors import StoreError
+from moe.model import LocalExperts, ModelDir
+
+
+class TextStreamer:
+    """Writes generated text as it comes, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, runtime: Runtime, out: TextIO):
+        self.runtime, self.out = runtime, out
+        self.tokens: list[int] = []
+        self.printed = ""
+
+    def __call__(self, token: int) -> None:
+        self.tokens.append(token)
+        text = self.runtime.decode(self.tokens)
+        if text.endswith("\ufffd"):
+            return  # a multi-byte character is not complete yet
+        self.out.write(text[len(self.printed) :])
+        self.out.flush()
+        self.printed = text
+
+    def finish(self) -> None:
+        text = self.runtime.decode(self.tokens)
+        self.out.write(text[len(self.printed) :] + "\n")
+        self.out.flush()
+
+
+@dataclass
+class Runtime:
+    model: ModelDir
+    transformer: object  # the family's Transformer
+    experts: object  # the experts backend
+    tokenizer: Tokenizer | None
+    eos_ids: list[int]
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise StoreError(f"{self.model.path}: no tokenizer.json; use --prompt-ids")
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(i) for i in ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def text_streamer(self, out: TextIO) -> TextStreamer:
+        return TextStreamer(self, out)
+
+    def stats(self, result) -> dict:
+        decode = sorted(result.decode_s)
+        per_token = sum(decode) / len(decode) if decode else 0.0
+        return {
+            "prompt_tokens": len(result.prompt_ids),
+            "generated_tokens": len(result.tokens),
+            "prefill_s": result.prefill_s,
+            "decode_s_per_token": per_token,
+            "decode_s_per_token_median": decode[len(decode) // 2] if decode else 0.0,
+            "tokens_per_s": 1.0 / per_token if per_token else 0.0,
+            "expert_bytes_read": getattr(self.experts, "bytes_read", 0),
+            "stopped_by": result.stopped_by,
+        }
+
+
+def open_local(path: str | Path) -> Runtime:
+    """Single process: trunk in RAM, experts read from this directory's shard files."""
+    model = ModelDir(path)
+    if not model.has_trunk:
+        raise StoreError(f"{model.path}: has no trunk.gguf (a node shard directory?)")
+    trunk = model.load_trunk()
+    experts = LocalExperts(model)
+    transformer = model.family.Transformer(model.config, trunk, experts)
+    tok_path = model.path / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
+    raw = read_json(model.path / "config.json")
+    return Runtime(model, transformer, experts, tokenizer, eos_ids(raw, model.generation_config()))

@@ -1,0 +1,89 @@
+"""The dense trunk's weights in memory: linear layers on packed bytes, vectors in float32."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moe import quant
+
+
+@dataclass
+class TrunkTensor:
+    """One trunk tensor as stored: format name, logical shape, packed bytes (kernel layout)."""
+
+    fmt: str  # one of quant.FORMATS
+    shape: tuple[int, ...]  # logical shape, HF order ([out, in] for linear weights)
+    data: np.ndarray  # uint8 [packed_nbytes]
+
+    def to_f32(self) -> np.ndarray:
+        if self.fmt == "f32":  # packed f32 is row-major floats, zero-padded to 64 bytes
+            return self.data.view(np.float32)[: int(np.prod(self.shape))].reshape(self.shape)
+        rows, cols = _as_matrix(self.shape)
+        flat = quant.unpack_to_ggml(self.data, self.fmt, rows, cols)
+        return quant.dequantize(flat, self.fmt, (rows, cols)).reshape(self.shape)
+
+
+def _as_matrix(shape: tuple[int, ...]) -> tuple[int, int]:
+    if len(shape) == 1:
+        return 1, shape[0]
+    return int(np.prod(shape[:-1])), shape[-1]
+
+
+class Linear:
+    """y = x @ W.T (+ b) with W [rows=out, cols=in] kept in its stored format."""
+
+    def __init__(self, weight: TrunkTensor, bias: np.ndarray | None = None):
+        self.rows, self.cols = weight.shape
+        self.fmt = weight.fmt
+        self.bias = bias
+        # f32 goes through numpy's BLAS; packed formats through our kernels, never dequantized.
+        self.dense = weight.to_f32() if weight.fmt == "f32" else None  # [rows, cols]
+        self.data = weight.data
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)  # [T, cols]
+        if self.dense is not None:
+            y = x @ self.dense.T  # [T, rows]
+        else:
+            y = quant.matmul(self.data, self.fmt, self.rows, self.cols, x)  # [T, rows]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.astype(np.float32, copy=False)
+
+
+class Trunk:
+    """Named access to trunk weights. Names are the checkpoint's HF names (see each family)."""
+
+    def __init__(self, tensors: dict[str, TrunkTensor]):
+        self.tensors = tensors
+        self._cache: dict[str, object] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def vector(self, name: str) -> np.ndarray:
+        """A small tensor (norm weight, bias, router) as float32."""
+        if name not in self._cache:
+            self._cache[name] = np.ascontiguousarray(self.tensors[name].to_f32())
+        return self._cache[name]
+
+    def linear(self, prefix: str) -> Linear:
+        """The linear layer `prefix`.weight (+ `prefix`.bias when the checkpoint has one)."""
+        key = prefix + "#linear"
+        if key not in self._cache:
+            bias_name = prefix + ".bias"
+            bias = self.vector(bias_name) if bias_name in self.tensors else None
+            self._cache[key] = Linear(self.tensors[prefix + ".weight"], bias)
+        return self._cache[key]
+
+    def embed(self, name: str, ids: np.ndarray) -> np.ndarray:
+        """Rows `ids` of an embedding table, dequantized: ids [T] -> [T, H]."""
+        table = self.tensors[name]
+        if table.fmt == "f32":
+            return table.to_f32()[ids].copy()  # [T, H]
+        return self.vector(name)[ids].copy()  # [T, H]
+
+    def nbytes(self) -> int:
+        return sum(t.data.nbytes for t in self.tensors.values())
