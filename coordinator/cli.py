@@ -129,6 +129,38 @@ def cmd_generate(args) -> int:
     return EXIT_OK
 
 
+def _add_inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="geometry, formats, sizes and shard files of a model")
+    p.add_argument("model", help="model directory")
+    p.add_argument("--verify", action="store_true", help="recompute every checksum")
+    p.set_defaults(func=cmd_inspect)
+
+
+def cmd_inspect(args) -> int:
+    from moe.inspect import describe
+
+    text, ok = describe(args.model, args.verify)
+    print(text)
+    if not ok:
+        print("moeshard: error: checksum verification failed", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return EXIT_OK
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks that print ratios against same-run baselines")
+    benches = p.add_subparsers(dest="bench", required=True)
+    k = benches.add_parser("kernels", help="Q4_0/Q8_0 matmul GB/s vs DRAM bandwidth")
+    k.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark")
+    k.set_defaults(func=lambda a: _run_module_main("moe.bench_kernels", a.rest))
+
+
+def _run_module_main(module: str, argv: list[str]) -> int:
+    import importlib
+
+    return int(importlib.import_module(module).main(argv) or 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moeshard", description="Run mixture-of-experts models larger than RAM."
@@ -137,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_convert(sub)
     _add_generate(sub)
+    _add_inspect(sub)
+    _add_bench(sub)
     return parser
 
 

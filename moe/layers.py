@@ -20,6 +20,19 @@ class ExpertsBackend(Protocol):
         ...
 
 
+def hint_next_layer(transformer, layer: int, h: np.ndarray) -> None:
+    """Next-layer prefetch: predict the next MoE layer's experts by applying its router to the
+    current hidden state h [T, H], and tell the experts backend (if it takes hints) to start
+    fetching them while this layer's experts compute."""
+    prefetch = getattr(transformer.experts, "prefetch", None)
+    if prefetch is None:
+        return
+    later = [j for j in transformer.config.moe_layers if j > layer]
+    if later:
+        predicted, _ = transformer.route(later[0], h)  # [T, k]
+        prefetch(later[0], np.unique(predicted))
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x * rsqrt(mean(x^2) + eps) * weight, over the last axis."""
     variance = np.mean(np.square(x), axis=-1, keepdims=True)  # [..., 1]

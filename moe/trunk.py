@@ -60,6 +60,9 @@ class Trunk:
         self.tensors = tensors
         self._cache: dict[str, object] = {}
 
+    def enter_layer(self, layer: int) -> None:
+        """Called before layer `layer` runs; a fully resident trunk has nothing to do."""
+
     def has(self, name: str) -> bool:
         return name in self.tensors
 

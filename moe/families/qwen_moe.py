@@ -24,6 +24,7 @@ from moe.layers import (
     ExpertsBackend,
     apply_rope,
     attend,
+    hint_next_layer,
     rms_norm,
     rope_cos_sin,
     sigmoid,
@@ -201,6 +202,7 @@ class Transformer:
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)  # [T, D/2] each
         x = w.embed("model.embed_tokens.weight", ids)  # [T, H]
         for i in range(c.num_hidden_layers):
+            w.enter_layer(i)  # a streamed trunk makes layer i resident and starts reading i + 1
             p = f"model.layers.{i}."
             h = rms_norm(x, w.vector(p + "input_layernorm.weight"), c.rms_norm_eps)  # [T, H]
             x = x + self.attention(i, h, cos, sin, cache)  # [T, H]
@@ -249,6 +251,7 @@ class Transformer:
 
     def moe(self, i: int, h: np.ndarray) -> np.ndarray:
         ids, weights = self.route(i, h)  # [T, k] each
+        hint_next_layer(self, i, h)
         out = self.experts(i, h, ids, weights)  # [T, H]
         if self.config.shared_expert_intermediate:
             m, w = f"model.layers.{i}.mlp.", self.trunk
