@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -123,7 +124,8 @@ def cmd_generate(args) -> int:
             f"[{len(result.prompt_ids)} prompt tokens, prefill {stats['prefill_s']:.3f} s; "
             f"{len(result.tokens)} tokens at {stats['decode_s_per_token']:.4f} s/token "
             f"({stats['tokens_per_s']:.1f} tok/s); experts read "
-            f"{stats['expert_bytes_read'] / 1e6:.1f} MB; stop: {result.stopped_by}]",
+            f"{stats['expert_bytes_read'] / 1e6:.1f} MB; start-up {stats['startup_s']:.2f} s "
+            f"(JIT warm-up {stats['jit_warmup_s']:.2f} s); stop: {result.stopped_by}]",
             file=sys.stderr,
         )
     return EXIT_OK
@@ -144,6 +146,73 @@ def cmd_inspect(args) -> int:
     if not ok:
         print("moeshard: error: checksum verification failed", file=sys.stderr)
         return EXIT_BAD_INPUT
+    return EXIT_OK
+
+
+def _add_quality(sub) -> None:
+    p = sub.add_parser(
+        "quality", help="top-1 agreement and KL of quantised formats against f32 (on a checkpoint)"
+    )
+    p.add_argument("src", help="Hugging Face checkpoint directory")
+    p.add_argument("--experts", default="q4_0,q8_0,bf16", help="expert formats to compare")
+    p.add_argument("--trunk", default="f32", help="trunk formats to compare (comma-separated)")
+    p.add_argument("--prompt-ids", action="append", help="a prompt as ids (repeatable)")
+    p.add_argument("--prompt", action="append", help="a prompt as text (repeatable)")
+    p.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
+    p.set_defaults(func=cmd_quality)
+
+
+def cmd_quality(args) -> int:
+    from tokenizers import Tokenizer
+
+    from moe.quality import compare_formats
+
+    prompts = [[int(t) for t in p.split(",")] for p in args.prompt_ids or []]
+    if args.prompt:
+        tokenizer = Tokenizer.from_file(str(Path(args.src) / "tokenizer.json"))
+        prompts += [tokenizer.encode(p).ids for p in args.prompt]
+    if not prompts:
+        raise MoeshardError("give at least one --prompt or --prompt-ids")
+    rows = compare_formats(
+        args.src, prompts, args.tokens, args.experts.split(","), args.trunk.split(",")
+    )
+    print(f"reference: f32 experts and trunk, {len(prompts)} prompts x {args.tokens} greedy tokens")
+    print(
+        f"{'experts':>8} {'trunk':>6} {'positions':>9} {'top-1 agree':>11} {'mean KL':>10} "
+        f"{'max KL':>10}"
+    )
+    for r in rows:
+        print(
+            f"{r.experts:>8} {r.trunk:>6} {r.positions:>9} {r.top1_agreement:>11.2%} "
+            f"{r.mean_kl:>10.2e} {r.max_kl:>10.2e}"
+        )
+    return EXIT_OK
+
+
+def _add_perplexity(sub) -> None:
+    p = sub.add_parser("perplexity", help="perplexity of a text under each expert format")
+    p.add_argument("src", help="Hugging Face checkpoint directory (with tokenizer.json)")
+    p.add_argument("--text", required=True, help="UTF-8 text file")
+    p.add_argument("--experts", default="f32,q4_0", help="expert formats (comma-separated)")
+    p.add_argument("--trunk", default="f32", help="trunk format")
+    p.add_argument("--window", type=int, default=256, help="tokens per evaluation window")
+    p.add_argument("--max-tokens", type=int, default=20000, help="evaluate at most this many")
+    p.set_defaults(func=cmd_perplexity)
+
+
+def cmd_perplexity(args) -> int:
+    from moe.quality import perplexity_by_format
+
+    try:
+        text = Path(args.text).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MoeshardError(f"{args.text}: cannot read text ({exc})") from None
+    n, results = perplexity_by_format(
+        args.src, text, args.experts.split(","), args.trunk, args.window, args.max_tokens
+    )
+    print(f"{n} tokens of {args.text}, windows of {args.window}, trunk {args.trunk}")
+    for fmt, ppl in results.items():
+        print(f"  experts {fmt:>5}: perplexity {ppl:.3f}")
     return EXIT_OK
 
 
@@ -170,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(sub)
     _add_generate(sub)
     _add_inspect(sub)
+    _add_quality(sub)
+    _add_perplexity(sub)
     _add_bench(sub)
     return parser
 

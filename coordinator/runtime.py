@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
 from tokenizers import Tokenizer
 
+from moe import quant
 from moe.config import eos_ids, read_json
 from moe.errors import StoreError
 from moe.model import LocalExperts, ModelDir
@@ -43,6 +45,8 @@ class Runtime:
     experts: object  # the experts backend
     tokenizer: Tokenizer | None
     eos_ids: list[int]
+    warmup_s: float = 0.0  # JIT compile / numba cache load of every kernel, done at start-up
+    startup_s: float = 0.0  # opening the model + warm-up, before the first token
 
     @property
     def config(self):
@@ -73,11 +77,15 @@ class Runtime:
             "tokens_per_s": 1.0 / per_token if per_token else 0.0,
             "expert_bytes_read": getattr(self.experts, "bytes_read", 0),
             "stopped_by": result.stopped_by,
+            "startup_s": self.startup_s,
+            "jit_warmup_s": self.warmup_s,
         }
 
 
 def open_local(path: str | Path) -> Runtime:
     """Single process: trunk in RAM, experts read from this directory's shard files."""
+    started = time.perf_counter()
+    warmup_s = quant.warmup()  # compile (or load from numba's disk cache) before token one
     model = ModelDir(path)
     if not model.has_trunk:
         raise StoreError(f"{model.path}: has no trunk.gguf (a node shard directory?)")
@@ -87,4 +95,6 @@ def open_local(path: str | Path) -> Runtime:
     tok_path = model.path / "tokenizer.json"
     tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
     raw = read_json(model.path / "config.json")
-    return Runtime(model, transformer, experts, tokenizer, eos_ids(raw, model.generation_config()))
+    eos = eos_ids(raw, model.generation_config())
+    startup = time.perf_counter() - started
+    return Runtime(model, transformer, experts, tokenizer, eos, warmup_s, startup)

@@ -232,6 +232,17 @@ class TrunkWriter:
 # Reading
 
 
+class _HeaderReader(GGUFReader):
+    """GGUFReader that parses metadata and tensor infos but defers building tensor views, so a
+    truncated file still opens far enough for the error to name the record that is cut off."""
+
+    def _build_tensors(self, start_offs, fields) -> None:
+        self._deferred_tensors = (start_offs, fields)
+
+    def build_tensors(self) -> None:
+        GGUFReader._build_tensors(self, *self._deferred_tensors)
+
+
 def _field(reader: GGUFReader, key: str, path: Path):
     field = reader.get_field(key)
     if field is None:
@@ -239,7 +250,7 @@ def _field(reader: GGUFReader, key: str, path: Path):
     return field.contents()
 
 
-def _open_gguf(path: Path, kind: str) -> GGUFReader:
+def _open_gguf(path: Path, kind: str) -> _HeaderReader:
     """Open and check a moeshard GGUF file: magic, version, kind. Errors name the file."""
     try:
         with open(path, "rb") as f:
@@ -249,7 +260,7 @@ def _open_gguf(path: Path, kind: str) -> GGUFReader:
     if magic != GGUF_MAGIC:
         raise StoreError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
     try:
-        reader = GGUFReader(path)
+        reader = _HeaderReader(path)
     except (ValueError, IndexError, OSError) as exc:
         raise StoreError(f"{path}: malformed or truncated GGUF header ({exc})") from None
     version = reader.get_field("moeshard.format_version")
@@ -347,6 +358,17 @@ def load_trunk(path: Path, expected_model_id: str | None, verify: bool = True) -
         )
     entries = json.loads(_field(reader, "moeshard.trunk.index", path))
     crcs = _field(reader, "moeshard.trunk.crc32", path)
+    end, size = reader.data_offset, path.stat().st_size
+    for name, fmt, shape in entries:
+        rows, cols = (1, shape[0]) if len(shape) == 1 else shape
+        nbytes = quant.packed_nbytes(fmt, rows, cols)
+        if end + nbytes > size:
+            raise StoreError(
+                f"{path}: truncated: trunk tensor '{name}' ends at byte {end + nbytes}, "
+                f"file has {size}"
+            )
+        end = align_up(end + nbytes)
+    reader.build_tensors()
     by_name = {t.name: t for t in reader.tensors}
     tensors: dict[str, TrunkTensor] = {}
     for (name, fmt, shape), crc in zip(entries, crcs, strict=True):
