@@ -1,9 +1,10 @@
 """Read a Hugging Face safetensors checkpoint tensor by tensor, with bounded memory.
 
-Files are memory-mapped and parsed here (the format is an 8-byte header length, a JSON header,
-then raw little-endian data), because numpy has no bfloat16 or float8 and the checkpoint may be
-larger than RAM: each tensor is converted to float32 only when asked for, and its pages can be
-dropped by the OS afterwards.
+Files are parsed here (the format is an 8-byte header length, a JSON header, then raw
+little-endian data) because numpy has no bfloat16 or float8 and the checkpoint may be larger
+than RAM: each tensor (or one expert's slice of a stacked tensor) is read with pread into a
+buffer of its own when asked for, converted to float32, and freed after use, so the process
+never maps or holds more than the tensor at hand.
 
 FP8 block-scaled weights (DeepSeek-V3 / Kimi-K2): a float8_e4m3fn `X.weight` [out, in] comes
 with a float32 `X.weight_scale_inv` [ceil(out/B), ceil(in/B)]; the real weight is
@@ -13,7 +14,7 @@ fp8_value * scale_inv of the block that holds it (B = weight_block_size, 128 as 
 from __future__ import annotations
 
 import json
-import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,7 +78,6 @@ class SafetensorsFile:
             if header_len > min(size - 8, 100 * 2**20):
                 raise CheckpointError(f"{path}: not a safetensors file (bad header length)")
             header = json.loads(self._fh.read(header_len))
-            self._map = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         except CheckpointError:
             raise
         except (OSError, ValueError, UnicodeDecodeError) as exc:
@@ -106,20 +106,22 @@ class SafetensorsFile:
                 )
             self.entries[name] = TensorEntry(path, dtype, shape, start, end)
 
-    def raw(self, name: str) -> np.ndarray:
-        """The tensor's stored values (no conversion), a view into the memory map."""
+    def raw(self, name: str, index: int | None = None) -> np.ndarray:
+        """The tensor's stored values (no conversion), or only its slice [index] on axis 0."""
         e = self.entries[name]
-        return np.frombuffer(
-            self._map,
-            dtype=_DTYPES[e.dtype],
-            count=(e.end - e.start) // _itemsize(e),
-            offset=e.start,
-        ).reshape(e.shape)
+        start, nbytes, shape = e.start, e.end - e.start, e.shape
+        if index is not None:
+            nbytes //= shape[0]
+            start, shape = start + index * nbytes, shape[1:]
+        data = os.pread(self._fh.fileno(), nbytes, start)
+        if len(data) != nbytes:
+            raise CheckpointError(f"{self.path}: short read of tensor '{name}'")
+        return np.frombuffer(data, dtype=_DTYPES[e.dtype]).reshape(shape)
 
-    def float32(self, name: str) -> np.ndarray:
-        """The tensor as float32 (a copy; bf16/f16/f8 widened)."""
+    def float32(self, name: str, index: int | None = None) -> np.ndarray:
+        """The tensor (or its slice [index]) as float32; bf16/f16/f8 widened."""
         e = self.entries[name]
-        raw = self.raw(name)
+        raw = self.raw(name, index)
         if e.dtype == "BF16":
             return (raw.astype(np.uint32) << 16).view(np.float32)
         if e.dtype == "F8_E4M3":
@@ -127,13 +129,7 @@ class SafetensorsFile:
         return raw.astype(np.float32)
 
     def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
         self._fh.close()
-
-
-def _itemsize(e: TensorEntry) -> int:
-    return np.dtype(_DTYPES[e.dtype]).itemsize
 
 
 class Checkpoint:

@@ -159,17 +159,11 @@ def _from_stack(config, plan, ckpt, layer, expert, proj, shape, check_only):
 
 
 def _slice_expert(ckpt: Checkpoint, name: str, expert: int) -> np.ndarray:
-    """expert `expert` of a stacked tensor, converting only that slice to float32."""
+    """Expert `expert` of a stacked tensor: only that slice is read and converted."""
     f = ckpt.where[name]
-    raw = f.raw(name)[expert]  # a view into the memory map
-    dtype = f.entries[name].dtype
-    if dtype == "BF16":
-        return (raw.astype(np.uint32) << 16).view(np.float32)
-    if dtype == "F8_E4M3":
-        raise CheckpointError(
-            f"{ckpt.describe(name)}: stacked fp8 expert tensors are not supported"
-        )
-    return raw.astype(np.float32)
+    if f.entries[name].dtype == "F8_E4M3":
+        raise CheckpointError(f"{ckpt.describe(name)}: stacked fp8 experts are not supported")
+    return f.float32(name, expert)
 
 
 def trunk_format(name: str, shape: tuple[int, ...], requested: str) -> str:
