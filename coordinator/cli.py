@@ -68,6 +68,14 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--dump-logits", metavar="FILE.npy", help="save float32 [tokens, vocab]")
+    p.add_argument(
+        "--trace", metavar="FILE.npz", help="record every routing decision (see moe/trace.py)"
+    )
+    _add_peer_options(p, required=False)
+    p.add_argument("--degrade", action="store_true", help="drop experts no live node holds")
+    p.add_argument("--wire-dtype", choices=("f32", "bf16"), default="f32", help="activations")
+    p.add_argument("--deadline", type=float, default=5.0, help="seconds per node call")
+    _add_streaming_options(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -79,7 +87,16 @@ def cmd_generate(args) -> int:
         raise MoeshardError("--max-tokens must be at least 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         raise MoeshardError("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
-    rt = open_local(args.model)
+    if args.peers or args.discover:
+        from coordinator.remote import RemoteConfig
+        from coordinator.runtime import open_remote
+
+        remote = RemoteConfig(
+            deadline_s=args.deadline, wire_dtype=args.wire_dtype, degrade=args.degrade
+        )
+        rt = open_remote(args.model, args.peers, args.discover, args.discover_timeout, remote)
+    else:
+        rt = _open_streaming(args) if args.ram else open_local(args.model)
     if args.prompt_ids is not None:
         try:
             prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
@@ -101,11 +118,29 @@ def cmd_generate(args) -> int:
         eos_ids=tuple(rt.eos_ids),
         keep_logits=bool(args.dump_logits),
     )
+    recorder = None
+    if args.trace:
+        from moe.trace import TraceRecorder
+
+        recorder = TraceRecorder(rt.transformer.experts, trace_meta(rt))
+        rt.transformer.experts = recorder
     stream = None if args.json else rt.text_streamer(sys.stdout)
-    result = generate(rt.transformer, prompt_ids, opts, stream)
+    monitor = None
+    if args.ram:
+        from coordinator.stream_monitor import StreamMonitor
+
+        print(rt.experts.plan.describe(), file=sys.stderr)
+        monitor = StreamMonitor(rt.experts, stream, args.stats_json)
+        monitor.start(len(prompt_ids))
+    result = generate(rt.transformer, prompt_ids, opts, monitor or stream)
+    if recorder:
+        recorder.trace().save(args.trace)
     if stream:
         stream.finish()
     stats = rt.stats(result)
+    if monitor:
+        monitor.finish(stats)
+        _report_streaming(args, rt, stats)
     if args.dump_logits:
         np.save(args.dump_logits, np.stack(result.logits).astype(np.float32))
     if args.json:
@@ -128,7 +163,27 @@ def cmd_generate(args) -> int:
             f"(JIT warm-up {stats['jit_warmup_s']:.2f} s); stop: {result.stopped_by}]",
             file=sys.stderr,
         )
+    if hasattr(rt.experts, "summary"):
+        _report_remote(rt.experts.summary(), len(result.tokens))
+        rt.experts.close()
     return EXIT_OK
+
+
+def _report_remote(summary: dict, tokens: int) -> None:
+    nodes = ", ".join(
+        f"{n['node_id'] or n['addr']} {n['calls']} calls {n['ewma_ms']:.2f} ms"
+        + ("" if n["up"] else " DOWN")
+        for n in summary["nodes"]
+    )
+    wire = (summary["bytes_sent"] + summary["bytes_received"]) / max(tokens, 1)
+    print(
+        f"[nodes: {nodes}; {summary['retries']} retried layer calls; "
+        f"{wire / 1e3:.1f} KB on the wire per token]",
+        file=sys.stderr,
+    )
+    if summary["dropped"]:
+        total = sum(summary["dropped"].values())
+        print(f"[--degrade: dropped {total} expert slots: {summary['dropped']}]", file=sys.stderr)
 
 
 def _add_node(sub) -> None:
@@ -220,6 +275,108 @@ def cmd_cluster(args) -> int:
     peers = resolve_peers(model.model_id, args.peers, args.discover, args.discover_timeout)
     print(describe_cluster(model, peers))
     return EXIT_OK
+
+
+def trace_meta(rt) -> dict:
+    c = rt.config
+    return {
+        "model_id": rt.model.model_id,
+        "model_type": c.model_type,
+        "n_experts": c.n_experts,
+        "top_k": c.top_k,
+        "moe_layers": list(c.moe_layers),
+        "hidden_size": c.hidden_size,
+        "expert_intermediate": c.expert_intermediate,
+    }
+
+
+def _add_coact(sub) -> None:
+    p = sub.add_parser("coact", help="expert frequencies, co-activation, reuse, cache hit rates")
+    p.add_argument("traces", nargs="+", help="trace files from `generate --trace` (merged)")
+    p.add_argument("--out", required=True, help="directory for coact.json and PNG plots")
+    p.set_defaults(func=cmd_coact)
+    m = sub.add_parser("merge-traces", help="merge traces of several runs into one file")
+    m.add_argument("out", help="merged trace file (.npz)")
+    m.add_argument("traces", nargs="+", help="trace files")
+    m.set_defaults(func=cmd_merge_traces)
+
+
+def cmd_coact(args) -> int:
+    from moe import coact, trace
+
+    merged = trace.merge([trace.load(p) for p in args.traces])
+    result, plots = coact.run(merged, Path(args.out))
+    print(coact.summary(result))
+    print(f"wrote {Path(args.out) / 'coact.json'} and {len(plots)} plots")
+    return EXIT_OK
+
+
+def cmd_merge_traces(args) -> int:
+    from moe import trace
+
+    merged = trace.merge([trace.load(p) for p in args.traces])
+    merged.save(args.out)
+    print(f"{args.out}: {len(merged.layer)} rows from {merged.meta['runs']} runs")
+    return EXIT_OK
+
+
+def _add_streaming_options(p) -> None:
+    from node.expert_store import POLICIES
+
+    g = p.add_argument_group("single-node streaming (a hard RAM budget)")
+    g.add_argument("--ram", metavar="SIZE", help="RAM budget, e.g. 8G or 512M (enables streaming)")
+    g.add_argument("--cache-policy", choices=POLICIES, default="lru", help="expert cache policy")
+    g.add_argument("--no-prefetch", action="store_true", help="no next-layer expert prefetch")
+    g.add_argument("--read-depth", type=int, default=4, help="O_DIRECT reads in flight")
+    g.add_argument("--context", type=int, help="KV tokens to plan for (default: prompt + max)")
+    g.add_argument("--profile-out", metavar="FILE", help="write expert usage counts (JSON)")
+    g.add_argument("--profile-in", metavar="FILE", help="usage counts for --cache-policy pin")
+    g.add_argument("--stats-json", metavar="FILE", help="one JSON line of stats per token")
+
+
+def _open_streaming(args):
+    from coordinator.runtime import open_streaming
+    from moe.budget import parse_size
+    from moe.model import ModelDir
+    from node.expert_store import read_profile
+
+    if args.read_depth < 1:
+        raise MoeshardError("--read-depth must be at least 1")
+    prompt = len(args.prompt_ids.split(",")) if args.prompt_ids else len(args.prompt.encode())
+    context = args.context or prompt + args.max_tokens
+    profile = None
+    if args.profile_in:
+        profile = read_profile(args.profile_in, ModelDir(args.model).model_id)
+    return open_streaming(
+        args.model,
+        parse_size(args.ram),
+        context,
+        policy=args.cache_policy,
+        prefetch=not args.no_prefetch,
+        depth=args.read_depth,
+        profile=profile,
+        prefill_tokens=prompt,
+    )
+
+
+def _report_streaming(args, rt, stats: dict) -> None:
+    from moe.budget import fmt_bytes
+    from node.expert_store import write_profile
+
+    if args.profile_out:
+        write_profile(args.profile_out, rt.model.model_id, rt.experts.counts)
+    n = max(stats["generated_tokens"], 1)
+    print(
+        f"[streaming: {args.cache_policy}, prefetch {'off' if args.no_prefetch else 'on'}; "
+        f"{stats['store_bytes_read'] / 1e9 / n:.3f} GB read/token, "
+        f"hit rate {stats['store_hit_rate']:.1%}, stall {stats['store_stall_s']:.2f} s, "
+        f"read {stats['store_read_s']:.2f} s, compute {stats['store_compute_s']:.2f} s, "
+        f"prefetch recall {stats['store_prefetch_recall']:.1%} "
+        f"precision {stats['store_prefetch_precision']:.1%}; peak RSS "
+        f"{fmt_bytes(stats['peak_rss_bytes'])} (budget {fmt_bytes(stats['ram_budget_bytes'])} "
+        f"+ interpreter {fmt_bytes(stats['interpreter_overhead_bytes'])})]",
+        file=sys.stderr,
+    )
 
 
 def _add_inspect(sub) -> None:
@@ -330,6 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(sub)
     _add_generate(sub)
     _add_inspect(sub)
+    _add_coact(sub)
     _add_quality(sub)
     _add_perplexity(sub)
     _add_bench(sub)

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moe.trace import DECODE, PREFILL
+
 
 @dataclass
 class SamplingOptions:
@@ -62,7 +64,10 @@ def generate(
     rng = np.random.default_rng(opts.seed)
     cache = model.new_cache(len(prompt_ids) + opts.max_tokens)
     result = GenerationResult(prompt_ids=list(prompt_ids), tokens=[])
+    mark = getattr(model.experts, "mark", None)  # a TraceRecorder wants positions and phase
     t0 = time.perf_counter()
+    if mark:
+        mark(cache.length, PREFILL)
     logits = model.forward(np.asarray(prompt_ids, dtype=np.int64), cache)[-1]  # [V]
     result.prefill_s = time.perf_counter() - t0
     while len(result.tokens) < opts.max_tokens:
@@ -78,6 +83,8 @@ def generate(
         if len(result.tokens) == opts.max_tokens:
             break
         t0 = time.perf_counter()
+        if mark:
+            mark(cache.length, DECODE)
         logits = model.forward(np.asarray([token], dtype=np.int64), cache)[-1]  # [V]
         result.decode_s.append(time.perf_counter() - t0)
     return result

@@ -1,0 +1,99 @@
+"""Expert-cache policies replayed on a routing trace: hit rates of LRU, LFU and Belady's optimum.
+
+An access is one (layer, expert) record fetch; a trace row (token, layer) fetches its k experts.
+The cache holds `capacity` whole expert records. These are the policies of the real cache
+(node/expert_store.py) reduced to their decisions, so they can be replayed in milliseconds
+on any trace and any cache size, and Belady's offline optimum (evict the record whose next use
+is furthest away) gives the bound no online policy can beat.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+
+import numpy as np
+
+from moe.trace import Trace
+
+
+def accesses(trace: Trace) -> np.ndarray:
+    """Record keys in fetch order: int64 [N * k], key = layer * n_experts + expert."""
+    keys = trace.layer.astype(np.int64)[:, None] * trace.n_experts + trace.ids.astype(np.int64)
+    return keys.reshape(-1)  # [N * k]
+
+
+def lru_hits(keys: np.ndarray, capacity: int) -> int:
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = 0
+    for key in keys.tolist():
+        if key in cache:
+            hits += 1
+            cache.move_to_end(key)
+            continue
+        if len(cache) >= capacity:
+            cache.popitem(last=False)
+        cache[key] = None
+    return hits
+
+
+def lfu_hits(keys: np.ndarray, capacity: int, decay: float = 0.999) -> int:
+    """LFU with exponential decay: a record's score halves every ln(2)/(1-decay) accesses.
+
+    Scores are kept in 'inflated' units (each access adds growth**t instead of decaying every
+    score), so one access costs O(capacity) at eviction only.
+    """
+    growth = 1.0 / decay
+    scores: dict[int, float] = {}  # frequency of every record seen (also evicted ones)
+    cache: set[int] = set()
+    hits, weight = 0, 1.0
+    for key in keys.tolist():
+        weight *= growth
+        if weight > 1e200:  # renormalise before overflow
+            scores = {k: v / weight for k, v in scores.items()}
+            weight = 1.0
+        scores[key] = scores.get(key, 0.0) + weight
+        if key in cache:
+            hits += 1
+            continue
+        if len(cache) >= capacity:
+            cache.remove(min(cache, key=scores.__getitem__))
+        cache.add(key)
+    return hits
+
+
+def belady_hits(keys: np.ndarray, capacity: int) -> int:
+    """Offline optimum: on a miss with a full cache, evict the record used furthest ahead."""
+    n = len(keys)
+    next_use = np.full(n, n, dtype=np.int64)  # index of the next access to the same key
+    last: dict[int, int] = {}
+    for i in range(n - 1, -1, -1):
+        key = int(keys[i])
+        next_use[i] = last.get(key, n)
+        last[key] = i
+    cache: dict[int, int] = {}  # key -> its next use
+    heap: list[tuple[int, int]] = []  # (-next use, key), stale entries skipped
+    hits = 0
+    for i, key in enumerate(keys.tolist()):
+        if key in cache:
+            hits += 1
+        elif len(cache) >= capacity:
+            while True:
+                neg_next, victim = heapq.heappop(heap)
+                if cache.get(victim) == -neg_next:
+                    del cache[victim]
+                    break
+        cache[key] = int(next_use[i])
+        heapq.heappush(heap, (-int(next_use[i]), key))
+    return hits
+
+
+POLICIES = {"lru": lru_hits, "lfu": lfu_hits, "belady": belady_hits}
+
+
+def hit_rates(trace: Trace, capacities: list[int]) -> dict[str, list[float]]:
+    """Hit rate of each policy at each cache size (in expert records)."""
+    keys = accesses(trace)
+    return {
+        name: [fn(keys, c) / max(len(keys), 1) for c in capacities] for name, fn in POLICIES.items()
+    }

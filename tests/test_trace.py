@@ -1,0 +1,92 @@
+"""Routing traces, the co-activation analysis, and the cache-policy replay."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from coordinator.cli import main
+from moe import cachesim, coact, trace
+
+
+@pytest.fixture(scope="module")
+def traces(converted, tmp_path_factory):
+    model = converted("deepseek_v3")
+    tmp = tmp_path_factory.mktemp("traces")
+    paths = []
+    for i, prompt in enumerate(("5,6,7,8", "9,10,11")):
+        path = tmp / f"t{i}.npz"
+        args = ["generate", str(model), "--prompt-ids", prompt, "--max-tokens", "20"]
+        assert main(args + ["--json", "--trace", str(path)]) == 0
+        paths.append(path)
+    return paths
+
+
+def test_trace_records_every_decision(traces):
+    t = trace.load(traces[0])
+    layers = t.moe_layers  # deepseek_v3 fixture: layer 0 dense, layers 1 and 2 MoE
+    assert layers == [1, 2]
+    prefill, decode = t.phase == trace.PREFILL, t.phase == trace.DECODE
+    assert prefill.sum() == 4 * len(layers)  # 4 prompt tokens
+    assert decode.sum() == 19 * len(layers)  # the last generated token is never fed back
+    assert sorted(set(t.position[decode].tolist())) == list(range(4, 23))
+    assert t.ids.shape[1] == 2 and t.ids.max() < 8
+    assert np.all(np.diff(t.weights.astype(np.float32), axis=1) <= 0)  # highest weight first
+    assert len({tuple(sorted(r)) for r in t.ids.tolist()}) > 1
+
+
+def test_merge_renumbers_runs(traces, tmp_path, capsys):
+    out = tmp_path / "merged.npz"
+    assert main(["merge-traces", str(out), *map(str, traces)]) == 0
+    merged = trace.load(out)
+    parts = [trace.load(p) for p in traces]
+    assert len(merged.layer) == sum(len(p.layer) for p in parts)
+    assert sorted(set(merged.run.tolist())) == [0, 1]
+    assert len(merged.tokens()) == 23 + 22
+
+
+def test_coact_outputs(traces, tmp_path, capsys):
+    out = tmp_path / "coact"
+    assert main(["coact", *map(str, traces), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "entropy" in text and "belady" in text
+    result = json.loads((out / "coact.json").read_text())
+    merged = trace.merge([trace.load(p) for p in traces])
+    for layer in ("1", "2"):
+        freq = np.array(result["layers"][layer]["frequency"])
+        assert freq.sum() == (merged.layer == int(layer)).sum() * 2
+        matrix = np.array(result["coactivation"][layer])
+        assert (matrix == matrix.T).all() and np.trace(matrix) == 0
+        assert matrix.sum() == (merged.layer == int(layer)).sum() * 2  # k(k-1) ordered pairs
+    transitions = np.array(result["transitions"]["1->2"])
+    assert transitions.sum() == len(merged.tokens()) * 2 * 2
+    assert (out / "hit_rate.png").stat().st_size > 1000
+    assert (out / "coactivation-1.png").exists()
+
+
+def test_cache_policies_on_a_known_sequence():
+    keys = np.array([1, 2, 3, 1, 4, 1, 2, 5, 1, 2])
+    # LRU, 3 slots: 1 2 3 | 1 hit | 4 evicts 2 | 1 hit | 2 evicts 3 | 5 evicts 4 | 1, 2 hit
+    assert cachesim.lru_hits(keys, 3) == 4
+    # Belady, 3 slots: 1 2 3 | 1 hit | 4 evicts 3 | 1 hit | 2 hit | 5 evicts 4 | 1 hit | 2 hit
+    assert cachesim.belady_hits(keys, 3) == 5
+    assert cachesim.lfu_hits(keys, 100) == len(keys) - len(set(keys.tolist()))
+
+
+def test_belady_bounds_online_policies():
+    rng = np.random.default_rng(0)
+    keys = rng.zipf(1.3, size=3000) % 200
+    for capacity in (4, 16, 64):
+        best = cachesim.belady_hits(keys, capacity)
+        assert best >= cachesim.lru_hits(keys, capacity)
+        assert best >= cachesim.lfu_hits(keys, capacity)
+
+
+def test_skew_of_uniform_and_concentrated_usage():
+    uniform = coact.skew(np.full(100, 10))
+    assert uniform["entropy_vs_uniform"] == pytest.approx(1.0)
+    assert uniform["top10pct_share"] == pytest.approx(0.10)
+    concentrated = coact.skew(np.array([1000] + [0] * 99))
+    assert concentrated["top1pct_share"] == 1.0 and concentrated["entropy_vs_uniform"] == 0.0
