@@ -301,6 +301,30 @@ def _add_coact(sub) -> None:
     m.set_defaults(func=cmd_merge_traces)
 
 
+def _add_pack(sub) -> None:
+    p = sub.add_parser("pack", help="rewrite the expert layout so co-firing experts are adjacent")
+    p.add_argument("model", help="model directory")
+    p.add_argument("--trace", nargs="+", required=True, help="trace file(s) of this model")
+    p.add_argument("--out", help="write a new directory instead of rewriting MODEL in place")
+    p.set_defaults(func=cmd_pack)
+
+
+def cmd_pack(args) -> int:
+    from moe import pack, trace
+
+    merged = trace.merge([trace.load(p) for p in args.trace])
+    out = pack.pack(args.model, merged, args.out)
+    manifest = json.loads((out / "moeshard.json").read_text())
+    order = {int(k): v for k, v in manifest["layout"]["order"].items()}
+    gain = pack.adjacency_gain(merged, order)
+    print(
+        f"packed {out}: reads per (token, layer) on the trace: "
+        f"{gain['reads_per_layer_file_order']:.2f} in file order -> "
+        f"{gain['reads_per_layer_packed']:.2f} packed (adjacent records merged)"
+    )
+    return EXIT_OK
+
+
 def cmd_coact(args) -> int:
     from moe import coact, trace
 
@@ -377,6 +401,28 @@ def _report_streaming(args, rt, stats: dict) -> None:
         f"+ interpreter {fmt_bytes(stats['interpreter_overhead_bytes'])})]",
         file=sys.stderr,
     )
+
+
+def _add_synth(sub) -> None:
+    from moe.synth import PRESETS
+
+    p = sub.add_parser("synth", help="write a large random-weight model (streaming benchmarks)")
+    p.add_argument("out", help="model directory to create")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="k3-mini")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(func=cmd_synth)
+
+
+def cmd_synth(args) -> int:
+    from moe.synth import synth
+
+    s = synth(args.out, args.preset, args.force, args.seed)
+    print(
+        f"synth {args.preset} -> {args.out}: {s['bytes'] / 1e9:.2f} GB in {s['seconds']:.1f} s "
+        f"({s['gb_per_s']:.2f} GB/s); model id {s['id'][:16]}"
+    )
+    return EXIT_OK
 
 
 def _add_inspect(sub) -> None:
@@ -470,6 +516,12 @@ def _add_bench(sub) -> None:
     k = benches.add_parser("kernels", help="Q4_0/Q8_0 matmul GB/s vs DRAM bandwidth")
     k.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark")
     k.set_defaults(func=lambda a: _run_module_main("moe.bench_kernels", a.rest))
+    d = benches.add_parser("disk", help="O_DIRECT read GB/s by read size and queue depth")
+    d.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark")
+    d.set_defaults(func=lambda a: _run_module_main("moe.bench_disk", a.rest))
+    s = benches.add_parser("stream", help="streaming s/token per cache policy vs the disk floor")
+    s.add_argument("rest", nargs=argparse.REMAINDER, help="MODEL --ram SIZE [options]")
+    s.set_defaults(func=lambda a: _run_module_main("coordinator.bench_stream", a.rest))
 
 
 def _run_module_main(module: str, argv: list[str]) -> int:
@@ -488,9 +540,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_inspect(sub)
     _add_coact(sub)
+    _add_pack(sub)
     _add_quality(sub)
     _add_perplexity(sub)
     _add_bench(sub)
+    _add_synth(sub)
     _add_node(sub)
     _add_shard(sub)
     _add_health(sub)

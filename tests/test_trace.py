@@ -90,3 +90,53 @@ def test_skew_of_uniform_and_concentrated_usage():
     assert uniform["top10pct_share"] == pytest.approx(0.10)
     concentrated = coact.skew(np.array([1000] + [0] * 99))
     assert concentrated["top1pct_share"] == 1.0 and concentrated["entropy_vs_uniform"] == 0.0
+
+
+def test_pack_moves_records_and_keeps_output(traces, converted, tmp_path, capsys):
+    from coordinator.generate import SamplingOptions, generate
+    from coordinator.runtime import open_local
+    from moe.model import ModelDir
+
+    src = converted("deepseek_v3")
+    out = tmp_path / "packed"
+    assert main(["pack", str(src), "--trace", *map(str, traces), "--out", str(out)]) == 0
+    assert "packed" in capsys.readouterr().out
+    a, b = ModelDir(src), ModelDir(out)
+    assert a.model_id == b.model_id and set(a.locations) == set(b.locations)
+    for key, (shard, _) in a.locations.items():
+        assert np.array_equal(shard.read(*key), b.locations[key][0].read(*key))
+    order = json.loads((out / "moeshard.json").read_text())["layout"]["order"]
+    offsets = [b.locations[(1, e)][1].offset for e in order["1"]]
+    assert offsets == sorted(offsets) and order["1"] != list(range(8))  # really reordered
+    outputs = []
+    for model in (src, out):
+        rt = open_local(model)
+        outputs.append(
+            generate(rt.transformer, [5, 6, 7, 8], SamplingOptions(max_tokens=20)).tokens
+        )
+    assert outputs[0] == outputs[1]
+
+
+def test_seriation_puts_coactivated_experts_next_to_each_other():
+    from moe.pack import seriate
+
+    coact_matrix = np.zeros((6, 6), dtype=np.int64)
+    for i, j in ((0, 4), (4, 2), (2, 5), (5, 1), (1, 3)):
+        coact_matrix[i, j] = coact_matrix[j, i] = 10
+    freq = np.array([50, 1, 1, 1, 1, 1])
+    assert seriate(coact_matrix, freq) == [0, 4, 2, 5, 1, 3]
+
+
+def test_pack_in_place(traces, converted, tmp_path):
+    import shutil
+
+    from moe.model import ModelDir
+
+    model = tmp_path / "model"
+    shutil.copytree(converted("deepseek_v3"), model)
+    before = {k: s.read(*k) for k, (s, _) in ModelDir(model).locations.items()}
+    assert main(["pack", str(model), "--trace", str(traces[0])]) == 0
+    after = ModelDir(model)
+    assert [p.name for p in model.iterdir() if p.name.endswith(".gguf")] != []
+    assert all(np.array_equal(after.locations[k][0].read(*k), v) for k, v in before.items())
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temporary leftovers
