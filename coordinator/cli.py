@@ -325,6 +325,41 @@ def cmd_pack(args) -> int:
     return EXIT_OK
 
 
+def _add_simulate(sub) -> None:
+    p = sub.add_parser("simulate", help="replay a trace against policies and a disk model")
+    p.add_argument("traces", nargs="+", help="trace file(s)")
+    p.add_argument("--geometry", default="k3", help="k3, k2, or a model directory")
+    p.add_argument("--ram", default="8G", help="RAM budget, e.g. 8G")
+    p.add_argument("--disk", default="this-machine", help="this-machine, pcie4-nvme or a JSON file")
+    p.add_argument("--depth", type=int, default=8, help="reads in flight")
+    p.add_argument("--kernel-gbps", type=float, default=7.0, help="expert kernel throughput")
+    p.add_argument("--memory-gbps", type=float, default=20.0, help="trunk compute bandwidth")
+    p.add_argument("--prefetch-recall", type=float, default=0.8, help="share of misses predicted")
+    p.set_defaults(func=cmd_simulate)
+
+
+def cmd_simulate(args) -> int:
+    from moe import simulate, trace
+    from moe.budget import parse_size
+
+    merged = trace.merge([trace.load(p) for p in args.traces])
+    geometry = simulate.geometry_of(args.geometry)
+    ram = parse_size(args.ram)
+    disk = simulate.Disk.load(args.disk)
+    results = simulate.run_all(
+        merged,
+        geometry,
+        ram,
+        disk,
+        depth=args.depth,
+        kernel_gbps=args.kernel_gbps,
+        memory_gbps=args.memory_gbps,
+        prefetch_recall=args.prefetch_recall,
+    )
+    print(simulate.table(results, geometry, ram, args.disk))
+    return EXIT_OK
+
+
 def cmd_coact(args) -> int:
     from moe import coact, trace
 
@@ -516,12 +551,15 @@ def _add_bench(sub) -> None:
     k = benches.add_parser("kernels", help="Q4_0/Q8_0 matmul GB/s vs DRAM bandwidth")
     k.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark")
     k.set_defaults(func=lambda a: _run_module_main("moe.bench_kernels", a.rest))
+    from coordinator import bench_stream
+    from moe import bench_disk
+
     d = benches.add_parser("disk", help="O_DIRECT read GB/s by read size and queue depth")
-    d.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark")
-    d.set_defaults(func=lambda a: _run_module_main("moe.bench_disk", a.rest))
+    bench_disk.add_arguments(d)
+    d.set_defaults(func=bench_disk.run)
     s = benches.add_parser("stream", help="streaming s/token per cache policy vs the disk floor")
-    s.add_argument("rest", nargs=argparse.REMAINDER, help="MODEL --ram SIZE [options]")
-    s.set_defaults(func=lambda a: _run_module_main("coordinator.bench_stream", a.rest))
+    bench_stream.add_arguments(s)
+    s.set_defaults(func=bench_stream.run)
 
 
 def _run_module_main(module: str, argv: list[str]) -> int:
@@ -541,6 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(sub)
     _add_coact(sub)
     _add_pack(sub)
+    _add_simulate(sub)
     _add_quality(sub)
     _add_perplexity(sub)
     _add_bench(sub)
