@@ -79,7 +79,26 @@ class Runtime:
             "stopped_by": result.stopped_by,
             "startup_s": self.startup_s,
             "jit_warmup_s": self.warmup_s,
+            **self.streaming_stats(),
         }
+
+    def streaming_stats(self) -> dict:
+        """ExpertStore counters, trunk streaming and peak RSS (single-node streaming only)."""
+        snapshot = getattr(self.experts, "snapshot", None)
+        if snapshot is None:
+            return {}
+        from moe.budget import peak_rss_bytes
+
+        plan = getattr(self.experts, "plan", None)
+        stats = {f"store_{k}": v for k, v in snapshot().as_dict().items()}
+        stats["expert_bytes_read"] = stats["store_bytes_read"]
+        stats["trunk_bytes_read"] = getattr(self.transformer.trunk, "bytes_read", 0)
+        stats["trunk_stall_s"] = getattr(self.transformer.trunk, "stall_s", 0.0)
+        stats["peak_rss_bytes"] = peak_rss_bytes()
+        if plan is not None:
+            stats["ram_budget_bytes"] = plan.budget
+            stats["interpreter_overhead_bytes"] = plan.overhead
+        return stats
 
 
 def open_local(path: str | Path) -> Runtime:
@@ -91,6 +110,96 @@ def open_local(path: str | Path) -> Runtime:
         raise StoreError(f"{model.path}: has no trunk.gguf (a node shard directory?)")
     trunk = model.load_trunk()
     experts = LocalExperts(model)
+    transformer = model.family.Transformer(model.config, trunk, experts)
+    tok_path = model.path / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
+    raw = read_json(model.path / "config.json")
+    eos = eos_ids(raw, model.generation_config())
+    startup = time.perf_counter() - started
+    return Runtime(model, transformer, experts, tokenizer, eos, warmup_s, startup)
+
+
+def open_streaming(path: str | Path, budget: int, context: int, **store_options) -> Runtime:
+    """Single process under a hard RAM budget (`moe.budget`): O_DIRECT-streamed experts through
+    an ExpertStore, the trunk resident or streamed layer by layer.
+
+    store_options: policy, prefetch, depth, profile (Counter), prefill_tokens.
+    """
+    from moe.budget import measure_overhead, plan_budget
+    from moe.streaming_trunk import StreamingTrunk, TrunkLayout
+    from node.expert_store import ExpertStore
+
+    started = time.perf_counter()
+    t0 = time.perf_counter()
+    overhead = measure_overhead()  # includes the numba warm-up
+    warmup_s = time.perf_counter() - t0
+    model = ModelDir(path)
+    if not model.has_trunk:
+        raise StoreError(f"{model.path}: has no trunk.gguf (a node shard directory?)")
+    prefetch = store_options.pop("prefetch", True)
+    layout = TrunkLayout(model.path / "trunk.gguf", model.model_id)
+    plan = plan_budget(
+        model, budget, context, store_options.pop("prefill_tokens", None), prefetch, layout
+    )
+    plan.overhead = overhead
+    trunk = StreamingTrunk(layout, plan.trunk_prefix)
+    experts = ExpertStore(
+        model,
+        plan.expert_slots,
+        prefetch=prefetch,
+        prefetch_slots=plan.prefetch_slots,
+        **store_options,
+    )
+    experts.plan = plan
+    transformer = model.family.Transformer(model.config, trunk, experts)
+    tok_path = model.path / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
+    raw = read_json(model.path / "config.json")
+    eos = eos_ids(raw, model.generation_config())
+    startup = time.perf_counter() - started
+    return Runtime(model, transformer, experts, tokenizer, eos, warmup_s, startup)
+
+
+def resolve_peers(
+    model_id: str, peers: str | None, discover: bool, discover_timeout: float = 2.0
+) -> list[str]:
+    """HOST:PORT addresses of the expert nodes: from a comma-separated list or zeroconf."""
+    if peers:
+        addrs = [a.strip() for a in peers.split(",") if a.strip()]
+        bad = [a for a in addrs if not a.rpartition(":")[2].isdigit()]
+        if bad:
+            raise StoreError(f"--peers: '{bad[0]}' is not HOST:PORT")
+        return addrs
+    if discover:
+        from coordinator.discovery import discover as browse
+
+        addrs = [n.addr for n in browse(model_id, discover_timeout)]
+        if not addrs:
+            raise StoreError(
+                f"zeroconf found no node serving model {model_id[:16]} in {discover_timeout} s"
+            )
+        return addrs
+    raise StoreError("no expert nodes: give --peers or --discover")
+
+
+def open_remote(
+    path: str | Path,
+    peers: str | None = None,
+    discover: bool = False,
+    discover_timeout: float = 2.0,
+    remote_config=None,
+) -> Runtime:
+    """Trunk in RAM from `path`; routed experts computed by nodes (a peer list or zeroconf)."""
+    from coordinator.remote import RemoteExperts
+
+    started = time.perf_counter()
+    warmup_s = quant.warmup()  # the trunk's kernels run here
+    model = ModelDir(path)
+    if not model.has_trunk:
+        raise StoreError(f"{model.path}: has no trunk.gguf (a node shard directory?)")
+    addrs = resolve_peers(model.model_id, peers, discover, discover_timeout)
+    experts = RemoteExperts(model.model_id, model.config.hidden_size, addrs, remote_config)
+    trunk = model.load_trunk()
     transformer = model.family.Transformer(model.config, trunk, experts)
     tok_path = model.path / "tokenizer.json"
     tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None

@@ -39,7 +39,8 @@ def test_peak_memory_is_bounded_by_one_tensor_not_the_checkpoint(tmp_path):
     )
     checkpoint_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     assert checkpoint_bytes > 70e6
-    growth = peak_rss(str(src), str(tmp_path / "out")) - peak_rss()
+    baseline = peak_rss()  # first: a cold numba cache is compiled (and its memory spent) here
+    growth = peak_rss(str(src), str(tmp_path / "out")) - baseline
     # The largest tensor is 4 MB (bf16 embeddings, 8 MB as float32); allow packing scratch.
     assert growth < 40e6, (
         f"peak RSS grew {growth / 1e6:.0f} MB for a {checkpoint_bytes / 1e6:.0f} MB checkpoint"

@@ -1,0 +1,344 @@
+"""`moeshard simulate TRACE --geometry k3|k2|MODEL --ram SIZE --disk PROFILE`.
+
+Replays a routing trace against the expert cache policies, next-layer prefetch and the file
+layout, with a model of the disk (bandwidth by read size and queue depth) and of compute, and
+predicts seconds and bytes per token for each configuration, at any model geometry.
+
+Model of one decoded token, layer by layer:
+  * the layer's trunk weights are resident or streamed (big sequential reads, overlapped with
+    the previous layer's compute, as the streamed-trunk ring does);
+  * the layer's k routed experts hit or miss the cache (policy: none / lru / lfu / pin);
+    misses are read together at the configured queue depth, adjacent records (in file order or
+    the packed order) merged into one read;
+  * with prefetch, the experts predicted for this layer were requested while the previous
+    layer computed: a predicted miss costs only the part of its read time that the previous
+    layer's compute did not hide. Prediction quality comes from the trace's own recall
+    (measured by the real run) or `--prefetch-recall`;
+  * compute = trunk bytes / memory bandwidth + active expert bytes / kernel throughput.
+
+A trace from a small model says little about a large model's router: at another geometry the
+trace's layers are reused cyclically and its expert ids scaled to the target expert count.
+The projection is only as good as that assumption, and says so in its output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from moe.errors import MoeshardError
+from moe.trace import DECODE, Trace
+
+# Disk profiles: GB/s by (read size, queue depth). "this-machine" is fio on this project's dev
+# machine (O_DIRECT random reads); "pcie4-nvme" is a typical PCIe Gen4 x4 NVMe SSD's datasheet
+# class (7 GB/s sequential at depth, ~20k IOPS at 4 KiB QD1, ~3 GB/s at 1 MiB QD1).
+DISK_PROFILES = {
+    "this-machine": {
+        "points": [
+            [4096, 1, 0.061],
+            [65536, 1, 0.67],
+            [1 << 20, 1, 1.12],
+            [1 << 20, 8, 1.85],
+            [8 << 20, 4, 2.2],
+        ]
+    },
+    "pcie4-nvme": {
+        "points": [
+            [4096, 1, 0.08],
+            [65536, 1, 1.2],
+            [1 << 20, 1, 3.0],
+            [1 << 20, 8, 6.5],
+            [8 << 20, 4, 7.0],
+        ]
+    },
+}
+
+
+@dataclass
+class Geometry:
+    name: str
+    layers: int  # MoE layers
+    n_experts: int  # routed experts per layer
+    top_k: int
+    record_bytes: int  # one expert's packed bytes (gate + up + down)
+    trunk_bytes: int  # whole trunk as stored
+    params: float  # total parameters, for the report
+
+
+def q4_record(hidden: int, inter: int) -> int:
+    return 3 * hidden * inter * 18 // 32  # q4_0: 18 bytes per 32 weights
+
+
+GEOMETRIES = {
+    # Kimi-K3-class: 2.78 T parameters, 896 experts per layer, 16 active, 4-bit experts.
+    "k3": Geometry("k3", 60, 896, 16, q4_record(7168, 2400), int(16.0e9), 2.78e12),
+    # Kimi-K2 (DeepSeek-V3 architecture): 1.04 T, 384 experts, 8 active, 60 MoE layers.
+    "k2": Geometry("k2", 60, 384, 8, q4_record(7168, 2048), int(16.0e9), 1.04e12),
+}
+
+
+@dataclass
+class Disk:
+    points: list  # [read bytes, depth, GB/s]
+
+    @classmethod
+    def load(cls, spec: str) -> Disk:
+        if spec in DISK_PROFILES:
+            return cls(DISK_PROFILES[spec]["points"])
+        try:
+            data = json.loads(Path(spec).read_text())
+        except (OSError, ValueError) as exc:
+            raise MoeshardError(f"{spec}: not a disk profile name or JSON file ({exc})") from None
+        return cls(data["points"])
+
+    def gbps(self, read_bytes: float, depth: int) -> float:
+        """Bandwidth for reads of this size at this depth (log-size interpolation)."""
+        depths = sorted({p[1] for p in self.points})
+        d = max([x for x in depths if x <= depth] or [depths[0]])
+        pts = sorted((p[0], p[2]) for p in self.points if p[1] == d)
+        if len(pts) < 2:  # too few points at this depth: scale the depth-1 curve
+            base = sorted((p[0], p[2]) for p in self.points if p[1] == depths[0])
+            scale = pts[0][1] / np.interp(
+                math.log2(pts[0][0]), *zip(*[(math.log2(s), g) for s, g in base], strict=True)
+            )
+            pts = [(s, g * scale) for s, g in base]
+        xs = [math.log2(s) for s, _ in pts]
+        return float(np.interp(math.log2(max(read_bytes, 1)), xs, [g for _, g in pts]))
+
+    def read_seconds(self, sizes: list[int], depth: int) -> float:
+        """Time to read these runs, `depth` of them in flight."""
+        if not sizes:
+            return 0.0
+        total = float(sum(sizes))
+        return total / (self.gbps(total / len(sizes), min(depth, len(sizes))) * 1e9)
+
+
+@dataclass
+class Config:
+    policy: str  # none | lru | lfu | pin
+    prefetch: bool
+    packed: bool
+
+
+@dataclass
+class Result:
+    config: Config
+    s_per_token: float
+    gb_per_token: float
+    hit_rate: float
+    stall_share: float
+    extra: dict = field(default_factory=dict)
+
+
+class Cache:
+    def __init__(self, capacity: int, policy: str, pinned: set[int]):
+        self.capacity, self.policy = capacity, policy
+        self.pinned = pinned if policy == "pin" else set()
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.freq: dict[int, float] = {}
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.pinned or key in self.lru
+
+    def touch(self, key: int) -> None:
+        self.freq[key] = self.freq.get(key, 0.0) * 0.999 + 1.0
+        if key in self.lru:
+            self.lru.move_to_end(key)
+
+    def insert(self, key: int, protect: set[int]) -> None:
+        if self.policy == "none" or key in self or self.capacity - len(self.pinned) <= 0:
+            return
+        while len(self.lru) >= self.capacity - len(self.pinned):
+            victims = [k for k in self.lru if k not in protect] or list(self.lru)
+            if self.policy == "lfu":
+                victim = min(victims, key=lambda k: self.freq.get(k, 0.0))
+            else:
+                victim = victims[0]
+            del self.lru[victim]
+        self.lru[key] = None
+
+
+def project(trace: Trace, geometry: Geometry) -> list[np.ndarray]:
+    """Per decoded token, per target layer: expert ids [k] (see module docstring)."""
+    decode = trace.phase == DECODE
+    rows = trace.ids[decode].astype(np.int64)
+    layers = trace.layer[decode]
+    positions = trace.position[decode].astype(np.int64) + (trace.run[decode].astype(np.int64) << 32)
+    src_layers = trace.moe_layers
+    scale = geometry.n_experts / trace.n_experts
+    tokens = []
+    for pos in np.unique(positions):
+        mine = positions == pos
+        by_layer = {int(layer): row for layer, row in zip(layers[mine], rows[mine], strict=True)}
+        seq = []
+        for i in range(geometry.layers):
+            src = by_layer.get(src_layers[i % len(src_layers)])
+            if src is None:
+                break
+            ids = np.unique((src * scale).astype(np.int64))[: geometry.top_k]
+            if len(ids) < geometry.top_k:  # a small trace has fewer than k experts per layer
+                extra = (src[:, None] * scale + np.arange(1, geometry.top_k)).astype(np.int64)
+                ids = np.unique(np.concatenate([ids, extra.reshape(-1) % geometry.n_experts]))
+                ids = ids[: geometry.top_k]
+            seq.append(ids + i * geometry.n_experts)
+        if len(seq) == geometry.layers:
+            tokens.append(np.stack(seq))
+    if not tokens:
+        raise MoeshardError("the trace has no decoded tokens to replay")
+    return tokens
+
+
+def packed_slots(tokens: list[np.ndarray], g: Geometry) -> np.ndarray:
+    """File slot of every record after `moeshard pack` (co-activation seriation per layer)."""
+    from moe.pack import seriate
+
+    slot = np.arange(g.layers * g.n_experts, dtype=np.int64)
+    stacked = np.stack(tokens)  # [tokens, layers, k]
+    for i in range(g.layers):
+        ids = stacked[:, i, :] - i * g.n_experts  # [tokens, k]
+        onehot = np.zeros((len(ids), g.n_experts), dtype=np.int64)
+        np.put_along_axis(onehot, ids, 1, axis=1)
+        co = onehot.T @ onehot  # [E, E]
+        np.fill_diagonal(co, 0)
+        order = np.asarray(seriate(co, onehot.sum(axis=0)))
+        slot[i * g.n_experts + order] = i * g.n_experts + np.arange(g.n_experts)
+    return slot
+
+
+def simulate(
+    tokens: list[np.ndarray],
+    geometry: Geometry,
+    ram_bytes: int,
+    disk: Disk,
+    config: Config,
+    depth: int = 8,
+    kernel_gbps: float = 7.0,
+    memory_gbps: float = 20.0,
+    prefetch_recall: float = 0.8,
+    trunk_resident_share: float | None = None,
+    seed: int = 0,
+) -> Result:
+    """Predicted steady-state decode cost per token (see the module docstring)."""
+    rng = np.random.default_rng(seed)
+    g = geometry
+    trunk_per_layer = g.trunk_bytes / g.layers
+    if trunk_resident_share is None:  # the trunk gets RAM first, up to half the budget
+        trunk_resident_share = min(1.0, 0.5 * ram_bytes / g.trunk_bytes)
+    ring = 0 if trunk_resident_share >= 1 else 2 * trunk_per_layer
+    cache_bytes = ram_bytes - trunk_resident_share * g.trunk_bytes - ring
+    capacity = max(0, int(cache_bytes // g.record_bytes))
+    counts = np.bincount(np.concatenate([t.reshape(-1) for t in tokens]))
+    pinned = set(np.argsort(-counts)[: capacity // 2].tolist()) if config.policy == "pin" else set()
+    cache = Cache(capacity, config.policy, pinned)
+    slot = packed_slots(tokens, g) if config.packed else np.arange(g.layers * g.n_experts)
+    compute_s = trunk_per_layer / (memory_gbps * 1e9) + g.top_k * g.record_bytes / (
+        kernel_gbps * 1e9
+    )  # one layer's compute: trunk weights from RAM, active experts through the kernels
+    streamed_trunk = (1 - trunk_resident_share) * trunk_per_layer
+    trunk_read_s = streamed_trunk / (disk.gbps(8 << 20, 4) * 1e9)
+    total_s = stall_s = 0.0
+    bytes_read = hits = accesses = 0
+    for token in tokens:
+        for layer_ids in token:
+            keys = layer_ids.tolist()
+            accesses += len(keys)
+            missing = [k for k in keys if k not in cache]
+            hits += len(keys) - len(missing)
+            predicted = [k for k in missing if config.prefetch and rng.random() < prefetch_recall]
+            demand = [k for k in missing if k not in predicted]
+            # read in the background during the previous layer's compute: trunk ring + prefetch
+            background = trunk_read_s + _read_s(predicted, slot, g, disk, depth)
+            stall = max(0.0, background - compute_s) + _read_s(demand, slot, g, disk, depth)
+            stall_s += stall
+            total_s += compute_s + stall
+            bytes_read += len(missing) * g.record_bytes + int(streamed_trunk)
+            for k in keys:
+                cache.insert(k, set(keys))
+                cache.touch(k)
+    n = len(tokens)
+    return Result(
+        config,
+        total_s / n,
+        bytes_read / n / 1e9,
+        hits / max(accesses, 1),
+        stall_s / max(total_s, 1e-12),
+        {"cache_records": capacity, "trunk_resident_share": trunk_resident_share},
+    )
+
+
+def _read_s(keys: list[int], slot: np.ndarray, g: Geometry, disk: Disk, depth: int) -> float:
+    """Read time of these records: adjacent slots merged into one read."""
+    if not keys:
+        return 0.0
+    slots = np.sort(slot[np.asarray(keys)])
+    runs = np.split(slots, np.nonzero(np.diff(slots) > 1)[0] + 1)
+    return disk.read_seconds([len(r) * g.record_bytes for r in runs], depth)
+
+
+CONFIGS = [
+    Config("none", False, False),
+    Config("lru", False, False),
+    Config("lfu", False, False),
+    Config("pin", False, False),
+    Config("lru", True, False),
+    Config("lfu", True, False),
+    Config("lfu", True, True),
+]
+
+
+def geometry_of(spec: str) -> Geometry:
+    """A named geometry (k3, k2) or the geometry of a model directory."""
+    if spec in GEOMETRIES:
+        return GEOMETRIES[spec]
+    from moe import quant
+    from moe.model import ModelDir
+    from moe.store import TRUNK_FILE, align_up
+
+    model = ModelDir(spec)
+    c = model.config
+    record = align_up(
+        quant.expert_record_nbytes(model.expert_format, c.hidden_size, c.expert_intermediate)
+    )
+    trunk = model.path / TRUNK_FILE
+    params = model.manifest.get("params", {})
+    model.close()
+    return Geometry(
+        str(spec),
+        len(c.moe_layers),
+        c.n_experts,
+        c.top_k,
+        record,
+        trunk.stat().st_size if trunk.exists() else 0,
+        float(params.get("trunk", 0) + params.get("experts", 0)),
+    )
+
+
+def run_all(trace: Trace, geometry: Geometry, ram_bytes: int, disk: Disk, **kw) -> list[Result]:
+    tokens = project(trace, geometry)
+    return [simulate(tokens, geometry, ram_bytes, disk, c, **kw) for c in CONFIGS]
+
+
+def table(results: list[Result], geometry: Geometry, ram_bytes: int, disk_name: str) -> str:
+    lines = [
+        f"geometry {geometry.name}: {geometry.params / 1e9:,.0f} B params, {geometry.layers} MoE "
+        f"layers x {geometry.n_experts} experts, top-{geometry.top_k}, expert record "
+        f"{geometry.record_bytes / 2**20:.1f} MiB, trunk {geometry.trunk_bytes / 2**30:.1f} GiB; "
+        f"RAM {ram_bytes / 2**30:.1f} GiB; disk {disk_name}; cache "
+        f"{results[0].extra['cache_records']} records, trunk "
+        f"{results[0].extra['trunk_resident_share']:.0%} resident",
+        f"{'policy':>7} {'prefetch':>8} {'layout':>7} {'s/token':>9} {'GB/token':>9} "
+        f"{'hit rate':>9} {'stall':>6}",
+    ]
+    for r in results:
+        c = r.config
+        lines.append(
+            f"{c.policy:>7} {'on' if c.prefetch else 'off':>8} "
+            f"{'packed' if c.packed else 'file':>7} {r.s_per_token:>9.3f} {r.gb_per_token:>9.3f} "
+            f"{r.hit_rate:>9.1%} {r.stall_share:>6.1%}"
+        )
+    return "\n".join(lines)

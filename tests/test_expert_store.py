@@ -1,0 +1,117 @@
+"""ExpertStore: outputs identical to the unbounded backend for every policy, size and prefetch."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from coordinator.generate import SamplingOptions, generate
+from moe.errors import MoeshardError, StoreError
+from moe.model import LocalExperts, ModelDir
+from node.expert_store import ExpertStore, read_profile, write_profile
+
+PROMPT = [3, 17, 42, 5, 99, 7]
+
+
+def run(model: ModelDir, experts, max_tokens: int = 6):
+    tf = model.family.Transformer(model.config, model.load_trunk(), experts)
+    opts = SamplingOptions(max_tokens=max_tokens, keep_logits=True)
+    return generate(tf, PROMPT, opts)
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3"])
+def model(request, converted):
+    return ModelDir(converted(request.param, experts="q4_0"))
+
+
+@pytest.fixture(scope="module")
+def baseline(model):
+    return run(model, LocalExperts(model))
+
+
+def test_identical_across_policies_sizes_and_prefetch(model, baseline):
+    c = model.config
+    n_all = c.n_experts * len(c.moe_layers)
+    for policy in ("lru", "lfu", "pin", "none"):
+        for prefetch in (True, False):
+            minimum = 1 + (c.top_k if prefetch else 0)
+            for slots in (minimum, minimum + 2, n_all + c.top_k):
+                profile = None
+                if policy == "pin":
+                    profile = read_profile_from(model)
+                store = ExpertStore(model, slots, policy, prefetch=prefetch, profile=profile)
+                result = run(model, store)
+                store.close()
+                assert result.tokens == baseline.tokens, (policy, prefetch, slots)
+                for a, b in zip(result.logits, baseline.logits, strict=True):
+                    np.testing.assert_array_equal(a, b, err_msg=str((policy, prefetch, slots)))
+                s = store.snapshot()
+                assert s.hits + s.misses == s.accesses
+                if slots >= n_all + c.top_k and policy != "none":
+                    assert s.misses <= n_all  # everything cached: each expert read once
+
+
+def read_profile_from(model):
+    store = ExpertStore(model, 4, "lru", prefetch=False)
+    run(model, store, max_tokens=3)
+    store.close()
+    return store.counts
+
+
+def test_cache_hits_and_prefetch_stats(model):
+    c = model.config
+    store = ExpertStore(model, c.n_experts * len(c.moe_layers) + c.top_k, "lru", prefetch=True)
+    run(model, store)
+    s = store.snapshot()
+    store.close()
+    assert s.hit_rate > 0.5
+    assert 0.0 < s.recall <= 1.0 and 0.0 < s.precision <= 1.0
+    assert s.bytes_read % store.record_nbytes == 0  # mispredicted prefetches also read
+    assert s.bytes_read >= (s.misses + s.prefetch_hits) * store.record_nbytes
+
+
+def test_none_policy_reads_every_use(model):
+    store = ExpertStore(model, 8, "none", prefetch=False)
+    run(model, store, max_tokens=3)
+    s = store.snapshot()
+    store.close()
+    assert s.hits == 0 and s.misses == s.accesses
+
+
+def test_profile_roundtrip(model, tmp_path):
+    store = ExpertStore(model, 8, "lru", prefetch=False)
+    run(model, store, max_tokens=2)
+    store.close()
+    path = tmp_path / "profile.json"
+    write_profile(path, model.model_id, store.counts)
+    assert read_profile(path, model.model_id) == store.counts
+    with pytest.raises(MoeshardError, match="another model"):
+        read_profile(path, "f" * 64)
+
+
+def test_pin_without_profile_refused(model):
+    with pytest.raises(MoeshardError, match="profile"):
+        ExpertStore(model, 8, "pin")
+
+
+def test_corrupted_record_names_expert(converted, tmp_path):
+    src = converted("qwen3_moe", experts="q4_0")
+    dst = tmp_path / "corrupt"
+    shutil.copytree(src, dst)
+    model = ModelDir(dst)
+    layer, expert = 1, 5
+    shard, loc = model.locations[(layer, expert)]
+    with open(loc.path, "r+b") as f:
+        f.seek(loc.offset + 10)
+        byte = f.read(1)
+        f.seek(loc.offset + 10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    store = ExpertStore(model, 4, "lru", prefetch=False)
+    hidden = np.ones((1, model.config.hidden_size), np.float32)  # [1, H]
+    ids = np.array([[expert, 0]])  # [1, k]
+    weights = np.array([[0.5, 0.5]], np.float32)  # [1, k]
+    with pytest.raises(StoreError, match=r"experts-00000.gguf.*expert 5 of layer 1"):
+        store(layer, hidden, ids, weights)
+    store.close()
