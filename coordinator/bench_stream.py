@@ -1,0 +1,256 @@
+"""`moeshard bench stream MODEL --ram SIZE`: one table, every row measured in this run.
+
+Rows: naive (no cache; one synchronous O_DIRECT read per expert in file order, then its
+compute), then each cache policy with and without next-layer prefetch, all under the same RAM
+plan (`moe.budget`). Every row decodes the same fixed prompt with the same seeded sampling, so
+every row sees the same routing trace (checked); the trace of the first row is the one Belady's
+offline optimum is computed on, for the same number of cache slots.
+
+The floor: the bytes that must be read per token (Belady's misses for this cache size, plus the
+streamed trunk layers) divided by the disk's bandwidth measured in this run with random
+O_DIRECT reads of the model's own expert records at the same read size and queue depth. Since
+the experts must also be computed, the table shows a second bound, max(I/O floor, the smallest
+non-I/O time per token of any row), and each row's ratio to both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import logging
+import sys
+import time
+from collections import Counter
+
+import numpy as np
+
+from coordinator.generate import SamplingOptions, generate
+from moe import quant
+from moe.bench_disk import interleaved
+from moe.budget import fmt_bytes, measure_overhead, parse_size, peak_rss_bytes, plan_budget
+from moe.io import ReaderPool, ReadRequest, aligned_buffer
+from moe.model import ModelDir
+from moe.streaming_trunk import StreamingTrunk, TrunkLayout
+from node.expert_store import ExpertStore, StoreStats
+
+log = logging.getLogger(__name__)
+
+
+class NaiveExperts:
+    """No cache: each routed expert is read (one synchronous O_DIRECT read, experts in file
+    order) into one buffer and computed before the next is read."""
+
+    def __init__(self, model: ModelDir):
+        c = model.config
+        self.model, self.fmt = model, model.expert_format
+        self.hidden, self.inter = c.hidden_size, c.expert_intermediate
+        self.nbytes = quant.expert_record_nbytes(self.fmt, self.hidden, self.inter)
+        self.buf = aligned_buffer(self.nbytes)
+        self.reader = ReaderPool(1, merge=False)
+        self.stats = StoreStats()
+        self.trace: list[tuple[int, tuple[int, ...]]] = []
+        self.counts: Counter = Counter()
+
+    def snapshot(self) -> StoreStats:
+        rs = self.reader.stats
+        self.stats.bytes_read, self.stats.reads, self.stats.read_s = (
+            rs.bytes_read,
+            rs.reads,
+            rs.read_s,
+        )
+        return StoreStats(**vars(self.stats))
+
+    def __call__(self, layer, hidden, ids, weights):
+        t_call = time.perf_counter()
+        needed = np.unique(ids)  # [n]
+        self.trace.append((layer, tuple(int(e) for e in needed)))
+        out = np.zeros_like(hidden, dtype=np.float32)  # [T, H]
+        locs = {int(e): self.model.locations[(layer, int(e))][1] for e in needed}
+        for e in sorted(locs, key=lambda e: locs[e].offset):
+            loc = locs[e]
+            t0 = time.perf_counter()
+            self.reader.read(
+                [ReadRequest(loc.path, loc.offset, loc.nbytes, self.buf, (layer, e), loc.crc32)]
+            )
+            self.stats.stall_s += time.perf_counter() - t0
+            rows, cols = np.nonzero(ids == e)  # [n], [n]
+            self.counts[(layer, e)] += len(rows)
+            t0 = time.perf_counter()
+            y = quant.expert_ffn(
+                self.buf[: self.nbytes], self.fmt, self.hidden, self.inter, hidden[rows]
+            )  # [n, H]
+            self.stats.compute_s += time.perf_counter() - t0
+            out_e = y * weights[rows, cols][:, None]  # [n, H]
+            np.add.at(out, rows, out_e)
+        self.stats.calls += 1
+        self.stats.accesses += len(needed)
+        self.stats.misses += len(needed)
+        self.stats.call_s += time.perf_counter() - t_call
+        return out
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def belady_hits(keys: list, capacity: int, count_from: int = 0) -> tuple[int, int]:
+    """Hits of the offline-optimal cache (evict the key used furthest in the future) over
+    accesses[count_from:], the cache warmed by the accesses before. Returns (hits, accesses)."""
+    nxt = [0] * len(keys)
+    last: dict = {}
+    for i in range(len(keys) - 1, -1, -1):
+        nxt[i] = last.get(keys[i], len(keys) + i)
+        last[keys[i]] = i
+    cache: dict = {}  # key -> next use
+    heap: list[tuple[int, object]] = []  # (-next use, key), lazily invalidated
+    hits = 0
+    for i, key in enumerate(keys):
+        if key in cache:
+            hits += i >= count_from
+        elif len(cache) >= capacity:
+            while True:
+                neg, victim = heapq.heappop(heap)
+                if cache.get(victim) == -neg:
+                    del cache[victim]
+                    break
+        cache[key] = nxt[i]
+        heapq.heappush(heap, (-nxt[i], key))
+    return hits, len(keys) - count_from
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="model directory (e.g. from `moeshard synth`)")
+    p.add_argument("--ram", required=True, help="RAM budget, e.g. 2G")
+    p.add_argument("--tokens", type=int, default=32, help="decode steps per row")
+    p.add_argument("--prompt-ids", default="1,2,3,4,5,6,7,8")
+    p.add_argument("--depth", type=int, default=4, help="O_DIRECT reads in flight")
+    p.add_argument("--policies", default="lru,lfu,pin,none")
+    p.add_argument("--disk-seconds", type=float, default=1.0, help="per disk measurement")
+    p.add_argument("--reps", type=int, default=3, help="disk measurements: median of this many")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="moeshard bench stream", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def run(args) -> int:
+
+    overhead = measure_overhead()  # interpreter + numba warm-up, before any model allocation
+    model = ModelDir(args.model)
+    c = model.config
+    prompt = [int(t) for t in args.prompt_ids.split(",")]
+    context = len(prompt) + args.tokens
+    plan = plan_budget(model, parse_size(args.ram), context, len(prompt))
+    plan.overhead = overhead
+    layout = TrunkLayout(model.path / "trunk.gguf", model.model_id)
+    trunk = StreamingTrunk(layout, plan.trunk_prefix)
+    tf = model.family.Transformer(c, trunk, None)
+    opts = SamplingOptions(max_tokens=args.tokens + 1, temperature=1.0, seed=0)
+    total = sum(loc.nbytes for _, loc in model.locations.values())
+    print(
+        f"model {model.path} ({fmt_bytes(total)} of experts, {c.n_experts} experts x "
+        f"{len(c.moe_layers)} layers, top {c.top_k}); {plan.describe().splitlines()[0]}"
+    )
+    print("\n".join(plan.describe().splitlines()[1:]))
+
+    # the disk, at the experts' read size and this queue depth
+    record = plan.slot_bytes
+    targets = [(loc.path, loc.offset) for _, loc in model.locations.values()]
+    raw, pool = interleaved(targets, record, args.depth, args.disk_seconds, args.reps)
+    print(
+        f"disk: random O_DIRECT {fmt_bytes(record)} reads at QD{args.depth}: raw {raw:.3f} GB/s, "
+        f"through the reader pool {pool:.3f} GB/s ({pool / raw:.0%} of raw)"
+    )
+
+    rows: list[tuple[str, dict]] = [("naive", {})]
+    for policy in args.policies.split(","):
+        for prefetch in (False, True):
+            rows.append(
+                (
+                    f"{policy}{' +prefetch' if prefetch else ''}",
+                    {"policy": policy, "prefetch": prefetch},
+                )
+            )
+    results = []
+    trace0, profile = None, None
+    for name, options in rows:
+        if options:
+            store = ExpertStore(
+                model,
+                plan.expert_slots,
+                options["policy"],
+                prefetch=options["prefetch"],
+                prefetch_slots=plan.prefetch_slots,
+                depth=args.depth,
+                profile=profile,
+            )
+            store.trace = []
+        else:
+            store = NaiveExperts(model)
+        tf.experts = store
+        marks: list = []
+
+        def on_token(_tok, store=store, marks=marks):
+            if not marks:
+                marks.append((store.snapshot(), trunk.bytes_read, trunk.stall_s))
+
+        result = generate(tf, prompt, opts, on_token)
+        end = store.snapshot()
+        start, trunk_start, trunk_stall = marks[0]
+        d = end.minus(start)
+        n = len(result.decode_s)
+        s_tok = sum(result.decode_s) / n
+        trunk_read = (trunk.bytes_read - trunk_start) / n
+        stall = (d.stall_s + trunk.stall_s - trunk_stall) / n
+        if trace0 is None:
+            trace0, prefill_calls = store.trace, start.calls
+            profile = store.counts
+        same = store.trace == trace0
+        results.append((name, s_tok, d.bytes_read / n + trunk_read, d, stall, same, result.tokens))
+        trunk_per_token = trunk_read
+        store.close()
+        log.info("%s: %.3f s/token", name, s_tok)
+
+    keys = [(layer, e) for layer, experts in trace0 for e in experts]
+    prefill_accesses = sum(len(experts) for _, experts in trace0[:prefill_calls])
+    hits, accesses = belady_hits(keys, plan.expert_slots, prefill_accesses)
+    belady = hits / accesses
+    decode_tokens = len(results[0][6]) - 1
+    must_read = (accesses - hits) * plan.slot_bytes / decode_tokens
+    io_floor = (must_read + trunk_per_token) / (raw * 1e9)
+    compute = min(s - st for _, s, _, _, st, _, _ in results)
+    floor = max(io_floor, compute)
+    print(
+        f"trace: {decode_tokens} decode tokens after a {len(prompt)}-token prefill, "
+        f"{accesses / decode_tokens:.1f} expert uses/token; {plan.expert_slots} cache slots; "
+        f"Belady hit rate {belady:.1%} -> must read {must_read / 1e9:.3f} GB/token"
+        + (f" + trunk {trunk_per_token / 1e9:.3f} GB/token" if trunk_per_token else "")
+    )
+    print(
+        f"floor: I/O {io_floor:.4f} s/token (must-read bytes / {raw:.2f} GB/s); non-I/O time "
+        f"(min over rows of s/token - stall) {compute:.4f} s/token; bound = max = {floor:.4f}"
+    )
+    head = (
+        f"{'config':<16}{'s/token':>9}{'GB/token':>10}{'hit rate':>10}{'Belady':>8}"
+        f"{'stall':>7}{'recall':>8}{'prec.':>7}{'x I/O floor':>12}{'x bound':>9}"
+    )
+    print(head)
+    print("-" * len(head))
+    for name, s_tok, gb, d, stall, same, _ in results:
+        pf = "prefetch" in name
+        print(
+            f"{name:<16}{s_tok:>9.4f}{gb / 1e9:>10.3f}{d.hit_rate:>10.1%}{belady:>8.1%}"
+            f"{stall / s_tok:>7.0%}"
+            + (f"{d.recall:>8.0%}{d.precision:>7.0%}" if pf else f"{'-':>8}{'-':>7}")
+            + f"{s_tok / io_floor:>12.2f}{s_tok / floor:>9.2f}"
+            + ("" if same else "  (routing differs!)")
+        )
+    print(
+        f"peak RSS {fmt_bytes(peak_rss_bytes())} = budget {fmt_bytes(plan.budget)} + interpreter "
+        f"{fmt_bytes(overhead)} {'+' if peak_rss_bytes() > plan.budget + overhead else '-'} "
+        f"{fmt_bytes(abs(peak_rss_bytes() - plan.budget - overhead))}"
+    )
+    trunk.close()
+    sys.stdout.flush()
+    return 0
