@@ -96,19 +96,22 @@ class Disk:
             raise MoeshardError(f"{spec}: not a disk profile name or JSON file ({exc})") from None
         return cls(data["points"])
 
-    def gbps(self, read_bytes: float, depth: int) -> float:
-        """Bandwidth for reads of this size at this depth (log-size interpolation)."""
+    def curve(self, depth: int) -> tuple[list[float], list[float]]:
+        """(log2 read size, GB/s) at the deepest measured depth <= `depth`. A depth measured at
+        fewer than two sizes borrows the shallowest depth's curve, scaled to its own point."""
         depths = sorted({p[1] for p in self.points})
-        d = max([x for x in depths if x <= depth] or [depths[0]])
-        pts = sorted((p[0], p[2]) for p in self.points if p[1] == d)
-        if len(pts) < 2:  # too few points at this depth: scale the depth-1 curve
-            base = sorted((p[0], p[2]) for p in self.points if p[1] == depths[0])
-            scale = pts[0][1] / np.interp(
-                math.log2(pts[0][0]), *zip(*[(math.log2(s), g) for s, g in base], strict=True)
-            )
-            pts = [(s, g * scale) for s, g in base]
-        xs = [math.log2(s) for s, _ in pts]
-        return float(np.interp(math.log2(max(read_bytes, 1)), xs, [g for _, g in pts]))
+        chosen = max([d for d in depths if d <= depth] or depths[:1])
+        points = sorted((math.log2(p[0]), p[2]) for p in self.points if p[1] == chosen)
+        if len(points) >= 2:
+            return [x for x, _ in points], [g for _, g in points]
+        xs, gs = self.curve(depths[0]) if chosen != depths[0] else ([points[0][0]], [1.0])
+        scale = points[0][1] / float(np.interp(points[0][0], xs, gs))
+        return xs, [g * scale for g in gs]
+
+    def gbps(self, read_bytes: float, depth: int) -> float:
+        """Bandwidth for reads of this size at this depth (interpolated in log read size)."""
+        xs, gs = self.curve(depth)
+        return float(np.interp(math.log2(max(read_bytes, 1)), xs, gs))
 
     def read_seconds(self, sizes: list[int], depth: int) -> float:
         """Time to read these runs, `depth` of them in flight."""

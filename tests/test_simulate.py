@@ -1,0 +1,64 @@
+"""The trace-replay simulator: disk model and the direction of every effect."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moe import simulate
+from moe.trace import DECODE, Trace
+
+
+def synthetic_trace(tokens=60, layers=(0, 1, 2), n_experts=64, k=4, seed=0) -> Trace:
+    rng = np.random.default_rng(seed)
+    popularity = rng.zipf(1.5, size=n_experts).astype(float)
+    popularity /= popularity.sum()
+    rows = [(t, layer) for t in range(tokens) for layer in layers]
+    ids = np.array([rng.choice(n_experts, k, replace=False, p=popularity) for _ in rows])
+    n = len(rows)
+    return Trace(
+        np.array([r[0] for r in rows], np.int32),
+        np.array([r[1] for r in rows], np.int16),
+        np.full(n, DECODE, np.uint8),
+        np.zeros(n, np.uint16),
+        ids.astype(np.int16),
+        np.full((n, k), 0.25, np.float16),
+        {"n_experts": n_experts, "top_k": k, "moe_layers": list(layers), "model_id": "x"},
+    )
+
+
+def test_disk_profile_reproduces_its_measured_points():
+    disk = simulate.Disk.load("this-machine")
+    for size, depth, gbps in simulate.DISK_PROFILES["this-machine"]["points"]:
+        if depth == 1:
+            assert disk.gbps(size, depth) == pytest.approx(gbps)
+    assert disk.gbps(256 << 10, 1) < disk.gbps(1 << 20, 1)
+
+
+def test_projection_keeps_k_distinct_experts_per_layer():
+    geometry = simulate.Geometry("g", 6, 256, 8, 1 << 20, 64 << 20, 1e9)
+    tokens = simulate.project(synthetic_trace(), geometry)
+    assert len(tokens) == 60
+    for token in tokens:
+        assert token.shape == (6, 8)
+        for i, ids in enumerate(token):
+            assert len(set(ids.tolist())) == 8
+            assert ((ids >= i * 256) & (ids < (i + 1) * 256)).all()
+
+
+def test_every_effect_points_the_right_way():
+    trace = synthetic_trace()
+    geometry = simulate.Geometry("g", 3, 64, 4, 4 << 20, 32 << 20, 1e9)
+    tokens = simulate.project(trace, geometry)
+    disk = simulate.Disk.load("this-machine")
+
+    def run(ram_mb, policy="lru", prefetch=False, packed=False):
+        config = simulate.Config(policy, prefetch, packed)
+        return simulate.simulate(tokens, geometry, ram_mb << 20, disk, config)
+
+    assert run(400, "none").hit_rate == 0
+    small, large = run(120), run(600)
+    assert large.hit_rate > small.hit_rate and large.s_per_token < small.s_per_token
+    assert run(120, prefetch=True).s_per_token < small.s_per_token
+    assert run(120, "lfu").hit_rate > 0
+    assert run(120, "lfu", packed=True).gb_per_token == pytest.approx(run(120, "lfu").gb_per_token)
