@@ -43,5 +43,13 @@ demo: $(VENV)/.stamp
 	$(VENV)/bin/moeshard convert $(DEMO_SRC) $(DEMO_OUT) --force
 	$(VENV)/bin/moeshard generate $(DEMO_OUT) --prompt "$(PROMPT)" --max-tokens 48
 
+# Regenerate the committed protobuf/gRPC modules (tests/test_wire.py checks they are current).
+PROTO_OUT ?= moe/wire
+proto: $(VENV)/.stamp
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) \
+		proto/moeshard.proto proto/health.proto
+	sed -i -E 's/^import (moeshard|health)_pb2 as/from moe.wire import \1_pb2 as/' \
+		$(PROTO_OUT)/moeshard_pb2_grpc.py $(PROTO_OUT)/health_pb2_grpc.py
+
 clean:
 	rm -rf out build *.egg-info

@@ -36,11 +36,17 @@ from node.expert_store import ExpertStore, StoreStats
 log = logging.getLogger(__name__)
 
 
+def no_ffn(record, fmt, hidden, inter, x) -> np.ndarray:
+    """--io-only: the expert contributes nothing (its record is still read and checked)."""
+    return np.zeros_like(x)  # [n, H]
+
+
 class NaiveExperts:
     """No cache: each routed expert is read (one synchronous O_DIRECT read, experts in file
     order) into one buffer and computed before the next is read."""
 
-    def __init__(self, model: ModelDir):
+    def __init__(self, model: ModelDir, ffn=quant.expert_ffn):
+        self.ffn = ffn
         c = model.config
         self.model, self.fmt = model, model.expert_format
         self.hidden, self.inter = c.hidden_size, c.expert_intermediate
@@ -76,7 +82,7 @@ class NaiveExperts:
             rows, cols = np.nonzero(ids == e)  # [n], [n]
             self.counts[(layer, e)] += len(rows)
             t0 = time.perf_counter()
-            y = quant.expert_ffn(
+            y = self.ffn(
                 self.buf[: self.nbytes], self.fmt, self.hidden, self.inter, hidden[rows]
             )  # [n, H]
             self.stats.compute_s += time.perf_counter() - t0
@@ -126,6 +132,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default="lru,lfu,pin,none")
     p.add_argument("--disk-seconds", type=float, default=1.0, help="per disk measurement")
     p.add_argument("--reps", type=int, default=3, help="disk measurements: median of this many")
+    p.add_argument(
+        "--io-only",
+        action="store_true",
+        help="skip the expert kernels (records still read and checksummed): the I/O path alone",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args) -> int:
 
+    ffn = no_ffn if args.io_only else quant.expert_ffn
     overhead = measure_overhead()  # interpreter + numba warm-up, before any model allocation
     model = ModelDir(args.model)
     c = model.config
@@ -184,10 +196,11 @@ def run(args) -> int:
                 prefetch_slots=plan.prefetch_slots,
                 depth=args.depth,
                 profile=profile,
+                ffn=ffn,
             )
             store.trace = []
         else:
-            store = NaiveExperts(model)
+            store = NaiveExperts(model, ffn)
         tf.experts = store
         marks: list = []
 
@@ -210,7 +223,7 @@ def run(args) -> int:
         results.append((name, s_tok, d.bytes_read / n + trunk_read, d, stall, same, result.tokens))
         trunk_per_token = trunk_read
         store.close()
-        log.info("%s: %.3f s/token", name, s_tok)
+        print(f"[{name}: {s_tok:.4f} s/token]", file=sys.stderr, flush=True)
 
     keys = [(layer, e) for layer, experts in trace0 for e in experts]
     prefill_accesses = sum(len(experts) for _, experts in trace0[:prefill_calls])
@@ -235,6 +248,8 @@ def run(args) -> int:
         f"{'config':<16}{'s/token':>9}{'GB/token':>10}{'hit rate':>10}{'Belady':>8}"
         f"{'stall':>7}{'recall':>8}{'prec.':>7}{'x I/O floor':>12}{'x bound':>9}"
     )
+    mode = "I/O path only: expert kernels skipped" if args.io_only else "with expert compute"
+    print(f"decode, {mode}; hit rate includes prefetched experts; Belady = no prefetch")
     print(head)
     print("-" * len(head))
     for name, s_tok, gb, d, stall, same, _ in results:

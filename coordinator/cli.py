@@ -89,6 +89,9 @@ def cmd_generate(args) -> int:
         raise MoeshardError("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
     if args.peers or args.discover:
         from coordinator.remote import RemoteConfig
+
+        if args.ram:
+            raise MoeshardError("--ram is for single-node mode; give each node its own --ram")
         from coordinator.runtime import open_remote
 
         remote = RemoteConfig(
@@ -199,7 +202,8 @@ def _add_node(sub) -> None:
 
 
 def cmd_node(args) -> int:
-    from node.daemon import NodeConfig, parse_size, run
+    from moe.budget import parse_size
+    from node.daemon import NodeConfig, run
 
     config = NodeConfig(
         path=args.path,
@@ -551,6 +555,14 @@ def _add_bench(sub) -> None:
     k = benches.add_parser("kernels", help="Q4_0/Q8_0 matmul GB/s vs DRAM bandwidth")
     k.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark")
     k.set_defaults(func=lambda a: _run_module_main("moe.bench_kernels", a.rest))
+    from coordinator import bench_rpc
+
+    r = benches.add_parser("rpc", help="gRPC round trips, per-layer fan-out, tok/s on 1..N nodes")
+    bench_rpc.add_arguments(r)
+    r.set_defaults(func=bench_rpc.run)
+    c = benches.add_parser("cluster", help="the same as `bench rpc` (the issue's name for it)")
+    bench_rpc.add_arguments(c)
+    c.set_defaults(func=bench_rpc.run)
     from coordinator import bench_stream
     from moe import bench_disk
 

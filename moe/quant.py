@@ -24,8 +24,10 @@ Expert record (`pack_expert`): gate [inter, hidden], up [inter, hidden], down [h
 each a matrix in the layout above, back to back (each starts at a multiple of 64 bytes).
 """
 
+import functools
 import time
 
+import numba
 import numpy as np
 from gguf import GGMLQuantizationType, quants
 
@@ -48,7 +50,20 @@ _FMT_CODE = {
 QK = kernels.QK
 ALIGN = 64
 # Below this many weights a matrix is computed on one thread: waking the pool costs more.
-PARALLEL_MIN_WEIGHTS = 1 << 16
+PARALLEL_MIN_WEIGHTS = 1 << 19
+
+
+def _run(kernel, n_weights: int, *args):
+    """Call a parallel kernel, on the calling thread alone for small matrices (numba's
+    thread count is thread-local, so this does not affect other threads)."""
+    if n_weights >= PARALLEL_MIN_WEIGHTS:
+        return kernel(*args)
+    prev = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        return kernel(*args)
+    finally:
+        numba.set_num_threads(prev)
 
 
 def _check_fmt(fmt: str) -> None:
@@ -199,30 +214,50 @@ def unpack_to_ggml(data: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarr
     return np.concatenate([d, qs], axis=2).reshape(rows, -1)  # [rows, row_bytes]
 
 
-def _views(data: np.ndarray, fmt: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """Validated kernel views: payload uint8 [rows, row_bytes], scales uint16 [rows, nb]."""
+@functools.lru_cache(maxsize=4096)
+def _matrix_layout(fmt: str, rows: int, cols: int) -> tuple[int, int, int]:
+    """(packed bytes, payload bytes per row, scale section offset or -1), validated."""
     _check_dims(fmt, rows, cols)
+    _, s_off, s_bytes = _sections(fmt, rows, cols)
+    return packed_nbytes(fmt, rows, cols), _payload_bytes(fmt, cols), s_off if s_bytes else -1
+
+
+def _check_buffer(data: np.ndarray, want: int, what: str) -> None:
     if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 1:
-        raise ValueError("packed weights must be a 1-D uint8 numpy array")
-    want = packed_nbytes(fmt, rows, cols)
+        raise ValueError(f"{what} must be a 1-D uint8 numpy array")
     if data.size != want:
-        raise ValueError(f"{fmt} {rows}x{cols} packs to {want} bytes, got a buffer of {data.size}")
+        raise ValueError(f"{what} needs {want} bytes, got a buffer of {data.size}")
     if not data.flags.c_contiguous:
-        raise ValueError("packed weights must be contiguous")
-    payload, s_off, s_bytes = _sections(fmt, rows, cols)
-    wq = data[:payload].reshape(rows, _payload_bytes(fmt, cols))  # [rows, row_bytes]
-    if s_bytes:
-        ws = data[s_off : s_off + s_bytes].view(np.uint16).reshape(rows, cols // QK)  # [rows, nb]
-    else:
-        ws = np.empty((rows, 0), dtype=np.uint16)
+        raise ValueError(f"{what} must be contiguous")
+
+
+def _views(data: np.ndarray, fmt: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """Validated numpy views: payload uint8 [rows, row_bytes], scales uint16 [rows, nb]."""
+    nbytes, row_bytes, s_off = _matrix_layout(fmt, rows, cols)
+    _check_buffer(data, nbytes, f"packed {fmt} {rows}x{cols} matrix")
+    wq = data[: rows * row_bytes].reshape(rows, row_bytes)  # [rows, row_bytes]
+    if s_off < 0:
+        return wq, np.empty((rows, 0), dtype=np.uint16)
+    nb = cols // QK
+    ws = data[s_off : s_off + rows * nb * 2].view(np.uint16).reshape(rows, nb)  # [rows, nb]
     return wq, ws
 
 
 def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
     x = np.asarray(x)
-    if x.ndim != 2 or x.shape[1] != cols:
-        raise ValueError(f"x must have shape [b, {cols}], got {x.shape}")
-    return np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != cols or x.shape[0] == 0:
+        raise ValueError(f"x must have shape [b, {cols}] with b >= 1, got {x.shape}")
+    return _readonly(np.ascontiguousarray(x, dtype=np.float32))
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view of a.  Numba compiles writable and read-only arrays separately;
+    handing kernels only read-only inputs means one signature (the one `warmup` compiles)
+    serves mmap'd read-only weights and ordinary arrays alike."""
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,10 +270,11 @@ def matmul(data: np.ndarray, fmt: str, rows: int, cols: int, x: np.ndarray) -> n
     Activations stay float32 (no Q8 activation quantisation); q4_0/q8_0 blocks are dequantised
     16-32 weights at a time in registers, f32/bf16 are accumulated in float64.
     """
-    wq, ws = _views(data, fmt, rows, cols)
+    nbytes, row_bytes, s_off = _matrix_layout(fmt, rows, cols)
+    _check_buffer(data, nbytes, f"packed {fmt} {rows}x{cols} matrix")
     x = _check_x(x, cols)
-    par = rows * cols >= PARALLEL_MIN_WEIGHTS
-    return kernels.matmul_kernel(_FMT_CODE[fmt], wq, ws, kernels.F16_LUT, x, par)
+    args = (_FMT_CODE[fmt], _readonly(data), rows, cols, row_bytes, s_off, kernels.F16_LUT, x)
+    return _run(kernels.matmul_kernel, rows * cols, *args)
 
 
 def expert_record_nbytes(fmt: str, hidden: int, inter: int) -> int:
@@ -258,22 +294,12 @@ def pack_expert(gate: np.ndarray, up: np.ndarray, down: np.ndarray, fmt: str) ->
     return np.concatenate([pack(gate, fmt), pack(up, fmt), pack(down, fmt)])
 
 
-def _expert_views(record: np.ndarray, fmt: str, hidden: int, inter: int) -> list[np.ndarray]:
-    _check_dims(fmt, inter, hidden)
-    _check_dims(fmt, hidden, inter)
-    want = expert_record_nbytes(fmt, hidden, inter)
-    if not isinstance(record, np.ndarray) or record.dtype != np.uint8 or record.ndim != 1:
-        raise ValueError("expert record must be a 1-D uint8 numpy array")
-    if record.size != want:
-        raise ValueError(
-            f"{fmt} expert (hidden={hidden}, inter={inter}) needs {want} bytes, "
-            f"got a record of {record.size}"
-        )
-    n_gu = packed_nbytes(fmt, inter, hidden)
-    gq, gs = _views(record[:n_gu], fmt, inter, hidden)
-    uq, us = _views(record[n_gu : 2 * n_gu], fmt, inter, hidden)
-    dq, ds = _views(record[2 * n_gu :], fmt, hidden, inter)
-    return [gq, gs, uq, us, dq, ds]
+@functools.lru_cache(maxsize=1024)
+def _expert_layout(fmt: str, hidden: int, inter: int) -> tuple[int, tuple[int, ...]]:
+    """(record bytes, kernel layout tuple) for one expert, validated."""
+    n_gu, rb_gu, s_gu = _matrix_layout(fmt, inter, hidden)
+    n_d, rb_d, s_d = _matrix_layout(fmt, hidden, inter)
+    return 2 * n_gu + n_d, (n_gu, rb_gu, s_gu, rb_d, s_d)
 
 
 def expert_ffn(record: np.ndarray, fmt: str, hidden: int, inter: int, x: np.ndarray) -> np.ndarray:
@@ -281,25 +307,49 @@ def expert_ffn(record: np.ndarray, fmt: str, hidden: int, inter: int, x: np.ndar
 
     One kernel call on the packed record; the intermediate [b, inter] stays float32.
     """
-    views = _expert_views(record, fmt, hidden, inter)
+    nbytes, layout = _expert_layout(fmt, hidden, inter)
+    _check_buffer(record, nbytes, f"{fmt} expert record (hidden={hidden}, inter={inter})")
     x = _check_x(x, hidden)
-    par = inter * hidden >= PARALLEL_MIN_WEIGHTS
-    return kernels.expert_ffn_kernel(_FMT_CODE[fmt], *views, kernels.F16_LUT, x, par)
+    args = (_FMT_CODE[fmt], _readonly(record), hidden, inter, layout, kernels.F16_LUT, x)
+    return _run(kernels.expert_ffn_kernel, inter * hidden, *args)
 
 
 def warmup() -> float:
-    """Compile (or load from numba's cache) every kernel for every format; returns seconds."""
+    """Compile (or load from numba's cache) every kernel for every format; returns seconds.
+
+    Kernels take the format as a runtime int and see only read-only C-contiguous inputs, so
+    one call per entry point covers every format and batch size.
+    """
     t0 = time.perf_counter()
-    rng = np.random.default_rng(0)
-    hidden, inter = 64, 96  # odd number of q4_0 blocks in `down` rows exercises the tail path
-    for fmt in FORMATS:
-        gate, up = rng.standard_normal((2, inter, hidden), dtype=np.float32)
-        down = rng.standard_normal((hidden, inter), dtype=np.float32)
-        rec = pack_expert(gate, up, down, fmt)
-        x = rng.standard_normal((2, hidden), dtype=np.float32)
-        expert_ffn(rec, fmt, hidden, inter, x)
-        views = _expert_views(rec, fmt, hidden, inter)
-        for par in (False, True):
-            kernels.matmul_kernel(_FMT_CODE[fmt], views[0], views[1], kernels.F16_LUT, x, par)
-            kernels.expert_ffn_kernel(_FMT_CODE[fmt], *views, kernels.F16_LUT, x, par)
+    hidden, inter = 64, 96
+    nbytes, layout = _expert_layout("q4_0", hidden, inter)
+    rec = _readonly(np.zeros(nbytes, dtype=np.uint8))
+    x = _readonly(np.zeros((2, hidden), dtype=np.float32))
+    n_gu, rb_gu, s_gu = layout[:3]
+    code, lut = kernels.FMT_Q4_0, kernels.F16_LUT
+    kernels.matmul_kernel(code, rec[:n_gu], inter, hidden, rb_gu, s_gu, lut, x)
+    kernels.expert_ffn_kernel(code, rec, hidden, inter, layout, lut, x)  # starts the pool
     return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------
+# numpy twins of the kernels (reference for tests; slow, float64)
+
+
+def matmul_reference(data: np.ndarray, fmt: str, rows: int, cols: int, x: np.ndarray) -> np.ndarray:
+    """x @ W.T in float64 with W dequantised by gguf's reference from `unpack_to_ggml(data)`."""
+    w = dequantize(unpack_to_ggml(data, fmt, rows, cols), fmt, (rows, cols))  # [rows, cols]
+    return np.asarray(x, dtype=np.float64) @ w.astype(np.float64).T  # [b, rows]
+
+
+def expert_ffn_reference(
+    record: np.ndarray, fmt: str, hidden: int, inter: int, x: np.ndarray
+) -> np.ndarray:
+    """Float64 twin of `expert_ffn`; the [b, inter] activation is rounded to float32 between
+    the two halves exactly like the kernel does."""
+    n_gu = packed_nbytes(fmt, inter, hidden)
+    g = matmul_reference(record[:n_gu], fmt, inter, hidden, x)  # [b, inter]
+    u = matmul_reference(record[n_gu : 2 * n_gu], fmt, inter, hidden, x)  # [b, inter]
+    with np.errstate(over="ignore"):  # exp(-g) -> inf for very negative g gives silu -> -0
+        h = (g / (1.0 + np.exp(-g)) * u).astype(np.float32)  # [b, inter]
+    return matmul_reference(record[2 * n_gu :], fmt, hidden, inter, h)  # [b, hidden]

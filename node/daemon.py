@@ -1,0 +1,181 @@
+"""The node daemon: serve the expert records of one model (or shard) directory over gRPC.
+
+`moeshard node DIR` opens DIR (a full model directory or a shard directory from
+`moeshard shard`; only the shard files its manifest lists are opened), verifies every record's
+checksum, serves moeshard.v1.ExpertNode + grpc.health.v1 and advertises itself with zeroconf.
+SIGTERM / SIGINT: stop advertising, report NOT_SERVING, finish in-flight calls, exit 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+
+from moe import quant
+from moe.errors import MoeshardError
+from moe.io import align_up
+from moe.model import LocalExperts, ModelDir
+from moe.store import FORMAT_VERSION
+from moe.wire import health_pb2_grpc
+from moe.wire import moeshard_pb2_grpc as pb_grpc
+from node.servicer import WIRE_VERSION, ExpertNodeServicer, HealthServicer, NodeIdentity
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 256 << 20
+
+
+@dataclass
+class NodeConfig:
+    path: str  # model or shard directory to serve
+    host: str = "127.0.0.1"  # address to bind ("0.0.0.0" = every interface)
+    port: int = 0  # port to bind (0 = any free port, printed on start)
+    ram: int = 0  # expert cache budget in bytes (0 = unbounded)
+    advertise: bool = True  # register the service with zeroconf
+    node_id: str = ""  # unique node name ("" = hostname-port)
+    verify: bool = True  # recompute every record checksum at start
+    workers: int = 8  # gRPC server threads
+    grace_s: float = 10.0  # on SIGTERM, how long in-flight calls may take to finish
+
+
+def make_backend(model: ModelDir, ram: int):
+    """The experts backend: unbounded LocalExperts, or with --ram the RAM-budgeted ExpertStore
+    (O_DIRECT reads into a fixed arena of `ram` bytes of expert slots, LRU, prefetch)."""
+    if ram <= 0:
+        return LocalExperts(model)
+    from node.expert_store import ExpertStore
+
+    c = model.config
+    slot = align_up(
+        quant.expert_record_nbytes(model.expert_format, c.hidden_size, c.expert_intermediate)
+    )
+    held = len(model.locations)
+    slots = min(ram // slot, held + c.top_k)  # more slots than records would never be used
+    if slots < c.top_k + 1:
+        raise MoeshardError(
+            f"--ram {ram} B holds {ram // slot} expert records of {slot} B; need at least "
+            f"{c.top_k + 1} (top-k + 1)"
+        )
+    log.info("expert cache: %d slots of %d B (%d records held)", slots, slot, held)
+    return ExpertStore(model, slots)
+
+
+def create_server(
+    addr: str, servicer: ExpertNodeServicer, health: HealthServicer, workers: int = 8
+) -> tuple[grpc.Server, int]:
+    """A started-ready (not started) gRPC server on `addr` ('host:port', port 0 = any)."""
+    options = [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options)
+    pb_grpc.add_ExpertNodeServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port(addr)
+    if port == 0:
+        raise MoeshardError(f"cannot bind {addr}")
+    return server, port
+
+
+class Node:
+    """One node: its records, backend, servicers; start() binds and serves, stop() drains."""
+
+    def __init__(self, config: NodeConfig):
+        self.config = config
+        self.model = ModelDir(config.path)
+        held = set(self.model.locations)
+        bad: set[tuple[int, int]] = set()
+        if config.verify:
+            for shard in self.model.shards:
+                for key in shard.verify_all():
+                    log.error(
+                        "%s: expert %d of layer %d fails its checksum", shard.path, *key[::-1]
+                    )
+                    bad.add(key)
+        c = self.model.config
+        self.identity = NodeIdentity(
+            node_id=config.node_id,
+            model_id=self.model.model_id,
+            format_version=FORMAT_VERSION,
+            model_type=c.model_type,
+            expert_format=self.model.expert_format,
+            hidden_size=c.hidden_size,
+            n_experts=c.n_experts,
+            moe_layers=tuple(c.moe_layers),
+            ram_budget=config.ram,
+        )
+        self.servicer = ExpertNodeServicer(
+            self.identity, held, make_backend(self.model, config.ram)
+        )
+        self.servicer.bad.update(bad)
+        self.health = HealthServicer()
+        self.server: grpc.Server | None = None
+        self.port = 0
+        self.announcer = None
+
+    def start(self) -> int:
+        cfg = self.config
+        quant.warmup()  # compile (or load) the kernels before the first request
+        host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+        self.server, self.port = create_server(
+            f"{host}:{cfg.port}", self.servicer, self.health, cfg.workers
+        )
+        if not self.identity.node_id:
+            self.identity.node_id = f"{socket.gethostname()}-{self.port}"[:60]
+        self.server.start()
+        self.health.set_serving(True)
+        if cfg.advertise:
+            from node.announce import Announcer
+
+            self.announcer = Announcer(
+                self.identity.node_id,
+                self.identity.model_id,
+                FORMAT_VERSION,
+                WIRE_VERSION,
+                self.servicer.held - self.servicer.bad,
+                cfg.host,
+                self.port,
+            )
+            self.announcer.start()
+        return self.port
+
+    def stop(self) -> None:
+        if self.announcer is not None:
+            self.announcer.close()
+            self.announcer = None
+        self.health.set_serving(False)
+        if self.server is not None:
+            self.server.stop(self.config.grace_s).wait()
+            self.server = None
+        self.model.close()
+
+
+def run(config: NodeConfig, out) -> int:
+    """The `moeshard node` process: serve until SIGTERM/SIGINT, then drain and return 0."""
+    node = Node(config)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    port = node.start()
+    held = node.servicer.held - node.servicer.bad
+    print(
+        f"node {node.identity.node_id} serving {len(held)} experts of model "
+        f"{node.identity.model_id[:16]} on {config.host}:{port}"
+        + ("" if config.advertise else " (not advertised)"),
+        file=out,
+        flush=True,
+    )
+    if node.servicer.bad:
+        print(f"warning: {len(node.servicer.bad)} records failed their checksum", file=out)
+    stop.wait()
+    log.info("shutting down: draining in-flight calls")
+    node.stop()
+    print(f"node {node.identity.node_id} stopped", file=out, flush=True)
+    return 0

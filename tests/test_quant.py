@@ -1,0 +1,245 @@
+"""moe.quant: ggml bit-exactness, the packed layout, and the kernels against numpy twins."""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants
+
+from moe import quant
+
+QTYPE = {
+    "f32": GGMLQuantizationType.F32,
+    "bf16": GGMLQuantizationType.BF16,
+    "q8_0": GGMLQuantizationType.Q8_0,
+    "q4_0": GGMLQuantizationType.Q4_0,
+}
+# Max error of a kernel vs its float64 twin, relative to sum_j |x_j * w_j| for that output.
+# f32/bf16 accumulate in float64 (only the final float32 rounding remains); q4_0/q8_0
+# accumulate in float32.
+RTOL = {"f32": 2e-7, "bf16": 2e-7, "q8_0": 2e-6, "q4_0": 2e-6}
+
+
+def awkward(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random float32 matrix with zero rows/blocks, huge and tiny magnitudes, ties, negatives."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols)).astype(np.float32)  # [rows, cols]
+    w[0] = 0.0
+    if rows > 2:
+        w[1] *= np.float32(1e3)
+        w[2] *= np.float32(1e-7)  # q8_0/q4_0 scales underflow to f16 subnormals / zero
+    if rows > 3:
+        w[3, :32] = 0.0  # one all-zero block
+        w[3, 32:] = -np.abs(w[3, 32:])  # all-negative row
+    if rows > 4:
+        w[4] = np.float32(0.5)  # constant row: q8_0 rounding ties
+    if rows > 5:
+        w[5, ::7] = -w[5, ::7] * np.float32(300.0)
+    return w
+
+
+@pytest.fixture(params=["serial", "parallel"])
+def threads(request, monkeypatch):
+    """Run a test once on the calling thread and once through the prange drivers."""
+    if request.param == "parallel":
+        monkeypatch.setattr(quant, "PARALLEL_MIN_WEIGHTS", 0)
+    else:
+        monkeypatch.setattr(quant, "PARALLEL_MIN_WEIGHTS", 1 << 62)
+    return request.param
+
+
+def random_x(b: int, cols: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((b, cols)).astype(np.float32)  # [b, cols]
+
+
+def abs_bound(data, fmt, rows, cols, x):
+    """sum_j |x_j * w_j| per output: the scale float rounding errors are relative to."""
+    w = quant.dequantize(quant.unpack_to_ggml(data, fmt, rows, cols), fmt, (rows, cols))
+    return np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T  # [b, rows]
+
+
+# ---------------------------------------------------------------------------------------------
+# ggml bit-exactness
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("shape", [(7, 32), (9, 96), (33, 256)])
+def test_quantize_dequantize_match_gguf(fmt, shape):
+    w = awkward(*shape)
+    ours = quant.quantize(w, fmt)
+    ref = np.ascontiguousarray(quants.quantize(w, QTYPE[fmt])).view(np.uint8).reshape(shape[0], -1)
+    assert ours.dtype == np.uint8
+    np.testing.assert_array_equal(ours, ref)
+
+    back = quant.dequantize(ours, fmt, shape)
+    ref_back = np.asarray(quants.dequantize(ref, QTYPE[fmt]), dtype=np.float32)
+    if fmt == "f32":
+        ref_back = ref.view(np.float32)
+    assert back.dtype == np.float32 and back.shape == shape
+    np.testing.assert_array_equal(back.view(np.uint32), ref_back.reshape(shape).view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("shape", [(5, 32), (37, 96), (16, 2080), (64, 256)])
+def test_pack_is_ggml_bit_for_bit(fmt, shape):
+    w = awkward(*shape)
+    packed = quant.pack(w, fmt)
+    assert packed.dtype == np.uint8 and packed.shape == (quant.packed_nbytes(fmt, *shape),)
+    ref = np.ascontiguousarray(quants.quantize(w, QTYPE[fmt])).view(np.uint8).reshape(shape[0], -1)
+    np.testing.assert_array_equal(quant.unpack_to_ggml(packed, fmt, *shape), ref)
+
+
+def test_packed_nbytes():
+    for fmt in quant.FORMATS:
+        assert quant.packed_nbytes(fmt, 3, 96) % 64 == 0
+    # q4_0: 4.5 bits/weight, sections already 64-aligned
+    assert quant.packed_nbytes("q4_0", 4096, 14336) == 4096 * 14336 * 9 // 16
+    assert quant.packed_nbytes("q8_0", 4096, 14336) == 4096 * 14336 * 17 // 16
+    assert quant.packed_nbytes("bf16", 4, 32) == 256
+    assert quant.packed_nbytes("f32", 1, 1) == 64
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels vs numpy twins
+
+# (rows, cols): tiny, odd q4_0 block count, an odd block count past one 2048-column tile,
+# rows that are not a multiple of the 4-row tile / 16-row parallel work item.
+MATMUL_SHAPES = [(5, 32), (37, 96), (41, 2080), (130, 512)]
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("b", [1, 3, 32])
+def test_matmul_matches_twin(fmt, b, threads):
+    for rows, cols in MATMUL_SHAPES:
+        data = quant.pack(awkward(rows, cols), fmt)
+        x = random_x(b, cols)
+        y = quant.matmul(data, fmt, rows, cols, x)
+        assert y.dtype == np.float32 and y.shape == (b, rows)
+        ref = quant.matmul_reference(data, fmt, rows, cols, x)
+        bound = abs_bound(data, fmt, rows, cols, x)
+        err = np.abs(y - ref)
+        assert np.all(err <= RTOL[fmt] * bound + 1e-30), (rows, cols, (err / bound).max())
+
+
+def test_matmul_accepts_views_and_odd_strides():
+    rows, cols = 40, 256
+    w = awkward(rows, cols)
+    data = quant.pack(w, "q4_0")
+    buf = np.zeros(data.size + 128, dtype=np.uint8)
+    buf[64 : 64 + data.size] = data
+    xs = random_x(6, cols)[::2]  # non-contiguous activations
+    y = quant.matmul(buf[64 : 64 + data.size], "q4_0", rows, cols, xs)
+    np.testing.assert_array_equal(y, quant.matmul(data, "q4_0", rows, cols, xs.copy()))
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_quantised_matmul_error_vs_float_weights(fmt):
+    """End-to-end error against the unquantised float weights (quantisation error only)."""
+    rows, cols = 64, 1024
+    w = np.random.default_rng(3).standard_normal((rows, cols)).astype(np.float32)
+    x = random_x(4, cols)
+    y = quant.matmul(quant.pack(w, fmt), fmt, rows, cols, x)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    rel = np.abs(y - ref).max() / np.abs(ref).max()
+    assert rel < {"f32": 1e-6, "bf16": 1e-2, "q8_0": 2e-2, "q4_0": 1e-1}[fmt]
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16"])
+def test_nan_propagates(fmt):
+    """The kernels' fastmath flags exclude nnan: a nan weight poisons exactly its row."""
+    w = np.ones((8, 64), dtype=np.float32)
+    w[3, 17] = np.nan
+    y = quant.matmul(quant.pack(w, fmt), fmt, 8, 64, random_x(2, 64))
+    assert np.isnan(y[:, 3]).all() and np.isfinite(np.delete(y, 3, axis=1)).all()
+
+
+# (hidden, inter): odd block counts both ways; a larger one.
+FFN_SHAPES = [(96, 160), (512, 256)]
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("b", [1, 3, 32])
+def test_expert_ffn_matches_twin(fmt, b, threads):
+    for hidden, inter in FFN_SHAPES:
+        gate = awkward(inter, hidden, seed=10) * np.float32(0.1)
+        up = awkward(inter, hidden, seed=11) * np.float32(0.1)
+        down = awkward(hidden, inter, seed=12) * np.float32(0.1)
+        rec = quant.pack_expert(gate, up, down, fmt)
+        assert rec.shape == (quant.expert_record_nbytes(fmt, hidden, inter),)
+        x = random_x(b, hidden)
+        y = quant.expert_ffn(rec, fmt, hidden, inter, x)
+        assert y.dtype == np.float32 and y.shape == (b, hidden)
+        ref = quant.expert_ffn_reference(rec, fmt, hidden, inter, x)
+        tol = {"f32": 1e-6, "bf16": 1e-6, "q8_0": 2e-5, "q4_0": 2e-5}[fmt]
+        assert np.abs(y - ref).max() <= tol * np.abs(ref).max(), (hidden, inter)
+
+
+def test_expert_record_layout():
+    hidden, inter = 96, 160
+    rng = np.random.default_rng(5)
+    gate, up = rng.standard_normal((2, inter, hidden), dtype=np.float32)
+    down = rng.standard_normal((hidden, inter), dtype=np.float32)
+    for fmt in quant.FORMATS:
+        rec = quant.pack_expert(gate, up, down, fmt)
+        n_gu = quant.packed_nbytes(fmt, inter, hidden)
+        assert n_gu % 64 == 0 and rec.size % 64 == 0
+        np.testing.assert_array_equal(rec[:n_gu], quant.pack(gate, fmt))
+        np.testing.assert_array_equal(rec[n_gu : 2 * n_gu], quant.pack(up, fmt))
+        np.testing.assert_array_equal(rec[2 * n_gu :], quant.pack(down, fmt))
+        # a record living inside a larger buffer works in place
+        buf = np.zeros(3 * rec.size, dtype=np.uint8)
+        buf[rec.size : 2 * rec.size] = rec
+        x = random_x(2, hidden)
+        np.testing.assert_array_equal(
+            quant.expert_ffn(buf[rec.size : 2 * rec.size], fmt, hidden, inter, x),
+            quant.expert_ffn(rec, fmt, hidden, inter, x),
+        )
+
+
+def test_warmup_returns_seconds():
+    t = quant.warmup()
+    assert isinstance(t, float) and t >= 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_cols_not_multiple_of_32(fmt):
+    w = np.zeros((4, 48), dtype=np.float32)
+    for call in (
+        lambda: quant.quantize(w, fmt),
+        lambda: quant.pack(w, fmt),
+        lambda: quant.packed_nbytes(fmt, 4, 48),
+        lambda: quant.matmul(np.zeros(1024, np.uint8), fmt, 4, 48, np.zeros((1, 48), np.float32)),
+        lambda: quant.expert_record_nbytes(fmt, 48, 64),
+    ):
+        with pytest.raises(ValueError, match="multiple of 32"):
+            call()
+
+
+def test_wrong_buffer_length():
+    data = quant.pack(np.ones((8, 64), dtype=np.float32), "q4_0")
+    x = np.ones((1, 64), dtype=np.float32)
+    with pytest.raises(ValueError, match="q4_0 8x64 matrix needs 320 bytes, got a buffer of 319"):
+        quant.matmul(data[:-1], "q4_0", 8, 64, x)
+    with pytest.raises(ValueError, match="needs 320 bytes"):
+        quant.unpack_to_ggml(np.zeros(data.size + 64, np.uint8), "q4_0", 8, 64)
+    with pytest.raises(ValueError, match="ggml bytes"):
+        quant.dequantize(np.zeros(10, np.uint8), "q8_0", (1, 32))
+    rec = quant.pack_expert(np.ones((32, 64)), np.ones((32, 64)), np.ones((64, 32)), "q8_0")
+    with pytest.raises(ValueError, match="expert record .* needs .* bytes, got a buffer of"):
+        quant.expert_ffn(rec[:-64], "q8_0", 64, 32, x)
+
+
+def test_other_bad_input():
+    data = quant.pack(np.ones((8, 64), dtype=np.float32), "f32")
+    with pytest.raises(ValueError, match="x must have shape"):
+        quant.matmul(data, "f32", 8, 64, np.ones((1, 32), np.float32))
+    with pytest.raises(ValueError, match="unknown weight format"):
+        quant.pack(np.ones((8, 64)), "q5_k")
+    with pytest.raises(ValueError, match="2-D"):
+        quant.pack(np.ones(64), "f32")
+    with pytest.raises(ValueError, match="uint8"):
+        quant.matmul(data.view(np.int8), "f32", 8, 64, np.ones((1, 64), np.float32))
+    with pytest.raises(ValueError, match="expert shapes disagree"):
+        quant.pack_expert(np.ones((32, 64)), np.ones((32, 64)), np.ones((32, 64)), "f32")

@@ -1,0 +1,181 @@
+"""Single-node streaming: budgets from everything cached to the minimum, streamed trunk, synth."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coordinator.generate import SamplingOptions, generate
+from coordinator.runtime import open_local, open_streaming
+from moe.budget import parse_size, plan_budget
+from moe.errors import MoeshardError
+from moe.model import ModelDir
+from moe.streaming_trunk import StreamingTrunk, TrunkLayout
+from moe.synth import synth
+from node.expert_store import ExpertStore, read_profile, write_profile
+
+PROMPT = [1, 5, 9, 2, 7]
+OPTS = SamplingOptions(max_tokens=8, temperature=1.0, seed=0, keep_logits=True)
+CONTEXT = len(PROMPT) + OPTS.max_tokens
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny synth preset, on the real disk (pytest's tmp dir is on ext4 here)."""
+    out = tmp_path_factory.mktemp("synth") / "tiny"
+    synth(out, "tiny")
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    rt = open_local(tiny)
+    return generate(rt.transformer, PROMPT, OPTS)
+
+
+def run_streaming(path, budget, **options):
+    rt = open_streaming(path, budget, CONTEXT, **options)
+    result = generate(rt.transformer, PROMPT, OPTS)
+    stats = rt.stats(result)
+    rt.experts.close()
+    rt.transformer.trunk.close()
+    return result, stats, rt
+
+
+def same(a, b) -> bool:
+    return a.tokens == b.tokens and all(
+        np.array_equal(x, y) for x, y in zip(a.logits, b.logits, strict=True)
+    )
+
+
+def test_parse_size():
+    assert parse_size("8G") == 8 << 30
+    assert parse_size("512M") == 512 << 20
+    assert parse_size("1.5g") == 3 << 29
+    with pytest.raises(MoeshardError):
+        parse_size("lots")
+
+
+def test_synth_is_a_valid_model(tiny):
+    model = ModelDir(tiny)
+    c = model.config
+    assert (c.n_experts, c.top_k, len(c.moe_layers)) == (64, 4, 3)
+    assert all(not shard.verify_all() for shard in model.shards)
+
+
+def test_identical_tokens_from_everything_cached_to_minimum(tiny, reference):
+    model = ModelDir(tiny)
+    minimum = plan_budget(model, 1 << 40, CONTEXT).minimum
+    budgets = [minimum + (64 << 20), minimum + (256 << 10), minimum + (8 << 10), minimum]
+    for budget in budgets:
+        for prefetch in (True, False):
+            result, stats, rt = run_streaming(tiny, budget, policy="lru", prefetch=prefetch)
+            assert same(result, reference), (budget, prefetch)
+            assert stats["peak_rss_bytes"] > 0
+    # at the minimum the trunk is streamed through the ring
+    plan = plan_budget(model, minimum, CONTEXT)
+    assert not plan.trunk_resident
+    assert plan.expert_slots == 2 * model.config.top_k
+
+
+def test_identical_tokens_across_policies(tiny, reference, tmp_path):
+    model = ModelDir(tiny)
+    store = ExpertStore(model, 16, "lru", prefetch=False)
+    rt = open_local(tiny)
+    rt.transformer.experts = store
+    generate(rt.transformer, PROMPT, OPTS)
+    store.close()
+    profile_path = tmp_path / "profile.json"
+    write_profile(profile_path, model.model_id, store.counts)
+    profile = read_profile(profile_path, model.model_id)
+    budget = plan_budget(model, 1 << 40, CONTEXT).minimum + (128 << 10)
+    for policy in ("lru", "lfu", "pin", "none"):
+        for prefetch in (True, False):
+            result, stats, _ = run_streaming(
+                tiny, budget, policy=policy, prefetch=prefetch, profile=profile
+            )
+            assert same(result, reference), (policy, prefetch)
+            if policy == "none":
+                assert stats["store_hits"] == stats["store_prefetch_hits"]
+
+
+def test_everything_cached_reads_each_expert_once(tiny):
+    _, stats, rt = run_streaming(tiny, 1 << 30, policy="lru", prefetch=False)
+    assert stats["store_misses"] * rt.experts.record_nbytes == stats["store_bytes_read"]
+    assert stats["store_misses"] <= 64 * 3
+
+
+def test_budget_too_small_names_the_minimum(tiny):
+    model = ModelDir(tiny)
+    minimum = plan_budget(model, 1 << 40, CONTEXT).minimum
+    with pytest.raises(MoeshardError, match=r"below the minimum working set .*MiB"):
+        plan_budget(model, minimum - 1, CONTEXT)
+
+
+def test_streaming_trunk_matches_resident(tiny, reference):
+    model = ModelDir(tiny)
+    layout = TrunkLayout(tiny / "trunk.gguf", model.model_id)
+    for prefix in (0, 1, 3):
+        trunk = StreamingTrunk(layout, prefix, ring=2)
+        rt = open_local(tiny)
+        rt.transformer.trunk = trunk
+        result = generate(rt.transformer, PROMPT, OPTS)
+        trunk.close()
+        assert same(result, reference), prefix
+        if prefix < 3:
+            assert trunk.bytes_read > layout.total_bytes() // 2
+
+
+def test_cli_generate_ram_matches_unbudgeted(tiny, tmp_path, capsys):
+    import json
+
+    from coordinator.cli import main
+
+    common = [str(tiny), "--prompt-ids", "1,5,9", "--max-tokens", "4", "--json"]
+    assert main(["generate", *common]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    stats_path, profile_path = tmp_path / "stats.jsonl", tmp_path / "profile.json"
+    argv = ["generate", *common, "--ram", "64M", "--cache-policy", "lfu", "--read-depth", "2"]
+    argv += ["--stats-json", str(stats_path), "--profile-out", str(profile_path)]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    streamed = json.loads(captured.out)
+    assert streamed["tokens"] == plain["tokens"]
+    assert "RAM budget 64.00 MiB" in captured.err and "peak RSS" in captured.err
+    assert streamed["stats"]["peak_rss_bytes"] > 0
+    lines = [json.loads(line) for line in stats_path.read_text().splitlines()]
+    assert len(lines) == 5 and "summary" in lines[-1]
+    assert (
+        sum(line["bytes_read"] for line in lines[:-1]) == lines[-1]["summary"]["store_bytes_read"]
+    )
+    argv = ["generate", *common, "--ram", "64M", "--cache-policy", "pin"]
+    assert main([*argv, "--profile-in", str(profile_path)]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == plain["tokens"]
+    assert main(["generate", *common, "--ram", "1M"]) == 2
+    assert "below the minimum working set" in capsys.readouterr().err
+
+
+def test_bench_commands_run(tiny, tmp_path, capsys):
+    from coordinator.cli import main
+
+    argv = ["bench", "stream", str(tiny), "--ram", "49M", "--tokens", "4"]
+    assert main([*argv, "--disk-seconds", "0.05", "--reps", "1", "--policies", "lru"]) == 0
+    out = capsys.readouterr().out
+    assert "naive" in out and "lru +prefetch" in out and "Belady" in out
+    argv = ["bench", "disk", "--dir", str(tmp_path), "--file-size", "8M", "--sizes", "4K,1M"]
+    assert main([*argv, "--depths", "1,2", "--seconds", "0.05", "--reps", "1"]) == 0
+    assert "1.00 MiB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_streamed_trunk_and_minimum_budget_on_fixtures(family, converted):
+    path = converted(family, experts="q4_0")
+    rt = open_local(path)
+    reference = generate(rt.transformer, PROMPT, OPTS)
+    model = ModelDir(path)
+    minimum = plan_budget(model, 1 << 40, CONTEXT).minimum
+    result, stats, _ = run_streaming(path, minimum, policy="lru", prefetch=True)
+    assert same(result, reference)
+    plan = plan_budget(model, minimum, CONTEXT)
+    assert not plan.trunk_resident
+    assert stats["trunk_bytes_read"] > plan.trunk_total  # layers were read more than once

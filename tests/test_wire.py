@@ -1,0 +1,77 @@
+"""The wire contract: the tensor codec and the committed generated modules."""
+
+from __future__ import annotations
+
+import filecmp
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moe.wire import codec
+from moe.wire import moeshard_pb2 as pb
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_f32_and_i32_round_trip_exactly():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 7), dtype=np.float32)  # [5, 7]
+    t = codec.encode(x, codec.F32)
+    assert list(t.shape) == [5, 7] and len(t.data) == 5 * 7 * 4
+    assert np.array_equal(codec.decode(t, "x", (codec.F32,), (5, 7)), x)
+    ids = np.array([[3, -1], [0, 7]], dtype=np.int64)  # [2, 2]
+    back = codec.decode(codec.encode(ids, codec.I32), "ids", (codec.I32,), (2, None))
+    assert back.dtype == np.int32 and np.array_equal(back, ids)
+
+
+def test_bf16_rounds_to_nearest_even():
+    x = np.array([1.0, -2.5, 3.14159, 1e-30, 65504.0, np.inf, -0.0], dtype=np.float32)
+    t = codec.encode(x, codec.BF16)
+    assert len(t.data) == x.size * 2
+    back = codec.decode(t, "x", (codec.BF16,))
+    # Reference: round the float64 value to 8 significant bits.
+    m, e = np.frexp(x[:5].astype(np.float64))
+    ref = np.ldexp(np.round(m * 256) / 256, e)
+    assert np.array_equal(back[:5], ref.astype(np.float32))
+    assert np.isinf(back[5]) and np.signbit(back[6])
+    # Ties go to even: 1 + 2^-8 is halfway between 1 and 1 + 2^-7.
+    tie = np.array([1 + 2**-8, 1 + 3 * 2**-8], dtype=np.float32)
+    assert codec.decode(codec.encode(tie, codec.BF16), "t", (codec.BF16,)).tolist() == [
+        1.0,
+        1 + 2**-6,
+    ]
+    assert np.isnan(codec.decode(codec.encode(np.float32([np.nan]), codec.BF16), "n", (2,)))[0]
+
+
+@pytest.mark.parametrize(
+    "tensor, message",
+    [
+        (pb.Tensor(data=b"\0" * 8, shape=[2], dtype=pb.I32), "dtype i32, expected f32"),
+        (pb.Tensor(data=b"\0" * 8, shape=[2, 1], dtype=pb.F32), "shape [2, 1], expected [2]"),
+        (pb.Tensor(data=b"\0" * 7, shape=[2], dtype=pb.F32), "7 bytes"),
+        (pb.Tensor(data=b"", shape=[-1], dtype=pb.F32), "invalid shape"),
+        (pb.Tensor(), "dtype dtype 0"),
+    ],
+)
+def test_decode_rejects_malformed(tensor, message):
+    with pytest.raises(codec.CodecError, match=re.escape(message)):
+        codec.decode(tensor, "x", (codec.F32,), (2,))
+
+
+def test_generated_code_is_current(tmp_path):
+    """`make proto` into a scratch directory reproduces the committed modules byte for byte."""
+    if shutil.which("make") is None:
+        pytest.skip("make not installed")
+    subprocess.run(
+        ["make", "-s", "-o", ".venv/.stamp", "proto", f"PROTO_OUT={tmp_path}"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    names = ["moeshard_pb2.py", "moeshard_pb2_grpc.py", "health_pb2.py", "health_pb2_grpc.py"]
+    match, mismatch, errors = filecmp.cmpfiles(tmp_path, ROOT / "moe" / "wire", names, False)
+    assert not mismatch and not errors, f"stale generated code: {mismatch + errors}; run make proto"
