@@ -372,7 +372,9 @@ class RemoteExperts:
                     hidden=codec.encode(hidden[rows], self.wire_dtype),
                     ids=codec.encode(np.where(mine[rows], ids[rows], -1), codec.I32),
                     weights=codec.encode(np.where(mine[rows], weights[rows], 0), codec.F32),
-                    out_dtype=self.wire_dtype,
+                    # f32 wire: partial sums come back unrounded (f64), so the total is the
+                    # same bits as on one machine, however the experts are spread
+                    out_dtype=codec.F64 if self.wire_dtype == codec.F32 else self.wire_dtype,
                 )
                 self.bytes_sent += request.ByteSize()
                 calls.append((peers[addr], experts, rows, self._send(peers[addr], request)))
@@ -388,7 +390,10 @@ class RemoteExperts:
                 self.bytes_received += reply.ByteSize()
                 try:
                     part = codec.decode(
-                        reply.out, "reply", (codec.F32, codec.BF16), (len(rows), self.hidden_size)
+                        reply.out,
+                        "reply",
+                        (codec.F64, codec.F32, codec.BF16),
+                        (len(rows), self.hidden_size),
                     )  # [n, H]
                 except codec.CodecError as exc:
                     self._ban(peer, f"malformed reply: {exc}")
@@ -401,10 +406,10 @@ class RemoteExperts:
             if len(done) < len(todo):
                 self.retries += 1
             todo = [e for e in todo if e not in set(done)]
-        out = np.zeros_like(hidden)  # [T, H]
+        out = np.zeros(hidden.shape, dtype=np.float64)  # [T, H]
         for _, rows, part in sorted(partials, key=lambda p: p[0]):
             out[rows] += part  # [n, H]
-        return out
+        return out.astype(np.float32)
 
     def _send(self, peer: Peer, request) -> _UnaryCall | _StreamCall:
         with self.lock:

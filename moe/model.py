@@ -88,24 +88,29 @@ class LocalExperts:
             self.bytes_read += self.records[key].nbytes
         return self.records[key]
 
-    def __call__(
-        self, layer: int, hidden: np.ndarray, ids: np.ndarray, weights: np.ndarray
-    ) -> np.ndarray:
+    def __call__(self, layer, hidden, ids, weights, dtype=np.float32) -> np.ndarray:
         return run_experts(
-            self.record, self.fmt, self.hidden, self.inter, layer, hidden, ids, weights
+            self.record, self.fmt, self.hidden, self.inter, layer, hidden, ids, weights, dtype
         )
 
 
-def run_experts(record_of, fmt, hidden_size, inter, layer, hidden, ids, weights) -> np.ndarray:
+def run_experts(
+    record_of, fmt, hidden_size, inter, layer, hidden, ids, weights, dtype=np.float32
+) -> np.ndarray:
     """Sum_k weights[t, k] * expert_{ids[t, k]}(hidden[t]); each expert runs once on its rows.
 
     hidden [T, H], ids/weights [T, k] -> [T, H]. `record_of(layer, expert)` returns packed bytes.
+
+    Each expert's weighted output is a float32 array; they are added in float64, where a sum of
+    a handful of float32 values is exact, and rounded once at the end. So the result does not
+    depend on the order of the additions, or on how the experts are split between nodes that
+    each return a float64 partial sum (dtype=np.float64) for the coordinator to add up.
     """
-    out = np.zeros_like(hidden, dtype=np.float32)  # [T, H]
+    out = np.zeros(hidden.shape, dtype=np.float64)  # [T, H]
     for expert in np.unique(ids):
         rows, slots = np.nonzero(ids == expert)  # [n], [n]
         y = quant.expert_ffn(
             record_of(layer, int(expert)), fmt, hidden_size, inter, hidden[rows]
         )  # [n, H]
-        np.add.at(out, rows, y * weights[rows, slots][:, None])
-    return out
+        np.add.at(out, rows, y * weights[rows, slots][:, None])  # float32 terms, float64 sum
+    return out.astype(dtype, copy=False)

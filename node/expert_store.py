@@ -157,7 +157,9 @@ class ExpertStore:
         if policy == "pin":
             if profile is None:
                 raise MoeshardError("cache policy 'pin' needs a profile (--profile-in FILE)")
-            n = slots - need if pin_count is None else min(pin_count, slots - need)
+            # leave one layer's worth of LRU slots so a layer's misses are read in parallel
+            room = max(slots - need - c.top_k, 0)
+            n = room if pin_count is None else min(pin_count, slots - need)
             self.pinned = {k for k, _ in profile.most_common(max(n, 0))}
         self._hint: tuple[int, np.ndarray] | None = None
         self.prefetched: dict[int, list[int]] = {}  # layer -> protected slots predicted for it
@@ -302,7 +304,7 @@ class ExpertStore:
     # the experts backend
 
     def __call__(
-        self, layer: int, hidden: np.ndarray, ids: np.ndarray, weights: np.ndarray
+        self, layer: int, hidden: np.ndarray, ids: np.ndarray, weights: np.ndarray, dtype=np.float32
     ) -> np.ndarray:
         t_call = time.perf_counter()
         st = self.stats
@@ -368,12 +370,12 @@ class ExpertStore:
             remaining = [k for k in remaining if k not in partial]
         self._release_prefetched(layer)
 
-        out = np.zeros_like(hidden, dtype=np.float32)  # [T, H]
+        out = np.zeros(hidden.shape, dtype=np.float64)  # [T, H]; exact sum, see run_experts
         for key in keys:
             rows, _ = np.nonzero(ids == key[1])  # [n]
             np.add.at(out, rows, partial[key])
         st.call_s += time.perf_counter() - t_call
-        return out
+        return out.astype(dtype, copy=False)
 
     def snapshot(self) -> StoreStats:
         """A copy of the stats, with the reader's counters brought up to date."""

@@ -159,8 +159,10 @@ class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
                 bad_arg, f"{rows} rows x {ids.shape[1]} slots: need 1..{MAX_ROWS} x 1..{MAX_SLOTS}"
             )
         out_dtype = request.out_dtype or request.hidden.dtype
-        if out_dtype not in (codec.F32, codec.BF16):
-            raise RequestError(bad_arg, f"out_dtype {codec.dtype_name(out_dtype)}: need f32/bf16")
+        if out_dtype not in (codec.F64, codec.F32, codec.BF16):
+            raise RequestError(
+                bad_arg, f"out_dtype {codec.dtype_name(out_dtype)}: need f64, f32 or bf16"
+            )
         if not np.isfinite(hidden).all() or not np.isfinite(weights).all():
             raise RequestError(bad_arg, "hidden or weights contain NaN or infinity")
         out_of_range = ids[(ids < -1) | (ids >= ident.n_experts)]
@@ -195,7 +197,7 @@ class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
             ids = np.where(empty, first[:, None], ids)  # [T, k]
             weights = np.where(empty, np.float32(0), weights).astype(np.float32)  # [T, k]
         live = (ids >= 0).any(axis=1)  # [T]
-        out = np.zeros_like(hidden)  # [T, H]
+        out = np.zeros(hidden.shape, dtype=np.float64)  # [T, H], the unrounded partial sum
         t0 = time.perf_counter()
         with self.state_lock:
             self.inflight += 1
@@ -216,7 +218,7 @@ class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
     def _compute(self, layer, hidden, ids, weights) -> np.ndarray:
         try:
             with self.compute_lock:
-                return self.backend(layer, hidden, ids, weights)  # [T, H]
+                return self.backend(layer, hidden, ids, weights, dtype=np.float64)  # [T, H]
         except StoreError as exc:
             bad = self._find_bad(layer, hidden, np.unique(ids))
             with self.state_lock:

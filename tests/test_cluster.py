@@ -191,6 +191,28 @@ def test_generation_through_three_nodes_equals_single_node(model_dir, cluster, r
         remote.close()
 
 
+def test_many_experts_per_token_give_the_same_bits_as_one_machine(model_dir, cluster, tmp_path):
+    """Top-4 routing spreads a token's experts over all three nodes; the partial sums come back
+    unrounded (f64), so the total is bit-identical to the single-process sum."""
+    import shutil
+
+    wide = tmp_path / "top4"
+    shutil.copytree(model_dir, wide)
+    config = json.loads((wide / "config.json").read_text())
+    config["num_experts_per_tok"] = 4
+    (wide / "config.json").write_text(json.dumps(config))
+    opts = SamplingOptions(max_tokens=TOKENS, keep_logits=True)
+    local = generate(open_local(wide).transformer, PROMPT, opts)
+    transformer, remote = remote_runtime(wide, [n.addr for n in cluster])
+    try:
+        result = generate(transformer, PROMPT, opts)
+        assert result.tokens == local.tokens
+        assert all(np.array_equal(a, b) for a, b in zip(result.logits, local.logits, strict=True))
+        assert sum(n["calls"] > 0 for n in remote.summary()["nodes"]) == 3
+    finally:
+        remote.close()
+
+
 def test_bf16_wire_is_close(model_dir, cluster, reference):
     transformer, remote = remote_runtime(model_dir, [n.addr for n in cluster], wire_dtype="bf16")
     try:

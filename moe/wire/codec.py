@@ -14,10 +14,10 @@ import numpy as np
 
 from moe.wire import moeshard_pb2 as pb
 
-F32, BF16, I32 = pb.F32, pb.BF16, pb.I32
-NAMES = {pb.F32: "f32", pb.BF16: "bf16", pb.I32: "i32"}
+F32, BF16, I32, F64 = pb.F32, pb.BF16, pb.I32, pb.F64
+NAMES = {pb.F32: "f32", pb.BF16: "bf16", pb.I32: "i32", pb.F64: "f64"}
 BY_NAME = {v: k for k, v in NAMES.items()}
-ITEMSIZE = {pb.F32: 4, pb.BF16: 2, pb.I32: 4}
+ITEMSIZE = {pb.F32: 4, pb.BF16: 2, pb.I32: 4, pb.F64: 8}
 MAX_DIMS = 4
 
 
@@ -54,6 +54,8 @@ def encode(array: np.ndarray, dtype: int = F32) -> pb.Tensor:
         data = f32_to_bf16(array).astype("<u2", copy=False).tobytes()
     elif dtype == pb.I32:
         data = np.ascontiguousarray(array, dtype="<i4").tobytes()
+    elif dtype == pb.F64:
+        data = np.ascontiguousarray(array, dtype="<f8").tobytes()
     else:
         raise CodecError(f"cannot encode as {dtype_name(dtype)}")
     return pb.Tensor(data=data, shape=list(array.shape), dtype=dtype)
@@ -93,4 +95,6 @@ def decode(
         return np.frombuffer(tensor.data, dtype="<f4").astype(np.float32).reshape(dims)
     if tensor.dtype == pb.BF16:
         return bf16_to_f32(np.frombuffer(tensor.data, dtype="<u2")).reshape(dims)
+    if tensor.dtype == pb.F64:
+        return np.frombuffer(tensor.data, dtype="<f8").astype(np.float64).reshape(dims)
     return np.frombuffer(tensor.data, dtype="<i4").astype(np.int32).reshape(dims)
