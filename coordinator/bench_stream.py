@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import logging
+import statistics
 import sys
 import time
 from collections import Counter
@@ -213,9 +214,10 @@ def run(args) -> int:
         start, trunk_start, trunk_stall = marks[0]
         d = end.minus(start)
         n = len(result.decode_s)
-        s_tok = sum(result.decode_s) / n
+        s_tok = statistics.median(result.decode_s)  # robust to the shared CPU's hiccups
+        mean_s = sum(result.decode_s) / n
         trunk_read = (trunk.bytes_read - trunk_start) / n
-        stall = (d.stall_s + trunk.stall_s - trunk_stall) / n
+        stall = (d.stall_s + trunk.stall_s - trunk_stall) / n * (s_tok / mean_s)  # as a share
         if trace0 is None:
             trace0, prefill_calls = store.trace, start.calls
             profile = store.counts
@@ -249,7 +251,10 @@ def run(args) -> int:
         f"{'stall':>7}{'recall':>8}{'prec.':>7}{'x I/O floor':>12}{'x bound':>9}"
     )
     mode = "I/O path only: expert kernels skipped" if args.io_only else "with expert compute"
-    print(f"decode, {mode}; hit rate includes prefetched experts; Belady = no prefetch")
+    print(
+        f"decode, {mode}; s/token = median step, GB/token and stall share = means; "
+        "hit rate counts prefetched experts as hits (Belady: no prefetch)"
+    )
     print(head)
     print("-" * len(head))
     for name, s_tok, gb, d, stall, same, _ in results:

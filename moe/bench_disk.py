@@ -50,9 +50,11 @@ def raw_read_gbps(
     def worker(i: int) -> None:
         rng = np.random.default_rng(seed + i)
         buf = memoryview(aligned_buffer(size))
-        while time.perf_counter() < stop:
+        while True:  # at least one read, even if this thread starts after `stop`
             path, off = targets[int(rng.integers(len(targets)))]
             done[i] += os.preadv(fds[path], [buf], off)
+            if time.perf_counter() >= stop:
+                break
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(depth)]
     t0 = time.perf_counter()
