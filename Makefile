@@ -9,7 +9,7 @@ DEMO_SRC := $(if $(wildcard models/demo-hf/config.json),models/demo-hf,tests/fix
 DEMO_OUT := out/demo
 PROMPT ?= The function returns
 
-.PHONY: all test lint demo demo-local fixtures ref-venv proto clean
+.PHONY: all test lint demo demo-local fixtures ref-venv proto clean testbed compose-check
 
 all: test
 
@@ -50,6 +50,15 @@ proto: $(VENV)/.stamp
 		proto/moeshard.proto proto/health.proto
 	sed -i -E 's/^import (moeshard|health)_pb2 as/from moe.wire import \1_pb2 as/' \
 		$(PROTO_OUT)/moeshard_pb2_grpc.py $(PROTO_OUT)/health_pb2_grpc.py
+
+# Coordinator + 3 nodes in network namespaces on one bridge: zeroconf discovery, faults, latency
+# (root; tears everything down on exit). Options go to tools/testbed.py: TESTBED_ARGS=--help
+testbed: $(VENV)/.stamp
+	PY=$(PY) bash tools/testbed.sh $(TESTBED_ARGS)
+
+# compose.yaml through a real Compose implementation's `config` (no Docker engine needed).
+compose-check:
+	bash tools/check_compose.sh
 
 clean:
 	rm -rf out build *.egg-info
