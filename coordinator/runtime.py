@@ -125,11 +125,13 @@ def open_streaming(path: str | Path, budget: int, context: int, **store_options)
 
     store_options: policy, prefetch, depth, profile (Counter), prefill_tokens.
     """
+    from moe.blas import limit_blas_threads
     from moe.budget import measure_overhead, plan_budget
     from moe.streaming_trunk import StreamingTrunk, TrunkLayout
     from node.expert_store import ExpertStore
 
     started = time.perf_counter()
+    limit_blas_threads(1)  # decode's small BLAS products stall on busy helper threads
     t0 = time.perf_counter()
     overhead = measure_overhead()  # includes the numba warm-up
     warmup_s = time.perf_counter() - t0

@@ -31,6 +31,18 @@ class StreamMonitor:
         self.err.write(f"[prefill: {prompt_tokens} tokens]\n")
         self.err.flush()
         self.t_last = self.t0 = time.perf_counter()
+        if self.live:
+            self.store.on_layer = self._prefill_layer
+
+    def _prefill_layer(self, layer: int) -> None:
+        if self.tokens:
+            return
+        snap = self.store.snapshot()
+        self.err.write(
+            f"\r[prefill: layer {layer}, {time.perf_counter() - self.t0:.1f} s, "
+            f"{snap.bytes_read / 1e9:.2f} GB read]"
+        )
+        self.err.flush()
 
     def __call__(self, token: int) -> None:
         now = time.perf_counter()

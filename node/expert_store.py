@@ -9,7 +9,8 @@ coalesced and several in flight. Eviction picks the slot with the lowest policy 
         across evictions; decay is done by growing the increment instead of shrinking all
         counts (`boost` *= 1/decay, renormalised when large)
   pin   the N most frequent experts of a profile score +inf once loaded (never evicted);
-        the rest is LRU
+        the rest is LRU (N leaves top_k + prefetch + 1 slots to LRU by default, so the misses
+        of one layer are still read in parallel)
   none  no reuse: a slot is freed as soon as its expert has run (prefetched ones live until
         the layer they were predicted for has run)
 
@@ -57,6 +58,7 @@ class StoreStats:
     compute_s: float = 0.0  # expert kernels
     stall_s: float = 0.0  # waiting for reads the layer needed
     call_s: float = 0.0  # total time inside __call__
+    evict_waits: int = 0  # evictions that had to wait for a mispredicted read to land
     predicted: int = 0  # experts predicted by prefetch hints (layers that then ran)
     predicted_used: int = 0  # of those, really used
     used_after_hint: int = 0  # experts used in layers that had a hint
@@ -166,6 +168,7 @@ class ExpertStore:
         self.fetched: dict[int, set[int]] = {}  # layer -> slots read by its prefetch
         self.predicted: dict[int, set[tuple[int, int]]] = {}
         self.trace: list[tuple[int, tuple[int, ...]]] | None = None  # (layer, experts) if recording
+        self.on_layer = None  # called with the layer after each layer call (progress lines)
 
     # ----------------------------------------------------------------------------------------
     # slots and policy
@@ -189,10 +192,13 @@ class ExpertStore:
         key = self.slot_key[slot]
         future = self.slot_future[slot]
         if future is not None and not future.done():
+            t0 = time.perf_counter()
             try:  # a mispredicted read still in flight must land before the slot is reused
                 future.result()
             except StoreError as exc:
                 log.warning("unused prefetched record failed: %s", exc)
+            self.stats.stall_s += time.perf_counter() - t0
+            self.stats.evict_waits += 1
         if key is not None:
             del self.slot_of[key]
         self.slot_key[slot] = None
@@ -375,6 +381,8 @@ class ExpertStore:
             rows, _ = np.nonzero(ids == key[1])  # [n]
             np.add.at(out, rows, partial[key])
         st.call_s += time.perf_counter() - t_call
+        if self.on_layer is not None:
+            self.on_layer(layer)
         return out.astype(dtype, copy=False)
 
     def snapshot(self) -> StoreStats:
