@@ -222,7 +222,9 @@ def _add_shard(sub) -> None:
     p.add_argument("model", help="model directory")
     p.add_argument("--nodes", type=int, required=True, help="number of node directories")
     p.add_argument("--replicas", type=int, default=2, help="copies of every expert")
-    p.add_argument("--trace", help='activation counts, JSON {"layer:expert": count}')
+    p.add_argument(
+        "--trace", help="usage to balance by: a trace (.npz), a --profile-out JSON, or {'L:E': n}"
+    )
     p.add_argument("--out", required=True, help="directory to create (node-00, node-01, ...)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.set_defaults(func=cmd_shard)

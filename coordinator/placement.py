@@ -20,14 +20,18 @@ from pathlib import Path
 from moe.errors import MoeshardError, StoreError
 from moe.model import ModelDir
 from moe.store import FORMAT_VERSION, ShardWriter, write_manifest
+from moe.trace import usage_counts
 
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 SHARD_MAX_BYTES = 2 << 30  # one shard file holds at most this many record bytes
 PLAN_FILE = "plan.json"
 
 
-def read_trace(path: str | Path, keys) -> dict[tuple[int, int], float]:
-    """{"layer:expert": count} -> load per known (layer, expert)."""
+def read_trace(path: str | Path, keys, model_id: str | None = None) -> dict[tuple[int, int], float]:
+    """Load per known (layer, expert) from a routing trace (.npz), a usage profile (JSON from
+    --profile-out) or a plain JSON object {"layer:expert": count}."""
+    if Path(path).suffix == ".npz" or _is_profile(path):
+        return _smoothed(usage_counts(path, model_id), keys, path)
     try:
         raw = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
@@ -43,6 +47,18 @@ def read_trace(path: str | Path, keys) -> dict[tuple[int, int], float]:
             raise MoeshardError(f"{path}: bad trace entry {name!r}: {count!r}") from None
         if counts[(layer, expert)] < 0:
             raise MoeshardError(f"{path}: negative count for {name}")
+    return _smoothed(counts, keys, path)
+
+
+def _is_profile(path) -> bool:
+    try:
+        return "counts" in json.loads(Path(path).read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _smoothed(counts, keys, path) -> dict[tuple[int, int], float]:
+    """Every known expert gets a small floor load, so unseen experts still spread evenly."""
     unknown = [k for k in counts if k not in keys]
     if unknown:
         raise MoeshardError(f"{path}: expert {unknown[0][1]} of layer {unknown[0][0]} not in model")
@@ -134,7 +150,7 @@ def shard_model(
         shutil.rmtree(out)
     keys = sorted(model.locations)
     if trace:
-        loads = read_trace(trace, set(keys))
+        loads = read_trace(trace, set(keys), model.model_id)
     else:
         loads = dict.fromkeys(keys, 1.0)
     record_bytes = max(loc.nbytes for _, loc in model.locations.values())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -153,3 +154,30 @@ class TraceRecorder:
             np.array([r[4] for r in self.rows], np.float16).reshape(n, k),
             self.meta,
         )
+
+
+def usage_counts(path: str | Path, model_id: str | None = None) -> Counter:
+    """(layer, expert) -> activation count, from a trace (.npz, `generate --trace`) or a usage
+    profile (JSON, `generate --ram ... --profile-out`). Refuses another model's file."""
+    path = Path(path)
+    if path.suffix == ".npz":
+        trace = load(path)
+        found = trace.meta.get("model_id")
+        keys = np.stack(
+            [np.repeat(trace.layer.astype(np.int64), trace.ids.shape[1]), trace.ids.reshape(-1)],
+            axis=1,
+        )  # [N * k, 2]
+        unique, counts = np.unique(keys, axis=0, return_counts=True)
+        usage = Counter(
+            {(int(a), int(b)): int(n) for (a, b), n in zip(unique, counts, strict=True)}
+        )
+    else:
+        try:
+            data = json.loads(path.read_text())
+            found = data.get("model_id")
+            usage = Counter({(int(a), int(b)): int(n) for a, b, n in data["counts"]})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise MoeshardError(f"{path}: not a moeshard trace or usage profile ({exc})") from None
+    if model_id is not None and found != model_id:
+        raise MoeshardError(f"{path}: written for another model (id {str(found)[:16]})")
+    return usage

@@ -38,6 +38,7 @@ import numpy as np
 from moe import quant
 from moe.errors import MoeshardError, StoreError
 from moe.io import ReaderPool, ReadRequest, align_up, aligned_buffer
+from moe.trace import usage_counts
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +94,8 @@ def write_profile(path: str | Path, model_id: str, counts: Counter) -> None:
 
 
 def read_profile(path: str | Path, model_id: str | None = None) -> Counter:
-    try:
-        data = json.loads(Path(path).read_text())
-        counts = Counter({(int(a), int(b)): int(n) for a, b, n in data["counts"]})
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise MoeshardError(f"{path}: not a moeshard profile ({exc})") from None
-    if model_id is not None and data.get("model_id") != model_id:
-        raise MoeshardError(f"{path}: profile was written for another model")
-    return counts
+    """Usage counts for the `pin` policy: a profile from `write_profile` or a routing trace."""
+    return usage_counts(path, model_id)
 
 
 class ExpertStore:

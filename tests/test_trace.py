@@ -140,3 +140,16 @@ def test_pack_in_place(traces, converted, tmp_path):
     assert [p.name for p in model.iterdir() if p.name.endswith(".gguf")] != []
     assert all(np.array_equal(after.locations[k][0].read(*k), v) for k, v in before.items())
     assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temporary leftovers
+
+
+def test_shard_placement_balances_by_a_real_trace(traces, converted, tmp_path):
+    from coordinator.placement import shard_model
+    from moe.trace import usage_counts
+
+    model = converted("deepseek_v3")
+    usage = usage_counts(traces[0])
+    assert sum(usage.values()) == trace.load(traces[0]).ids.size
+    plan = shard_model(model, 2, 1, tmp_path / "shards", traces[0])
+    assert plan["balanced_by"] == "trace"
+    loads = [n["load"] for n in plan["nodes"]]
+    assert max(loads) <= 1.5 * min(loads)  # hot experts spread over both nodes
