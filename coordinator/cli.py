@@ -612,6 +612,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from moe.blas import limit_blas_threads
+
+    limit_blas_threads(1)  # see moe/blas.py: small products stall on busy BLAS helper threads
     try:
         return args.func(args)
     except MoeshardError as exc:

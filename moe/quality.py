@@ -69,7 +69,8 @@ def compare_formats(
         for trunk in trunk_formats:
             for experts in expert_formats:
                 target = root / f"{experts}-{trunk}"
-                convert(src, target, experts, trunk, progress=False)
+                if not target.exists():  # f32-f32 is the reference itself
+                    convert(src, target, experts, trunk, progress=False)
                 agree, kls = [], []
                 for (seq, start), ref in zip(sequences, ref_logp, strict=True):
                     logp = log_softmax(sequence_logits(target, seq)[start:])  # [N, V]
@@ -88,18 +89,35 @@ def compare_formats(
         return out
 
 
+def eval_windows(n: int, window: int) -> list[tuple[int, int]]:
+    """(start, first scored index) of each forward pass over a stream of n tokens.
+
+    Windows of `window` tokens overlap by one, so every token after the first is predicted
+    exactly once; the last, partial window is right-aligned and scores only its new tokens
+    (the scheme of tools/train_demo.py's evaluation, so the two perplexities compare).
+    """
+    windows, start, covered = [], 0, 0
+    while start + window <= n:
+        windows.append((start, 0))
+        covered = start + window - 1
+        start += window - 1
+    if covered < n - 1:
+        start = max(0, n - window)
+        windows.append((start, covered - start))
+    return windows
+
+
 def perplexity(model_dir: Path, ids: list[int], window: int) -> float:
-    """exp(mean negative log-likelihood) over non-overlapping windows of `window` tokens."""
+    """exp(mean negative log-likelihood) of every token after the first."""
     nll, count = 0.0, 0
     rt = open_local(model_dir)
-    for start in range(0, len(ids) - 1, window):
-        chunk = ids[start : start + window + 1]
-        if len(chunk) < 2:
-            break
-        logits = rt.transformer.forward(np.asarray(chunk[:-1]), rt.transformer.new_cache(window))
-        logp = log_softmax(logits)  # [n, V]
-        nll -= float(logp[np.arange(len(chunk) - 1), chunk[1:]].sum())
-        count += len(chunk) - 1
+    for start, first in eval_windows(len(ids), window):
+        chunk = np.asarray(ids[start : start + window])  # [L]
+        logits = rt.transformer.forward(chunk, rt.transformer.new_cache(len(chunk)))  # [L, V]
+        logp = log_softmax(logits[:-1])  # [L-1, V]: position i predicts token i + 1
+        token_nll = -logp[np.arange(len(chunk) - 1), chunk[1:]]  # [L-1]
+        nll += float(token_nll[first:].sum())
+        count += len(token_nll) - first
     rt.model.close()
     return float(np.exp(nll / count))
 
