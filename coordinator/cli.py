@@ -333,7 +333,7 @@ def cmd_pack(args) -> int:
 
 def _add_simulate(sub) -> None:
     p = sub.add_parser("simulate", help="replay a trace against policies and a disk model")
-    p.add_argument("traces", nargs="+", help="trace file(s)")
+    p.add_argument("traces", nargs="+", help="trace file(s) (with --validate: the prompt ids)")
     p.add_argument("--geometry", default="k3", help="k3, k2, or a model directory")
     p.add_argument("--ram", default="8G", help="RAM budget, e.g. 8G")
     p.add_argument("--disk", default="this-machine", help="this-machine, pcie4-nvme or a JSON file")
@@ -341,12 +341,32 @@ def _add_simulate(sub) -> None:
     p.add_argument("--kernel-gbps", type=float, default=7.0, help="expert kernel throughput")
     p.add_argument("--memory-gbps", type=float, default=20.0, help="trunk compute bandwidth")
     p.add_argument("--prefetch-recall", type=float, default=0.8, help="share of misses predicted")
+    p.add_argument(
+        "--validate", metavar="MODEL", help="run MODEL for real and print measured vs simulated"
+    )
+    p.add_argument("--policy", default="lru", help="with --validate: cache policy")
+    p.add_argument("--prefetch", action="store_true", help="with --validate: prefetch on")
+    p.add_argument("--tokens", type=int, default=48, help="with --validate: decode tokens")
     p.set_defaults(func=cmd_simulate)
 
 
 def cmd_simulate(args) -> int:
     from moe import simulate, trace
     from moe.budget import parse_size
+
+    if args.validate:
+        from coordinator import sim_validate
+
+        prompt = [int(t) for t in args.traces[0].split(",")]
+        measured, predicted, _ = sim_validate.validate(
+            args.validate, parse_size(args.ram), args.policy, args.prefetch, args.tokens, prompt
+        )
+        print(
+            f"{args.validate}, --ram {args.ram}, policy {args.policy}, prefetch "
+            f"{'on' if args.prefetch else 'off'}, {args.tokens} tokens after prompt {prompt}"
+        )
+        print(sim_validate.report(measured, predicted))
+        return EXIT_OK
 
     merged = trace.merge([trace.load(p) for p in args.traces])
     geometry = simulate.geometry_of(args.geometry)
@@ -531,7 +551,7 @@ def _add_perplexity(sub) -> None:
     p.add_argument("--experts", default="f32,q4_0", help="expert formats (comma-separated)")
     p.add_argument("--trunk", default="f32", help="trunk format")
     p.add_argument("--window", type=int, default=256, help="tokens per evaluation window")
-    p.add_argument("--max-tokens", type=int, default=20000, help="evaluate at most this many")
+    p.add_argument("--max-tokens", type=int, default=0, help="evaluate at most this many (0: all)")
     p.set_defaults(func=cmd_perplexity)
 
 

@@ -130,7 +130,7 @@ def perplexity_by_format(
     tok_path = Path(src) / "tokenizer.json"
     if not tok_path.exists():
         raise MoeshardError(f"{src}: no tokenizer.json to tokenize the text with")
-    ids = Tokenizer.from_file(str(tok_path)).encode(text).ids[:max_tokens]
+    ids = Tokenizer.from_file(str(tok_path)).encode(text).ids[: max_tokens or None]
     if len(ids) < 2:
         raise MoeshardError("the text has fewer than two tokens")
     results = {}

@@ -9,7 +9,8 @@ Model of one decoded token, layer by layer:
     the previous layer's compute, as the streamed-trunk ring does);
   * the layer's k routed experts hit or miss the cache (policy: none / lru / lfu / pin);
     misses are read together at the configured queue depth, adjacent records (in file order or
-    the packed order) merged into one read;
+    the packed order) merged into one read, while the resident experts compute (the layer
+    waits for its last read, then computes that expert);
   * with prefetch, the experts predicted for this layer were requested while the previous
     layer computed: a predicted miss costs only the part of its read time that the previous
     layer's compute did not hide. Prediction quality comes from the trace's own recall
@@ -225,22 +226,28 @@ def simulate(
     prefetch_recall: float = 0.8,
     trunk_resident_share: float | None = None,
     seed: int = 0,
+    capacity: int | None = None,
+    layer_compute_s: float | None = None,
 ) -> Result:
-    """Predicted steady-state decode cost per token (see the module docstring)."""
+    """Predicted steady-state decode cost per token (see the module docstring).
+
+    `capacity` (cache records) and `layer_compute_s` override the values derived from the
+    budget and the kernel/memory throughputs, e.g. to replay a real run's own plan."""
     rng = np.random.default_rng(seed)
     g = geometry
     trunk_per_layer = g.trunk_bytes / g.layers
     if trunk_resident_share is None:  # the trunk gets RAM first, up to half the budget
         trunk_resident_share = min(1.0, 0.5 * ram_bytes / g.trunk_bytes)
     ring = 0 if trunk_resident_share >= 1 else 2 * trunk_per_layer
-    cache_bytes = ram_bytes - trunk_resident_share * g.trunk_bytes - ring
-    capacity = max(0, int(cache_bytes // g.record_bytes))
+    if capacity is None:
+        cache_bytes = ram_bytes - trunk_resident_share * g.trunk_bytes - ring
+        capacity = max(0, int(cache_bytes // g.record_bytes))
     counts = np.bincount(np.concatenate([t.reshape(-1) for t in tokens]))
     pinned = set(np.argsort(-counts)[: capacity // 2].tolist()) if config.policy == "pin" else set()
     cache = Cache(capacity, config.policy, pinned)
     slot = packed_slots(tokens, g) if config.packed else np.arange(g.layers * g.n_experts)
-    compute_s = trunk_per_layer / (memory_gbps * 1e9) + g.top_k * g.record_bytes / (
-        kernel_gbps * 1e9
+    compute_s = layer_compute_s or trunk_per_layer / (memory_gbps * 1e9) + g.top_k * (
+        g.record_bytes / (kernel_gbps * 1e9)
     )  # one layer's compute: trunk weights from RAM, active experts through the kernels
     streamed_trunk = (1 - trunk_resident_share) * trunk_per_layer
     trunk_read_s = streamed_trunk / (disk.gbps(8 << 20, 4) * 1e9)
@@ -256,7 +263,11 @@ def simulate(
             demand = [k for k in missing if k not in predicted]
             # read in the background during the previous layer's compute: trunk ring + prefetch
             background = trunk_read_s + _read_s(predicted, slot, g, disk, depth)
-            stall = max(0.0, background - compute_s) + _read_s(demand, slot, g, disk, depth)
+            # demand misses are read while the layer's resident experts compute; the layer
+            # waits for the last read, then computes that expert (1/k of the layer's compute)
+            demand_s = _read_s(demand, slot, g, disk, depth)
+            overlap = compute_s * (1 - 1 / g.top_k) if demand else 0.0
+            stall = max(0.0, background - compute_s) + max(0.0, demand_s - overlap)
             stall_s += stall
             total_s += compute_s + stall
             bytes_read += len(missing) * g.record_bytes + int(streamed_trunk)

@@ -62,3 +62,18 @@ def test_every_effect_points_the_right_way():
     assert run(120, prefetch=True).s_per_token < small.s_per_token
     assert run(120, "lfu").hit_rate > 0
     assert run(120, "lfu", packed=True).gb_per_token == pytest.approx(run(120, "lfu").gb_per_token)
+
+
+def test_validation_replays_a_real_streaming_run(tmp_path):
+    """The side-by-side command runs a real budgeted generation and its simulation."""
+    from coordinator import sim_validate
+    from moe.synth import synth
+
+    model = tmp_path / "tiny"
+    synth(model, "tiny")
+    measured, predicted, disk = sim_validate.validate(model, 300 << 20, "lru", False, 8, [1, 2, 3])
+    assert measured["s_per_token"] > 0 and predicted.s_per_token > 0
+    assert 0 <= predicted.hit_rate <= 1 and 0 <= measured["hit_rate"] <= 1
+    assert all(p[2] > 0 for p in disk.points)  # the disk really was measured
+    text = sim_validate.report(measured, predicted)
+    assert "measured" in text and "hit rate" in text
