@@ -261,13 +261,16 @@ def simulate(
             hits += len(keys) - len(missing)
             predicted = [k for k in missing if config.prefetch and rng.random() < prefetch_recall]
             demand = [k for k in missing if k not in predicted]
-            # read in the background during the previous layer's compute: trunk ring + prefetch
-            background = trunk_read_s + _read_s(predicted, slot, g, disk, depth)
-            # demand misses are read while the layer's resident experts compute; the layer
-            # waits for the last read, then computes that expert (1/k of the layer's compute)
-            demand_s = _read_s(demand, slot, g, disk, depth)
-            overlap = compute_s * (1 - 1 / g.top_k) if demand else 0.0
-            stall = max(0.0, background - compute_s) + max(0.0, demand_s - overlap)
+            # During the previous layer's compute the disk reads this layer's trunk slice (the
+            # ring) and then the prefetched experts; what does not fit in that window, and the
+            # demand misses, are read while this layer's resident experts compute. The layer
+            # waits for its last read, then computes that expert (1/k of its compute).
+            trunk_stall = max(0.0, trunk_read_s - compute_s)
+            spare = max(0.0, compute_s - trunk_read_s)
+            late_prefetch = max(0.0, _read_s(predicted, slot, g, disk, depth) - spare)
+            reads_now = late_prefetch + _read_s(demand, slot, g, disk, depth)
+            overlap = compute_s * (1 - 1 / g.top_k)
+            stall = trunk_stall + (max(0.0, reads_now - overlap) if reads_now else 0.0)
             stall_s += stall
             total_s += compute_s + stall
             bytes_read += len(missing) * g.record_bytes + int(streamed_trunk)
