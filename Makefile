@@ -4,12 +4,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 REF_VENV := .venv-ref
 REF_PY := $(REF_VENV)/bin/python
-# The trained demo model once it is committed; until then a tiny random checkpoint of the repo.
-DEMO_SRC := $(if $(wildcard models/demo-hf/config.json),models/demo-hf,tests/fixtures/qwen3_moe)
+# The embedded default model: a small Qwen3-MoE trained by tools/train_demo.py (see models/).
+DEMO_SRC := models/demo-hf
 DEMO_OUT := out/demo
 PROMPT ?= The function returns
 
-.PHONY: all test lint demo demo-local fixtures ref-venv proto clean testbed compose-check
+.PHONY: all test lint demo demo-local demo-ppl fixtures ref-venv proto clean testbed compose-check
 
 all: test
 
@@ -39,9 +39,20 @@ ref-venv: $(REF_VENV)/.stamp
 fixtures: $(REF_VENV)/.stamp
 	$(REF_PY) tools/make_fixtures.py --out tests/fixtures
 
-demo: $(VENV)/.stamp
+$(DEMO_OUT)/moeshard.json: $(DEMO_SRC)/model.safetensors $(DEMO_SRC)/config.json $(VENV)/.stamp
 	$(VENV)/bin/moeshard convert $(DEMO_SRC) $(DEMO_OUT) --force
-	$(VENV)/bin/moeshard generate $(DEMO_OUT) --prompt "$(PROMPT)" --max-tokens 48
+
+# The network mode on one machine: three node daemons on loopback, found with zeroconf.
+demo: $(DEMO_OUT)/moeshard.json
+	PY=$(PY) bash tools/demo_cluster.sh $(DEMO_OUT) "$(PROMPT)" 48
+
+# The single-node mode under a hard RAM budget (experts streamed with O_DIRECT).
+demo-local: $(DEMO_OUT)/moeshard.json
+	$(VENV)/bin/moeshard generate $(DEMO_OUT) --ram 56M --prompt "$(PROMPT)" --max-tokens 48
+
+# Validation perplexity of the committed model with f32 and with q4_0 experts.
+demo-ppl: $(VENV)/.stamp
+	$(VENV)/bin/moeshard perplexity $(DEMO_SRC) --text $(DEMO_SRC)/val.txt --experts f32,q4_0
 
 # Regenerate the committed protobuf/gRPC modules (tests/test_wire.py checks they are current).
 PROTO_OUT ?= moe/wire
