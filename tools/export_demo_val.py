@@ -2,9 +2,9 @@
 
     .venv-ref/bin/python tools/export_demo_val.py [--seed 1234] [--val-frac 0.03]
 
-The documents are the ones tools/train_demo.py held out (same corpus, same seeded split), each
-preceded by <|endoftext|> and the last one followed by it, exactly the token stream its
-evaluation scored, so `moeshard perplexity models/demo-hf --text models/demo-hf/val.txt`
+The documents are the ones tools/train_demo.py held out (same corpus, same seeded split),
+separated by <|endoftext|> and ended with it; the tokenizer adds the leading one, so encoding
+the file gives exactly the token stream the training script's evaluation scored, so `moeshard perplexity models/demo-hf --text models/demo-hf/val.txt`
 measures the same thing as the training log's final validation perplexity. The corpus is the
 Python 3.11 documentation (Debian package python3.11-doc, PSF licence, redistributable).
 """
@@ -33,7 +33,8 @@ def main() -> None:
     args = ap.parse_args()
     docs = train_demo.load_docs(train_demo.find_corpus(args.doc_root))
     _, val = train_demo.split_docs(docs, args.val_frac, args.seed)
-    text = "".join(EOT + t for _, t in val) + EOT
+    # the tokenizer starts every text with <|endoftext|> itself (its post-processor)
+    text = EOT.join(t for _, t in val) + EOT
     tmp = args.out + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
