@@ -30,6 +30,7 @@ from moe import quant
 from moe.bench_disk import interleaved
 from moe.blas import limit_blas_threads
 from moe.budget import fmt_bytes, measure_overhead, parse_size, peak_rss_bytes, plan_budget
+from moe.errors import MoeshardError
 from moe.io import ReaderPool, ReadRequest, aligned_buffer
 from moe.model import ModelDir
 from moe.streaming_trunk import StreamingTrunk, TrunkLayout
@@ -125,6 +126,16 @@ def belady_hits(keys: list, capacity: int, count_from: int = 0) -> tuple[int, in
     return hits, len(keys) - count_from
 
 
+def packed_model(path: str, model: ModelDir) -> ModelDir:
+    """The same model with its experts laid out by `moeshard pack` (checked: same model id)."""
+    packed = ModelDir(path)
+    if packed.model_id != model.model_id:
+        raise MoeshardError(f"--packed {path}: model id differs from {model.path}'s")
+    if "layout" not in packed.manifest:
+        raise MoeshardError(f"--packed {path}: not a packed layout (run `moeshard pack`)")
+    return packed
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="model directory (e.g. from `moeshard synth`)")
     p.add_argument("--ram", required=True, help="RAM budget, e.g. 2G")
@@ -132,6 +143,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-ids", default="1,2,3,4,5,6,7,8")
     p.add_argument("--depth", type=int, default=4, help="O_DIRECT reads in flight")
     p.add_argument("--policies", default="lru,lfu,pin,none")
+    p.add_argument(
+        "--packed", metavar="DIR", help="also run every row on this `moeshard pack` copy of MODEL"
+    )
     p.add_argument("--disk-seconds", type=float, default=1.0, help="per disk measurement")
     p.add_argument("--reps", type=int, default=3, help="disk measurements: median of this many")
     p.add_argument(
@@ -190,12 +204,16 @@ def run(args) -> int:
                     {"policy": policy, "prefetch": prefetch},
                 )
             )
+    packed = packed_model(args.packed, model) if args.packed else None
+    if packed is not None:  # the same rows on the co-activation layout (`moeshard pack`)
+        rows += [(f"{name} [packed]", dict(opts, packed=True)) for name, opts in rows]
     runs: dict[str, list] = {name: [] for name, _ in rows}
     trace0, profile = None, None
     for name, options in [row for _ in range(args.repeat) for row in rows]:
-        if options:
+        source = packed if options.get("packed") else model
+        if options.get("policy"):
             store = ExpertStore(
-                model,
+                source,
                 plan.expert_slots,
                 options["policy"],
                 prefetch=options["prefetch"],
@@ -206,7 +224,7 @@ def run(args) -> int:
             )
             store.trace = []
         else:
-            store = NaiveExperts(model, ffn)
+            store = NaiveExperts(source, ffn)
         tf.experts = store
         marks: list = []
 
@@ -262,6 +280,7 @@ def run(args) -> int:
     head = (
         f"{'config':<16}{'s/token':>9}{'GB/token':>10}{'hit rate':>10}{'Belady':>8}"
         f"{'stall':>7}{'recall':>8}{'prec.':>7}{'x I/O floor':>12}{'x bound':>9}"
+        f"{'reads/tok':>10}{'KiB/read':>9}"
     )
     mode = "I/O path only: expert kernels skipped" if args.io_only else "with expert compute"
     print(
@@ -277,6 +296,7 @@ def run(args) -> int:
             f"{stall / s_tok:>7.0%}"
             + (f"{d.recall:>8.0%}{d.precision:>7.0%}" if pf else f"{'-':>8}{'-':>7}")
             + f"{s_tok / io_floor:>12.2f}{s_tok / floor:>9.2f}"
+            + f"{d.reads / decode_tokens:>10.1f}{d.bytes_read / max(d.reads, 1) / 1024:>9.0f}"
             + ("" if same else "  (routing differs!)")
         )
     print(

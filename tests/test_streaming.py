@@ -162,6 +162,16 @@ def test_bench_commands_run(tiny, tmp_path, capsys):
     assert main([*argv, "--disk-seconds", "0.05", "--reps", "1", "--policies", "lru"]) == 0
     out = capsys.readouterr().out
     assert "naive" in out and "lru +prefetch" in out and "Belady" in out
+    trace = tmp_path / "trace.npz"
+    gen = ["generate", str(tiny), "--prompt-ids", "1,2,3", "--max-tokens", "6", "--json"]
+    assert main([*gen, "--trace", str(trace)]) == 0
+    assert main(["pack", str(tiny), "--trace", str(trace), "--out", str(tmp_path / "packed")]) == 0
+    capsys.readouterr()
+    packed = ["--packed", str(tmp_path / "packed"), "--policies", "lru"]
+    assert main([*argv, "--disk-seconds", "0.05", "--reps", "1", *packed]) == 0
+    out = capsys.readouterr().out
+    assert "lru [packed]" in out and "naive [packed]" in out and "reads/tok" in out
+    assert "routing differs" not in out
     argv = ["bench", "disk", "--dir", str(tmp_path), "--file-size", "8M", "--sizes", "4K,1M"]
     assert main([*argv, "--depths", "1,2", "--seconds", "0.05", "--reps", "1"]) == 0
     assert "1.00 MiB" in capsys.readouterr().out

@@ -4,9 +4,10 @@
 
 The documents are the ones tools/train_demo.py held out (same corpus, same seeded split),
 separated by <|endoftext|> and ended with it; the tokenizer adds the leading one, so encoding
-the file gives exactly the token stream the training script's evaluation scored, so `moeshard perplexity models/demo-hf --text models/demo-hf/val.txt`
-measures the same thing as the training log's final validation perplexity. The corpus is the
-Python 3.11 documentation (Debian package python3.11-doc, PSF licence, redistributable).
+the file gives exactly the token stream the training script's evaluation scored, and
+`moeshard perplexity models/demo-hf --text models/demo-hf/val.txt` measures the same thing as
+the training log's final validation perplexity. The corpus is the Python 3.11 documentation
+(Debian package python3.11-doc, PSF licence, redistributable).
 """
 
 from __future__ import annotations
