@@ -60,6 +60,9 @@ DISK_PROFILES = {
 }
 
 
+SPLIT_BYTES = 1 << 20  # large reads reach the device as requests of about this size
+
+
 @dataclass
 class Geometry:
     name: str
@@ -115,11 +118,18 @@ class Disk:
         return float(np.interp(math.log2(max(read_bytes, 1)), xs, gs))
 
     def read_seconds(self, sizes: list[int], depth: int) -> float:
-        """Time to read these runs, `depth` of them in flight."""
+        """Time to read these runs, `depth` of them in flight. The kernel splits a read larger
+        than SPLIT_BYTES into SPLIT_BYTES requests that are all in flight at once, so a few big
+        merged reads keep the device as busy as many record-sized ones."""
         if not sizes:
             return 0.0
         total = float(sum(sizes))
-        return total / (self.gbps(total / len(sizes), min(depth, len(sizes))) * 1e9)
+        mean = total / len(sizes)
+        if mean <= SPLIT_BYTES:
+            return total / (self.gbps(mean, min(depth, len(sizes))) * 1e9)
+        pieces = sum(math.ceil(s / SPLIT_BYTES) for s in sizes)
+        deepest = max(p[1] for p in self.points)
+        return total / (self.gbps(SPLIT_BYTES, min(max(depth, deepest), pieces)) * 1e9)
 
 
 @dataclass
