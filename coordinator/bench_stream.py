@@ -16,7 +16,6 @@ non-I/O time per token of any row), and each row's ratio to both.
 from __future__ import annotations
 
 import argparse
-import heapq
 import logging
 import statistics
 import sys
@@ -30,6 +29,7 @@ from moe import quant
 from moe.bench_disk import interleaved
 from moe.blas import limit_blas_threads
 from moe.budget import fmt_bytes, measure_overhead, parse_size, peak_rss_bytes, plan_budget
+from moe.cachesim import belady_hits
 from moe.errors import MoeshardError
 from moe.io import ReaderPool, ReadRequest, aligned_buffer
 from moe.model import ModelDir
@@ -99,31 +99,6 @@ class NaiveExperts:
 
     def close(self) -> None:
         self.reader.close()
-
-
-def belady_hits(keys: list, capacity: int, count_from: int = 0) -> tuple[int, int]:
-    """Hits of the offline-optimal cache (evict the key used furthest in the future) over
-    accesses[count_from:], the cache warmed by the accesses before. Returns (hits, accesses)."""
-    nxt = [0] * len(keys)
-    last: dict = {}
-    for i in range(len(keys) - 1, -1, -1):
-        nxt[i] = last.get(keys[i], len(keys) + i)
-        last[keys[i]] = i
-    cache: dict = {}  # key -> next use
-    heap: list[tuple[int, object]] = []  # (-next use, key), lazily invalidated
-    hits = 0
-    for i, key in enumerate(keys):
-        if key in cache:
-            hits += i >= count_from
-        elif len(cache) >= capacity:
-            while True:
-                neg, victim = heapq.heappop(heap)
-                if cache.get(victim) == -neg:
-                    del cache[victim]
-                    break
-        cache[key] = nxt[i]
-        heapq.heappush(heap, (-nxt[i], key))
-    return hits, len(keys) - count_from
 
 
 def packed_model(path: str, model: ModelDir) -> ModelDir:
@@ -260,7 +235,8 @@ def run(args) -> int:
 
     keys = [(layer, e) for layer, experts in trace0 for e in experts]
     prefill_accesses = sum(len(experts) for _, experts in trace0[:prefill_calls])
-    hits, accesses = belady_hits(keys, plan.expert_slots, prefill_accesses)
+    hits = belady_hits(keys, plan.expert_slots, prefill_accesses)
+    accesses = len(keys) - prefill_accesses
     belady = hits / accesses
     decode_tokens = len(results[0][6]) - 1
     must_read = (accesses - hits) * plan.slot_bytes / decode_tokens

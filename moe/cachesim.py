@@ -62,29 +62,32 @@ def lfu_hits(keys: np.ndarray, capacity: int, decay: float = 0.999) -> int:
     return hits
 
 
-def belady_hits(keys: np.ndarray, capacity: int) -> int:
-    """Offline optimum: on a miss with a full cache, evict the record used furthest ahead."""
+def belady_hits(keys, capacity: int, count_from: int = 0) -> int:
+    """Offline optimum: on a miss with a full cache, evict the record used furthest ahead.
+
+    Hits are counted from access `count_from` on (the accesses before it only warm the cache).
+    """
+    keys = list(keys.tolist() if isinstance(keys, np.ndarray) else keys)
     n = len(keys)
-    next_use = np.full(n, n, dtype=np.int64)  # index of the next access to the same key
-    last: dict[int, int] = {}
+    next_use = [n] * n  # index of the next access to the same key
+    last: dict = {}
     for i in range(n - 1, -1, -1):
-        key = int(keys[i])
-        next_use[i] = last.get(key, n)
-        last[key] = i
-    cache: dict[int, int] = {}  # key -> its next use
-    heap: list[tuple[int, int]] = []  # (-next use, key), stale entries skipped
+        next_use[i] = last.get(keys[i], n + i)  # never again: furthest, in order of last use
+        last[keys[i]] = i
+    cache: dict = {}  # key -> its next use
+    heap: list = []  # (-next use, key), stale entries skipped
     hits = 0
-    for i, key in enumerate(keys.tolist()):
+    for i, key in enumerate(keys):
         if key in cache:
-            hits += 1
+            hits += i >= count_from
         elif len(cache) >= capacity:
             while True:
                 neg_next, victim = heapq.heappop(heap)
                 if cache.get(victim) == -neg_next:
                     del cache[victim]
                     break
-        cache[key] = int(next_use[i])
-        heapq.heappush(heap, (-int(next_use[i]), key))
+        cache[key] = next_use[i]
+        heapq.heappush(heap, (-next_use[i], key))
     return hits
 
 

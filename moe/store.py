@@ -307,7 +307,7 @@ class ShardFile:
         size = self.path.stat().st_size
         self.records: dict[tuple[int, int], RecordLocation] = {}
         for layer, expert, offset, nbytes, crc in zip(*columns, strict=True):
-            start = reader.data_offset + int(offset)
+            start = int(reader.data_offset) + int(offset)
             if start + int(nbytes) > size:
                 raise StoreError(
                     f"{self.path}: truncated: expert {expert} of layer {layer} ends at byte "
@@ -358,7 +358,7 @@ def load_trunk(path: Path, expected_model_id: str | None, verify: bool = True) -
         )
     entries = json.loads(_field(reader, "moeshard.trunk.index", path))
     crcs = _field(reader, "moeshard.trunk.crc32", path)
-    end, size = reader.data_offset, path.stat().st_size
+    end, size = int(reader.data_offset), path.stat().st_size
     for name, fmt, shape in entries:
         rows, cols = (1, shape[0]) if len(shape) == 1 else shape
         nbytes = quant.packed_nbytes(fmt, rows, cols)
