@@ -48,7 +48,7 @@ demo: $(DEMO_OUT)/moeshard.json
 
 # The single-node mode under a hard RAM budget (experts streamed with O_DIRECT).
 demo-local: $(DEMO_OUT)/moeshard.json
-	$(VENV)/bin/moeshard generate $(DEMO_OUT) --ram 56M --prompt "$(PROMPT)" --max-tokens 48
+	$(VENV)/bin/moeshard generate $(DEMO_OUT) --ram 60M --prompt "$(PROMPT)" --max-tokens 48
 
 # Validation perplexity of the committed model with f32 and with q4_0 experts.
 demo-ppl: $(VENV)/.stamp
