@@ -101,6 +101,15 @@ class Runtime:
         return stats
 
 
+def finish_runtime(model, transformer, experts, warmup_s: float, started: float) -> Runtime:
+    """The parts every mode shares: tokenizer, end-of-sequence ids, start-up time."""
+    tok_path = model.path / "tokenizer.json"
+    tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
+    eos = eos_ids(read_json(model.path / "config.json"), model.generation_config())
+    startup = time.perf_counter() - started
+    return Runtime(model, transformer, experts, tokenizer, eos, warmup_s, startup)
+
+
 def open_local(path: str | Path) -> Runtime:
     """Single process: trunk in RAM, experts read from this directory's shard files."""
     started = time.perf_counter()
@@ -111,12 +120,7 @@ def open_local(path: str | Path) -> Runtime:
     trunk = model.load_trunk()
     experts = LocalExperts(model)
     transformer = model.family.Transformer(model.config, trunk, experts)
-    tok_path = model.path / "tokenizer.json"
-    tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
-    raw = read_json(model.path / "config.json")
-    eos = eos_ids(raw, model.generation_config())
-    startup = time.perf_counter() - started
-    return Runtime(model, transformer, experts, tokenizer, eos, warmup_s, startup)
+    return finish_runtime(model, transformer, experts, warmup_s, started)
 
 
 def open_streaming(path: str | Path, budget: int, context: int, **store_options) -> Runtime:
@@ -154,12 +158,7 @@ def open_streaming(path: str | Path, budget: int, context: int, **store_options)
     )
     experts.plan = plan
     transformer = model.family.Transformer(model.config, trunk, experts)
-    tok_path = model.path / "tokenizer.json"
-    tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
-    raw = read_json(model.path / "config.json")
-    eos = eos_ids(raw, model.generation_config())
-    startup = time.perf_counter() - started
-    return Runtime(model, transformer, experts, tokenizer, eos, warmup_s, startup)
+    return finish_runtime(model, transformer, experts, warmup_s, started)
 
 
 def resolve_peers(
@@ -203,9 +202,4 @@ def open_remote(
     experts = RemoteExperts(model.model_id, model.config.hidden_size, addrs, remote_config)
     trunk = model.load_trunk()
     transformer = model.family.Transformer(model.config, trunk, experts)
-    tok_path = model.path / "tokenizer.json"
-    tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
-    raw = read_json(model.path / "config.json")
-    eos = eos_ids(raw, model.generation_config())
-    startup = time.perf_counter() - started
-    return Runtime(model, transformer, experts, tokenizer, eos, warmup_s, startup)
+    return finish_runtime(model, transformer, experts, warmup_s, started)
