@@ -8,7 +8,9 @@ offline optimum is computed on, for the same number of cache slots.
 
 The floor: the bytes that must be read per token (Belady's misses for this cache size, plus the
 streamed trunk layers) divided by the disk's bandwidth measured in this run with random
-O_DIRECT reads of the model's own expert records at the same read size and queue depth. Since
+O_DIRECT reads of the model's own expert records at the same read size and queue depth (the
+median of short windows taken before the rows and after every row, since a shared disk drifts
+while the rows run). Since
 the experts must also be computed, the table shows a second bound, max(I/O floor, the smallest
 non-I/O time per token of any row), and each row's ratio to both.
 """
@@ -26,7 +28,7 @@ import numpy as np
 
 from coordinator.generate import SamplingOptions, generate
 from moe import quant
-from moe.bench_disk import interleaved
+from moe.bench_disk import interleaved, raw_read_gbps
 from moe.blas import limit_blas_threads
 from moe.budget import fmt_bytes, measure_overhead, parse_size, peak_rss_bytes, plan_budget
 from moe.cachesim import belady_hits
@@ -121,8 +123,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--packed", metavar="DIR", help="also run every row on this `moeshard pack` copy of MODEL"
     )
-    p.add_argument("--disk-seconds", type=float, default=1.0, help="per disk measurement")
-    p.add_argument("--reps", type=int, default=3, help="disk measurements: median of this many")
+    p.add_argument("--disk-seconds", type=float, default=0.3, help="per disk window")
+    p.add_argument(
+        "--reps", type=int, default=9, help="raw/reader disk window pairs before the rows"
+    )
     p.add_argument(
         "--repeat", type=int, default=1, help="rounds over all rows; each row's median round"
     )
@@ -163,12 +167,16 @@ def run(args) -> int:
 
     # the disk, at the experts' read size and this queue depth
     record = plan.slot_bytes
-    targets = [(loc.path, loc.offset) for _, loc in model.locations.values()]
-    raw, pool = interleaved(targets, record, args.depth, args.disk_seconds, args.reps)
+    targets = [(loc.path, loc.offset, loc.nbytes, loc.crc32) for _, loc in model.locations.values()]
+    alt = interleaved(targets, record, args.depth, args.disk_seconds, args.reps)
     print(
-        f"disk: random O_DIRECT {fmt_bytes(record)} reads at QD{args.depth}: raw {raw:.3f} GB/s, "
-        f"through the reader pool {pool:.3f} GB/s ({pool / raw:.0%} of raw)"
+        f"disk: random O_DIRECT {fmt_bytes(record)} reads at QD{args.depth}: raw {alt.raw:.3f} "
+        f"GB/s, through the reader pool (checksums verified) {alt.pool:.3f} GB/s; reader/raw "
+        f"{alt.ratio:.0%} (median of {alt.pairs} alternated {args.disk_seconds:g} s window pairs)"
     )
+    # the disk drifts while the rows run: one more raw window after every row, and the floor
+    # uses the median of all raw windows of the run
+    raw_windows = [alt.raw]
 
     rows: list[tuple[str, dict]] = [("naive", {})]
     for policy in args.policies.split(","):
@@ -225,6 +233,17 @@ def run(args) -> int:
         )
         trunk_per_token = trunk_read
         store.close()
+        raw_windows.append(
+            # a fresh seed per window: re-reading the same offsets would be served by the
+            # host's cache on a virtual disk and inflate the floor's bandwidth
+            raw_read_gbps(
+                [t[:2] for t in targets],
+                record,
+                args.depth,
+                args.disk_seconds,
+                seed=1000 + len(raw_windows),
+            )
+        )
         print(f"[{name}: {s_tok:.4f} s/token]", file=sys.stderr, flush=True)
 
     results = []  # per row: the run with the median s/token (rounds alternate the rows)
@@ -240,6 +259,7 @@ def run(args) -> int:
     belady = hits / accesses
     decode_tokens = len(results[0][6]) - 1
     must_read = (accesses - hits) * plan.slot_bytes / decode_tokens
+    raw = statistics.median(raw_windows)
     io_floor = (must_read + trunk_per_token) / (raw * 1e9)
     compute = min(s - st for _, s, _, _, st, _, _ in results)
     floor = max(io_floor, compute)
@@ -248,6 +268,10 @@ def run(args) -> int:
         f"{accesses / decode_tokens:.1f} expert uses/token; {plan.expert_slots} cache slots; "
         f"Belady hit rate {belady:.1%} -> must read {must_read / 1e9:.3f} GB/token"
         + (f" + trunk {trunk_per_token / 1e9:.3f} GB/token" if trunk_per_token else "")
+    )
+    print(
+        f"disk through the run: raw {raw:.3f} GB/s median of {len(raw_windows)} windows "
+        f"(min {min(raw_windows):.3f}, max {max(raw_windows):.3f})"
     )
     print(
         f"floor: I/O {io_floor:.4f} s/token (must-read bytes / {raw:.2f} GB/s); non-I/O time "

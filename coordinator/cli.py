@@ -347,6 +347,9 @@ def _add_simulate(sub) -> None:
     p.add_argument("--policy", default="lru", help="with --validate: cache policy")
     p.add_argument("--prefetch", action="store_true", help="with --validate: prefetch on")
     p.add_argument("--tokens", type=int, default=48, help="with --validate: decode tokens")
+    p.add_argument(
+        "--repeat", type=int, default=3, help="with --validate: real runs (median), disk between"
+    )
     p.set_defaults(func=cmd_simulate)
 
 
@@ -358,14 +361,20 @@ def cmd_simulate(args) -> int:
         from coordinator import sim_validate
 
         prompt = [int(t) for t in args.traces[0].split(",")]
-        measured, predicted, _ = sim_validate.validate(
-            args.validate, parse_size(args.ram), args.policy, args.prefetch, args.tokens, prompt
+        runs, predictions, _ = sim_validate.validate(
+            args.validate,
+            parse_size(args.ram),
+            args.policy,
+            args.prefetch,
+            args.tokens,
+            prompt,
+            args.repeat,
         )
         print(
             f"{args.validate}, --ram {args.ram}, policy {args.policy}, prefetch "
             f"{'on' if args.prefetch else 'off'}, {args.tokens} tokens after prompt {prompt}"
         )
-        print(sim_validate.report(measured, predicted))
+        print(sim_validate.report(runs, predictions))
         return EXIT_OK
 
     merged = trace.merge([trace.load(p) for p in args.traces])
@@ -574,9 +583,11 @@ def cmd_perplexity(args) -> int:
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print ratios against same-run baselines")
     benches = p.add_subparsers(dest="bench", required=True)
+    from moe import bench_kernels
+
     k = benches.add_parser("kernels", help="Q4_0/Q8_0 matmul GB/s vs DRAM bandwidth")
-    k.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark")
-    k.set_defaults(func=lambda a: _run_module_main("moe.bench_kernels", a.rest))
+    bench_kernels.add_arguments(k)
+    k.set_defaults(func=bench_kernels.run)
     from coordinator import bench_rpc
 
     r = benches.add_parser("rpc", help="gRPC round trips, per-layer fan-out, tok/s on 1..N nodes")
@@ -594,12 +605,6 @@ def _add_bench(sub) -> None:
     s = benches.add_parser("stream", help="streaming s/token per cache policy vs the disk floor")
     bench_stream.add_arguments(s)
     s.set_defaults(func=bench_stream.run)
-
-
-def _run_module_main(module: str, argv: list[str]) -> int:
-    import importlib
-
-    return int(importlib.import_module(module).main(argv) or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:

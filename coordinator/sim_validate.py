@@ -1,36 +1,55 @@
 """`moeshard simulate --validate MODEL --ram SIZE`: the simulator against a real run, side by side.
 
 Runs a real single-node streaming generation (ExpertStore, O_DIRECT reads) while recording its
-routing trace, measures this disk at the model's record size in the same run, then replays
-the trace through `moe.simulate` with the run's own cache size and policy. The simulator is
-given the run's measured non-I/O time per token (its compute model is calibrated, not
-predicted); the cache hit rate, the bytes read and the I/O stall are predicted from the trace
-and the disk model alone.
+routing trace, measures this disk through the same reader before and after the run, then
+replays the trace (prompt included, so the cache starts decoding as warm as the real one)
+through `moe.simulate` with the run's own cache size and policy. The simulator is given the
+run's measured compute (non-expert time per layer, kernel time per expert: calibrated, not
+predicted); the cache hit rate, the bytes read, the I/O stall and so the s/token are predicted
+from the trace and the disk model alone.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 
 from coordinator.generate import SamplingOptions, generate
 from coordinator.runtime import open_streaming
 from moe import simulate
-from moe.bench_disk import raw_read_gbps
+from moe.bench_disk import reader_gbps
+from moe.model import ModelDir
 from moe.trace import TraceRecorder
 
 
-def measure_disk(model, record_bytes: int, seconds: float = 0.5) -> simulate.Disk:
-    """O_DIRECT random reads over the model's own records: GB/s at depths 1, 2, 4, 8, for the
-    record size and for 4 records at a time (merged adjacent reads)."""
-    targets = [(loc.path, loc.offset) for _, loc in model.locations.values()]
+def measure_disk(model, record_bytes: int, seconds: float = 0.25, seed: int = 0) -> simulate.Disk:
+    """Random reads over the model's own records through the expert cache's reader
+    (`moe.io.ReaderPool`: O_DIRECT, checksums verified), GB/s at depths 1, 2, 4, 8, for the
+    record size and for 4 records at a time (merged adjacent reads). The reader, not the bare
+    device, is what the real run waits on, so its per-read cost belongs in the disk model."""
+    records = [(loc.path, loc.offset, loc.nbytes, loc.crc32) for _, loc in model.locations.values()]
+    ends = {p: os.path.getsize(p) for p, *_ in records}
     points = []
     for size in (record_bytes, 4 * record_bytes):
+        # merged reads: any 4 records in a row that end inside their file
+        plain = [(p, off) for p, off, *_ in records if off + size <= ends[p]] or records
         for depth in (1, 2, 4, 8):
-            points.append([size, depth, raw_read_gbps(targets, size, depth, seconds)])
+            targets = records if size == record_bytes else plain
+            points.append([size, depth, reader_gbps(targets, size, depth, seconds, seed)])
     return simulate.Disk(points)
 
 
-def validate(model_path, ram: int, policy: str, prefetch: bool, tokens: int, prompt: list[int]):
+def median_disk(disks: list[simulate.Disk]) -> simulate.Disk:
+    """Point by point median of several measurements of the same (size, depth) grid."""
+    points = [
+        [size, depth, statistics.median(d.points[i][2] for d in disks)]
+        for i, (size, depth, _) in enumerate(disks[0].points)
+    ]
+    return simulate.Disk(points)
+
+
+def run_once(model_path, ram: int, policy: str, prefetch: bool, tokens: int, prompt: list[int]):
+    """One real budgeted generation: (measured figures, routing trace)."""
     rt = open_streaming(
         model_path,
         ram,
@@ -60,41 +79,92 @@ def validate(model_path, ram: int, policy: str, prefetch: bool, tokens: int, pro
     start, end = marks[0], store.snapshot()
     n = len(result.decode_s)
     measured = {
-        "s_per_token": statistics.median(result.decode_s),
         "mean_s_per_token": sum(result.decode_s) / n,
         "hit_rate": (end.hits - start.hits) / max(end.accesses - start.accesses, 1),
         "gb_per_token": (end.bytes_read - start.bytes_read) / n / 1e9,
         "stall_s_per_token": (end.stall_s - start.stall_s) / n,
+        "compute_s_per_token": (end.compute_s - start.compute_s) / n,
+        "uses_per_token": (end.accesses - start.accesses) / n,
+        "recall": end.recall,
+        "capacity": store.plan.expert_slots - store.plan.prefetch_slots,
     }
-    geometry = simulate.geometry_of(str(model_path))
-    disk = measure_disk(rt.model, geometry.record_bytes)
-    layer_compute = (measured["mean_s_per_token"] - measured["stall_s_per_token"]) / len(
-        c.moe_layers
-    )
     trace = recorder.trace()
-    predicted = simulate.simulate(
-        simulate.project(trace, geometry),
-        geometry,
-        ram,
-        disk,
-        simulate.Config(policy, prefetch, False),
-        depth=4,
-        prefetch_recall=end.recall or 0.0,
-        trunk_resident_share=1.0,
-        capacity=store.plan.expert_slots - store.plan.prefetch_slots,
-        layer_compute_s=layer_compute,
-    )
-    return measured, predicted, disk
+    store.close()
+    trunk_close = getattr(rt.transformer.trunk, "close", None)
+    if trunk_close is not None:
+        trunk_close()
+    return measured, trace
 
 
-def report(measured: dict, predicted: simulate.Result) -> str:
-    rows = [
-        ("s/token", measured["mean_s_per_token"], predicted.s_per_token),
-        ("hit rate", measured["hit_rate"], predicted.hit_rate),
-        ("GB/token", measured["gb_per_token"], predicted.gb_per_token),
-    ]
+def validate(
+    model_path,
+    ram: int,
+    policy: str,
+    prefetch: bool,
+    tokens: int,
+    prompt: list[int],
+    repeat: int = 3,
+):
+    """`repeat` real runs, each between two disk measurements (disk, run, disk, run, ..., disk):
+    a shared disk drifts by tens of percent from one second to the next, so each run is
+    replayed with the mean of the measurements on either side of it and its own non-I/O time
+    per layer. Measured and simulated figures are medians over the runs, and the s/token error
+    is the median of the per-run errors."""
+    model = ModelDir(model_path)
+    geometry = simulate.geometry_of(str(model_path))
+    disks = [measure_disk(model, geometry.record_bytes, seed=0)]
+    runs, predictions = [], []
+    layers = len(model.config.moe_layers)
+    for _ in range(repeat):
+        measured, trace = run_once(model_path, ram, policy, prefetch, tokens, prompt)
+        disks.append(measure_disk(model, geometry.record_bytes, seed=len(disks)))
+        # compute is calibrated from the run (per layer: non-expert time; per expert: kernel
+        # time); hits, bytes, stalls and s/token are predicted
+        non_io = measured["mean_s_per_token"] - measured["stall_s_per_token"]
+        expert_s = measured["compute_s_per_token"] / measured["uses_per_token"]
+        trunk_s = (non_io - measured["compute_s_per_token"]) / layers
+        predicted = simulate.simulate(
+            simulate.project(trace, geometry),
+            geometry,
+            ram,
+            median_disk(disks[-2:]),
+            simulate.Config(policy, prefetch, False),
+            depth=4,
+            prefetch_recall=measured["recall"] or 0.0,
+            trunk_resident_share=1.0,
+            capacity=int(measured["capacity"]),
+            trunk_s=trunk_s,
+            expert_s=expert_s,
+            warm=simulate.prefill_sets(trace, geometry),
+        )
+        runs.append(measured)
+        predictions.append(predicted)
+    return runs, predictions, median_disk(disks)
+
+
+def report(runs: list[dict], predictions: list[simulate.Result]) -> str:
+    """Medians over the runs, side by side; the error columns are medians of per-run errors."""
+
+    def row(name: str, real: list[float], sim: list[float]) -> str:
+        errors = [(p - r) / r if r else float("nan") for r, p in zip(real, sim, strict=True)]
+        m = statistics.median
+        return f"{name:>9} {m(real):>9.4f} {m(sim):>9.4f} {m(errors):>+7.1%}"
+
     lines = [f"{'':>9} {'measured':>9} {'simulated':>9} {'error':>7}"]
-    for name, real, sim in rows:
-        error = (sim - real) / real if real else float("nan")
-        lines.append(f"{name:>9} {real:>9.4f} {sim:>9.4f} {error:>+7.1%}")
+    lines.append(
+        row(
+            "s/token",
+            [r["mean_s_per_token"] for r in runs],
+            [p.s_per_token for p in predictions],
+        )
+    )
+    lines.append(row("hit rate", [r["hit_rate"] for r in runs], [p.hit_rate for p in predictions]))
+    lines.append(
+        row("GB/token", [r["gb_per_token"] for r in runs], [p.gb_per_token for p in predictions])
+    )
+    pairs = ", ".join(
+        f"{r['mean_s_per_token']:.4f}/{p.s_per_token:.4f}"
+        for r, p in zip(runs, predictions, strict=True)
+    )
+    lines.append(f"(median of {len(runs)} runs; measured/simulated s/token per run: {pairs})")
     return "\n".join(lines)

@@ -23,6 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 from moe import quant
+from moe.errors import MoeshardError
 
 # (label, kind, a, b): expert -> (hidden, inter); matrix -> (rows, cols)
 SHAPES = [
@@ -157,21 +158,28 @@ def warmup_times() -> tuple[float, float]:
     return times[0], times[1]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moeshard bench kernels", description=__doc__)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=7, help="timed samples per cell (median)")
     p.add_argument("--dram-gib", type=float, default=1.0, help="size of the DRAM probe array")
     p.add_argument("--formats", default="q4_0,q8_0", help="comma-separated weight formats")
     p.add_argument("--quick", action="store_true", help="skip the big shapes")
     p.add_argument("--no-warmup-probe", action="store_true", help="skip child-process JIT timing")
     p.add_argument("--threads", type=int, default=0, help="numba threads (default: all)")
-    args = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="moeshard bench kernels", description=__doc__)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def run(args) -> int:
     if args.threads:
         numba.set_num_threads(args.threads)
     fmts = [f for f in args.formats.split(",") if f]
     for f in fmts:
         if f not in quant.FORMATS:
-            p.error(f"unknown format {f!r}; choose from {quant.FORMATS}")
+            raise MoeshardError(f"unknown format {f!r}; choose from {quant.FORMATS}")
 
     cpu = _cpu_name()
     print(f"cpu: {cpu}; numba threads: {numba.get_num_threads()}; os cpus: {os.cpu_count()}")

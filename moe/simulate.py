@@ -8,13 +8,15 @@ Model of one decoded token, layer by layer:
   * the layer's trunk weights are resident or streamed (big sequential reads, overlapped with
     the previous layer's compute, as the streamed-trunk ring does);
   * the layer's k routed experts hit or miss the cache (policy: none / lru / lfu / pin);
-    misses are read together at the configured queue depth, adjacent records (in file order or
-    the packed order) merged into one read, while the resident experts compute (the layer
-    waits for its last read, then computes that expert);
+    misses are known once the layer's router has run (after its trunk compute) and are read
+    together at the configured queue depth, adjacent records (in file order or the packed
+    order) merged into one read; the resident experts compute while they are read, then each
+    missed expert computes when its read lands (reads complete one after another at the
+    disk's bandwidth for that read size and queue depth);
   * with prefetch, the experts predicted for this layer were requested while the previous
     layer computed: a predicted miss costs only the part of its read time that the previous
-    layer's compute did not hide. Prediction quality comes from the trace's own recall
-    (measured by the real run) or `--prefetch-recall`;
+    layer's compute and this layer's trunk compute did not hide. Prediction quality comes
+    from the trace's own recall (measured by the real run) or `--prefetch-recall`;
   * compute = trunk bytes / memory bandwidth + active expert bytes / kernel throughput.
 
 A trace from a small model says little about a large model's router: at another geometry the
@@ -207,6 +209,24 @@ def project(trace: Trace, geometry: Geometry) -> list[np.ndarray]:
     return tokens
 
 
+def prefill_sets(trace: Trace, geometry: Geometry) -> list[np.ndarray]:
+    """Per target layer: every expert the prompt's rows used there (ids like `project`'s).
+
+    A real run computes the whole prompt in one pass per layer, so its cache enters decoding
+    warm with these sets; `simulate(warm=...)` replays them, uncounted, before the decode."""
+    prefill = trace.phase != DECODE
+    rows = trace.ids[prefill].astype(np.int64)
+    layers = trace.layer[prefill]
+    src_layers = trace.moe_layers
+    scale = geometry.n_experts / trace.n_experts
+    sets = []
+    for i in range(geometry.layers):
+        src = rows[layers == src_layers[i % len(src_layers)]]
+        ids = np.unique((src.reshape(-1) * scale).astype(np.int64))
+        sets.append(ids + i * geometry.n_experts)
+    return sets
+
+
 def packed_slots(tokens: list[np.ndarray], g: Geometry) -> np.ndarray:
     """File slot of every record after `moeshard pack` (co-activation seriation per layer)."""
     from moe.pack import seriate
@@ -237,12 +257,16 @@ def simulate(
     trunk_resident_share: float | None = None,
     seed: int = 0,
     capacity: int | None = None,
-    layer_compute_s: float | None = None,
+    trunk_s: float | None = None,
+    expert_s: float | None = None,
+    warm: list[np.ndarray] | None = None,
 ) -> Result:
     """Predicted steady-state decode cost per token (see the module docstring).
 
-    `capacity` (cache records) and `layer_compute_s` override the values derived from the
-    budget and the kernel/memory throughputs, e.g. to replay a real run's own plan."""
+    `capacity` (cache records), `trunk_s` (one layer's non-expert compute) and `expert_s` (one
+    expert's kernel time) override the values derived from the budget and the kernel/memory
+    throughputs, e.g. to replay a real run's own plan; `warm` (per layer, the experts of a
+    prompt: `prefill_sets`) fills the cache first, uncounted."""
     rng = np.random.default_rng(seed)
     g = geometry
     trunk_per_layer = g.trunk_bytes / g.layers
@@ -256,36 +280,61 @@ def simulate(
     pinned = set(np.argsort(-counts)[: capacity // 2].tolist()) if config.policy == "pin" else set()
     cache = Cache(capacity, config.policy, pinned)
     slot = packed_slots(tokens, g) if config.packed else np.arange(g.layers * g.n_experts)
-    compute_s = layer_compute_s or trunk_per_layer / (memory_gbps * 1e9) + g.top_k * (
-        g.record_bytes / (kernel_gbps * 1e9)
-    )  # one layer's compute: trunk weights from RAM, active experts through the kernels
+    if trunk_s is None:  # trunk weights from RAM
+        trunk_s = trunk_per_layer / (memory_gbps * 1e9)
+    if expert_s is None:  # one active expert through the kernels
+        expert_s = g.record_bytes / (kernel_gbps * 1e9)
     streamed_trunk = (1 - trunk_resident_share) * trunk_per_layer
     trunk_read_s = streamed_trunk / (disk.gbps(8 << 20, 4) * 1e9)
+    for layer_ids in warm or []:
+        keys = layer_ids.tolist()
+        for k in keys:
+            cache.insert(k, set(keys))
+            cache.touch(k)
     total_s = stall_s = 0.0
     bytes_read = hits = accesses = 0
+    now = disk_free = 0.0  # the clock, and when the disk has finished every queued read
+    trunk_ready = 0.0  # when the current layer's streamed trunk slice has landed
+    ready: dict[int, float] = {}  # prefetched record -> when its read lands
     for token in tokens:
-        for layer_ids in token:
+        for i, layer_ids in enumerate(token):
             keys = layer_ids.tolist()
             accesses += len(keys)
-            missing = [k for k in keys if k not in cache]
-            hits += len(keys) - len(missing)
-            predicted = [k for k in missing if config.prefetch and rng.random() < prefetch_recall]
-            demand = [k for k in missing if k not in predicted]
-            # During the previous layer's compute the disk reads this layer's trunk slice (the
-            # ring) and then the prefetched experts; what does not fit in that window, and the
-            # demand misses, are read while this layer's resident experts compute. The layer
-            # waits for its last read, then computes that expert (1/k of its compute).
-            trunk_stall = max(0.0, trunk_read_s - compute_s)
-            spare = max(0.0, compute_s - trunk_read_s)
-            late_prefetch = max(0.0, _read_s(predicted, slot, g, disk, depth) - spare)
-            reads_now = late_prefetch + _read_s(demand, slot, g, disk, depth)
-            overlap = compute_s * (1 - 1 / g.top_k)
-            stall = trunk_stall + (max(0.0, reads_now - overlap) if reads_now else 0.0)
-            stall_s += stall
-            total_s += compute_s + stall
-            bytes_read += len(missing) * g.record_bytes + int(streamed_trunk)
-            for k in keys:
+            demand = [k for k in keys if k not in cache]
+            hits += len(keys) - len(demand)  # prefetched records count as hits, as in the store
+            compute = trunk_s + len(keys) * expert_s
+            # the ring: this layer's streamed trunk slice was queued when the previous layer
+            # started; the next layer's slice is queued now, ahead of this layer's misses
+            trunk_stall = max(0.0, trunk_ready - now)
+            if trunk_read_s:
+                trunk_ready = disk_free = max(disk_free, now + trunk_stall) + trunk_read_s
+            routed = now + trunk_stall + trunk_s  # misses are known once the router has run
+            landed = _landing_times(demand, slot, g, disk, depth, max(disk_free, routed))
+            disk_free = max([disk_free, *landed])
+            bytes_read += len(demand) * g.record_bytes + int(streamed_trunk)
+            for k in demand:
                 cache.insert(k, set(keys))
+            if config.prefetch and i + 1 < len(token):  # queued behind this layer's misses
+                guess = _predict(token[i + 1], g, prefetch_recall, rng)
+                fetch = [k for k in guess if k not in cache]
+                times = _landing_times(fetch, slot, g, disk, depth, max(disk_free, routed))
+                disk_free = max([disk_free, *times])
+                bytes_read += len(fetch) * g.record_bytes
+                protect = set(keys) | set(guess)
+                for k, at in zip(fetch, times, strict=True):
+                    cache.insert(k, protect)
+                    ready[k] = at
+            # the store's order: resident experts first (a prefetched one once it has landed),
+            # then each missed expert as its read lands
+            t = routed
+            for at in sorted(ready.pop(k, 0.0) for k in keys if k not in demand):
+                t = max(t, at) + expert_s
+            for at in sorted(landed):
+                t = max(t, at) + expert_s
+            stall_s += (t - now) - compute
+            total_s += t - now
+            now = t
+            for k in keys:
                 cache.touch(k)
     n = len(tokens)
     return Result(
@@ -298,13 +347,37 @@ def simulate(
     )
 
 
-def _read_s(keys: list[int], slot: np.ndarray, g: Geometry, disk: Disk, depth: int) -> float:
-    """Read time of these records: adjacent slots merged into one read."""
+def _predict(true_ids: np.ndarray, g: Geometry, recall: float, rng) -> list[int]:
+    """The next layer's prediction: as many experts as it uses, each right with probability
+    `recall` (precision = recall, as for a top-k guess), the wrong ones drawn from the rest of
+    that layer's experts."""
+    true = true_ids.tolist()
+    right = [k for k in true if rng.random() < recall]
+    base = (true[0] // g.n_experts) * g.n_experts
+    others = np.setdiff1d(np.arange(base, base + g.n_experts), true_ids)
+    wrong = rng.choice(others, size=min(len(true) - len(right), len(others)), replace=False)
+    return right + wrong.tolist()
+
+
+def _landing_times(
+    keys: list[int], slot: np.ndarray, g: Geometry, disk: Disk, depth: int, start: float
+) -> list[float]:
+    """When each record's read completes (in `keys` order): the runs (adjacent records merged)
+    start together at `start` in file order and complete one
+    after another at the bandwidth the disk model gives the whole batch (the device serves
+    `depth` requests at once, so completions arrive spread out rather than `depth` at a
+    time). One time per record."""
     if not keys:
-        return 0.0
+        return []
     slots = np.sort(slot[np.asarray(keys)])
     runs = np.split(slots, np.nonzero(np.diff(slots) > 1)[0] + 1)
-    return disk.read_seconds([len(r) * g.record_bytes for r in runs], depth)
+    sizes = [len(r) * g.record_bytes for r in runs]
+    per_byte = disk.read_seconds(sizes, depth) / sum(sizes)
+    at, t = {}, start
+    for run, size in zip(runs, sizes, strict=True):
+        t += size * per_byte
+        at.update((int(s), t) for s in run)
+    return [at[int(slot[k])] for k in keys]
 
 
 CONFIGS = [

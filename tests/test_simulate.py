@@ -52,14 +52,21 @@ def test_every_effect_points_the_right_way():
     tokens = simulate.project(trace, geometry)
     disk = simulate.Disk.load("this-machine")
 
-    def run(ram_mb, policy="lru", prefetch=False, packed=False):
+    def run(ram_mb, policy="lru", prefetch=False, packed=False, recall=0.8):
         config = simulate.Config(policy, prefetch, packed)
-        return simulate.simulate(tokens, geometry, ram_mb << 20, disk, config)
+        return simulate.simulate(
+            tokens, geometry, ram_mb << 20, disk, config, prefetch_recall=recall
+        )
 
     assert run(400, "none").hit_rate == 0
     small, large = run(120), run(600)
     assert large.hit_rate > small.hit_rate and large.s_per_token < small.s_per_token
-    assert run(120, prefetch=True).s_per_token < small.s_per_token
+    # a perfect prediction reads the same records earlier (during the previous layer's
+    # compute); wrong guesses cost bytes
+    perfect = run(120, prefetch=True, recall=1.0)
+    assert perfect.s_per_token < small.s_per_token
+    assert perfect.gb_per_token <= small.gb_per_token
+    assert run(120, prefetch=True, recall=0.5).gb_per_token > perfect.gb_per_token
     assert run(120, "lfu").hit_rate > 0
     assert run(120, "lfu", packed=True).gb_per_token == pytest.approx(run(120, "lfu").gb_per_token)
 
@@ -71,9 +78,15 @@ def test_validation_replays_a_real_streaming_run(tmp_path):
 
     model = tmp_path / "tiny"
     synth(model, "tiny")
-    measured, predicted, disk = sim_validate.validate(model, 300 << 20, "lru", False, 8, [1, 2, 3])
-    assert measured["s_per_token"] > 0 and predicted.s_per_token > 0
-    assert 0 <= predicted.hit_rate <= 1 and 0 <= measured["hit_rate"] <= 1
+    runs, predictions, disk = sim_validate.validate(
+        model, 300 << 20, "lru", False, 8, [1, 2, 3], repeat=2
+    )
+    assert len(runs) == len(predictions) == 2
+    for measured, predicted in zip(runs, predictions, strict=True):
+        assert measured["mean_s_per_token"] > 0 and predicted.s_per_token > 0
+        assert 0 <= predicted.hit_rate <= 1 and 0 <= measured["hit_rate"] <= 1
+        # the cache is replayed from the run's own trace, prompt included: same hits and bytes
+        assert predicted.hit_rate == pytest.approx(measured["hit_rate"], abs=0.05)
     assert all(p[2] > 0 for p in disk.points)  # the disk really was measured
-    text = sim_validate.report(measured, predicted)
+    text = sim_validate.report(runs, predictions)
     assert "measured" in text and "hit rate" in text
