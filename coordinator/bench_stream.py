@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args) -> int:
-
+    if args.reps < 1 or args.repeat < 1 or args.disk_seconds <= 0:
+        raise MoeshardError("--reps and --repeat must be at least 1, --disk-seconds above 0")
     ffn = no_ffn if args.io_only else quant.expert_ffn
     limit_blas_threads(1)  # as `generate --ram` does (see moe/blas.py)
     overhead = measure_overhead()  # interpreter + numba warm-up, before any model allocation
@@ -168,6 +169,7 @@ def run(args) -> int:
     # the disk, at the experts' read size and this queue depth
     record = plan.slot_bytes
     targets = [(loc.path, loc.offset, loc.nbytes, loc.crc32) for _, loc in model.locations.values()]
+    offsets = [t[:2] for t in targets]  # (path, offset) for the raw windows
     alt = interleaved(targets, record, args.depth, args.disk_seconds, args.reps)
     print(
         f"disk: random O_DIRECT {fmt_bytes(record)} reads at QD{args.depth}: raw {alt.raw:.3f} "
@@ -237,7 +239,7 @@ def run(args) -> int:
             # a fresh seed per window: re-reading the same offsets would be served by the
             # host's cache on a virtual disk and inflate the floor's bandwidth
             raw_read_gbps(
-                [t[:2] for t in targets],
+                offsets,
                 record,
                 args.depth,
                 args.disk_seconds,

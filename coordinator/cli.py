@@ -360,6 +360,9 @@ def cmd_simulate(args) -> int:
     if args.validate:
         from coordinator import sim_validate
 
+        if args.repeat < 1:
+            raise MoeshardError("--repeat must be at least 1")
+
         prompt = [int(t) for t in args.traces[0].split(",")]
         runs, predictions, _ = sim_validate.validate(
             args.validate,
@@ -581,30 +584,21 @@ def cmd_perplexity(args) -> int:
 
 
 def _add_bench(sub) -> None:
+    from coordinator import bench_rpc, bench_stream
+    from moe import bench_disk, bench_kernels
+
     p = sub.add_parser("bench", help="benchmarks that print ratios against same-run baselines")
     benches = p.add_subparsers(dest="bench", required=True)
-    from moe import bench_kernels
-
-    k = benches.add_parser("kernels", help="Q4_0/Q8_0 matmul GB/s vs DRAM bandwidth")
-    bench_kernels.add_arguments(k)
-    k.set_defaults(func=bench_kernels.run)
-    from coordinator import bench_rpc
-
-    r = benches.add_parser("rpc", help="gRPC round trips, per-layer fan-out, tok/s on 1..N nodes")
-    bench_rpc.add_arguments(r)
-    r.set_defaults(func=bench_rpc.run)
-    c = benches.add_parser("cluster", help="the same as `bench rpc` (the issue's name for it)")
-    bench_rpc.add_arguments(c)
-    c.set_defaults(func=bench_rpc.run)
-    from coordinator import bench_stream
-    from moe import bench_disk
-
-    d = benches.add_parser("disk", help="O_DIRECT read GB/s by read size and queue depth")
-    bench_disk.add_arguments(d)
-    d.set_defaults(func=bench_disk.run)
-    s = benches.add_parser("stream", help="streaming s/token per cache policy vs the disk floor")
-    bench_stream.add_arguments(s)
-    s.set_defaults(func=bench_stream.run)
+    for name, module, text in [
+        ("kernels", bench_kernels, "Q4_0/Q8_0 matmul GB/s vs DRAM bandwidth"),
+        ("rpc", bench_rpc, "gRPC round trips, per-layer fan-out, tok/s on 1..N nodes"),
+        ("cluster", bench_rpc, "the same as `bench rpc` (the issue's name for it)"),
+        ("disk", bench_disk, "O_DIRECT read GB/s by read size and queue depth"),
+        ("stream", bench_stream, "streaming s/token per cache policy vs the disk floor"),
+    ]:
+        b = benches.add_parser(name, help=text)
+        module.add_arguments(b)
+        b.set_defaults(func=module.run)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -30,11 +30,12 @@ def measure_disk(model, record_bytes: int, seconds: float = 0.25, seed: int = 0)
     records = [(loc.path, loc.offset, loc.nbytes, loc.crc32) for _, loc in model.locations.values()]
     ends = {p: os.path.getsize(p) for p, *_ in records}
     points = []
-    for size in (record_bytes, 4 * record_bytes):
-        # merged reads: any 4 records in a row that end inside their file
-        plain = [(p, off) for p, off, *_ in records if off + size <= ends[p]] or records
+    merged = 4 * record_bytes  # any 4 records in a row that end inside their file
+    runs = [(p, off) for p, off, *_ in records if off + merged <= ends[p]]
+    for size, targets in ((record_bytes, records), (merged, runs)):
+        if not targets:  # no file holds 4 records: the model uses the record size alone
+            continue
         for depth in (1, 2, 4, 8):
-            targets = records if size == record_bytes else plain
             points.append([size, depth, reader_gbps(targets, size, depth, seconds, seed)])
     return simulate.Disk(points)
 
