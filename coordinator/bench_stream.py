@@ -34,7 +34,7 @@ from moe.budget import fmt_bytes, measure_overhead, parse_size, peak_rss_bytes, 
 from moe.cachesim import belady_hits
 from moe.errors import MoeshardError
 from moe.io import ReaderPool, ReadRequest, aligned_buffer
-from moe.model import ModelDir
+from moe.model import ModelDir, add_rows
 from moe.streaming_trunk import StreamingTrunk, TrunkLayout
 from node.expert_store import ExpertStore, StoreStats
 
@@ -92,7 +92,7 @@ class NaiveExperts:
             )  # [n, H]
             self.stats.compute_s += time.perf_counter() - t0
             out_e = y * weights[rows, cols][:, None]  # [n, H]
-            np.add.at(out, rows, out_e)
+            add_rows(out, rows, out_e)
         self.stats.calls += 1
         self.stats.accesses += len(needed)
         self.stats.misses += len(needed)

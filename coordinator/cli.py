@@ -364,7 +364,7 @@ def cmd_simulate(args) -> int:
             raise MoeshardError("--repeat must be at least 1")
 
         prompt = [int(t) for t in args.traces[0].split(",")]
-        runs, predictions, _ = sim_validate.validate(
+        runs, predictions, seen, _ = sim_validate.validate(
             args.validate,
             parse_size(args.ram),
             args.policy,
@@ -377,7 +377,7 @@ def cmd_simulate(args) -> int:
             f"{args.validate}, --ram {args.ram}, policy {args.policy}, prefetch "
             f"{'on' if args.prefetch else 'off'}, {args.tokens} tokens after prompt {prompt}"
         )
-        print(sim_validate.report(runs, predictions))
+        print(sim_validate.report(runs, predictions, seen))
         return EXIT_OK
 
     merged = trace.merge([trace.load(p) for p in args.traces])

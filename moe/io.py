@@ -126,7 +126,13 @@ class ReaderPool:
         self.pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="moeshard-io")
         self.fds: dict[Path, tuple[int, bool]] = {}
         self.stats = ReadStats()
+        self.timeline: list[tuple[float, float, int]] | None = None  # see record_timeline
         self._lock = threading.Lock()
+
+    def record_timeline(self) -> None:
+        """From now on keep (start, end, bytes) of every read, for `busy_throughput`."""
+        with self._lock:
+            self.timeline = []
 
     def fd(self, path: Path) -> tuple[int, bool]:
         path = Path(path)
@@ -205,11 +211,14 @@ class ReaderPool:
                     results[j] = StoreError(
                         f"{r.path}: checksum mismatch in {_name(r.key)} (record corrupted)"
                     )
+        payload = sum(r.nbytes for r in group)
         with self._lock:
-            self.stats.bytes_read += sum(r.nbytes for r in group)
+            self.stats.bytes_read += payload
             self.stats.reads += 1
             self.stats.records += len(group)
             self.stats.read_s += elapsed
+            if self.timeline is not None:
+                self.timeline.append((t0, t0 + elapsed, payload))
         return results
 
     def close(self) -> None:
@@ -217,6 +226,37 @@ class ReaderPool:
         for fd, _ in self.fds.values():
             os.close(fd)
         self.fds.clear()
+
+
+@dataclass
+class Busy:
+    """How a stretch of reads used the device: see `busy_throughput`."""
+
+    share: float  # of the wall time, with at least one read in flight
+    gbps: float  # bytes moved / time with at least one read in flight
+    in_flight: float  # mean reads in flight while busy
+    reads: int
+
+
+def busy_throughput(timeline: list[tuple[float, float, int]], start: float, end: float) -> Busy:
+    """The device as a run saw it, from the reads that started in [start, end): the union of
+    their (start, end) intervals is the busy time. Unlike a separate measurement window this
+    is the disk at the very moments the run was reading."""
+    reads = sorted(r for r in timeline if start <= r[0] < end)
+    busy = in_flight = 0.0
+    run_start = run_end = None
+    for s, e, _ in reads:
+        in_flight += e - s
+        if run_end is None or s > run_end:
+            busy += 0.0 if run_end is None else run_end - run_start
+            run_start, run_end = s, e
+        else:
+            run_end = max(run_end, e)
+    if not reads:
+        return Busy(0.0, float("nan"), 0.0, 0)
+    busy += run_end - run_start
+    moved = sum(n for *_, n in reads)
+    return Busy(busy / (end - start), moved / busy / 1e9, in_flight / busy, len(reads))
 
 
 def _name(key) -> str:

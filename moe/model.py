@@ -112,5 +112,18 @@ def run_experts(
         y = quant.expert_ffn(
             record_of(layer, int(expert)), fmt, hidden_size, inter, hidden[rows]
         )  # [n, H]
-        np.add.at(out, rows, y * weights[rows, slots][:, None])  # float32 terms, float64 sum
+        add_rows(out, rows, y * weights[rows, slots][:, None])  # float32 terms, float64 sum
     return out.astype(dtype, copy=False)
+
+
+def add_rows(out: np.ndarray, rows: np.ndarray, terms: np.ndarray) -> None:
+    """out[rows] += terms, adding twice where a row repeats (as np.add.at does).
+
+    rows come from np.nonzero(ids == expert), so they are sorted and repeat only if a row
+    routed the same expert twice (top-k never does). Without repeats plain fancy-index += is
+    the same sum, and ~20x faster than np.add.at (95 against 4 us per [1, 2048] decode row
+    here: np.add.at took ~6 ms of a 45 ms k3-mini token)."""
+    if rows.size < 2 or bool((rows[1:] != rows[:-1]).all()):
+        out[rows] += terms
+    else:
+        np.add.at(out, rows, terms)

@@ -314,6 +314,25 @@ def expert_ffn(record: np.ndarray, fmt: str, hidden: int, inter: int, x: np.ndar
     return _run(kernels.expert_ffn_kernel, inter * hidden, *args)
 
 
+def experts_ffn_b1(
+    arena: np.ndarray, offsets, fmt: str, hidden: int, inter: int, x: np.ndarray
+) -> np.ndarray:
+    """`expert_ffn` for m experts at batch 1 in one kernel call: expert e is the record at
+    arena[offsets[e]:][:record bytes], applied to x[e] (float32 [m, hidden]) -> [m, hidden].
+    Same results as m calls of `expert_ffn` (bit for bit), faster: see the kernel."""
+    nbytes, layout = _expert_layout(fmt, hidden, inter)
+    if not isinstance(arena, np.ndarray) or arena.dtype != np.uint8 or arena.ndim != 1:
+        raise ValueError("arena must be a 1-D uint8 numpy array")
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)  # [m]
+    if offsets.ndim != 1 or ((offsets < 0) | (offsets + nbytes > arena.size)).any():
+        raise ValueError(f"expert records must lie inside the arena of {arena.size} bytes")
+    x = _check_x(x, hidden)
+    if x.shape[0] != offsets.shape[0]:
+        raise ValueError(f"x has {x.shape[0]} rows for {offsets.shape[0]} experts")
+    args = (_FMT_CODE[fmt], _readonly(arena), _readonly(offsets), nbytes, hidden, inter, layout)
+    return _run(kernels.experts_b1_kernel, offsets.size * inter * hidden, *args, kernels.F16_LUT, x)
+
+
 def warmup() -> float:
     """Compile (or load from numba's cache) every kernel for every format; returns seconds.
 
@@ -329,6 +348,8 @@ def warmup() -> float:
     code, lut = kernels.FMT_Q4_0, kernels.F16_LUT
     kernels.matmul_kernel(code, rec[:n_gu], inter, hidden, rb_gu, s_gu, lut, x)
     kernels.expert_ffn_kernel(code, rec, hidden, inter, layout, lut, x)  # starts the pool
+    offsets = _readonly(np.zeros(2, dtype=np.int64))
+    kernels.experts_b1_kernel(code, rec, offsets, nbytes, hidden, inter, layout, lut, x)
     return time.perf_counter() - t0
 
 

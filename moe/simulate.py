@@ -102,6 +102,10 @@ class Disk:
             raise MoeshardError(f"{spec}: not a disk profile name or JSON file ({exc})") from None
         return cls(data["points"])
 
+    def scaled(self, factor: float) -> Disk:
+        """The same curve shape, every bandwidth times `factor`."""
+        return Disk([[size, depth, gbps * factor] for size, depth, gbps in self.points])
+
     def curve(self, depth: int) -> tuple[list[float], list[float]]:
         """(log2 read size, GB/s) at the deepest measured depth <= `depth`. A depth measured at
         fewer than two sizes borrows the shallowest depth's curve, scaled to its own point."""

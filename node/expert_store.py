@@ -38,6 +38,7 @@ import numpy as np
 from moe import quant
 from moe.errors import MoeshardError, StoreError
 from moe.io import ReaderPool, ReadRequest, align_up, aligned_buffer
+from moe.model import add_rows
 from moe.trace import usage_counts
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,7 @@ class ExpertStore:
         merge: bool = True,
         direct: bool = True,
         ffn=quant.expert_ffn,
+        ffn_b1=quant.experts_ffn_b1,
     ):
         if policy not in POLICIES:
             raise MoeshardError(f"unknown cache policy {policy!r}; choose one of {POLICIES}")
@@ -125,6 +127,9 @@ class ExpertStore:
         self.model, self.policy = model, policy
         # (record, fmt, H, I, x [n, H]) -> [n, H]; `bench stream --io-only` swaps in a no-op
         self.ffn = ffn
+        # (arena, offsets [m], fmt, H, I, x [m, H]) -> [m, H]: the landed experts of a decode
+        # step in one call (None: one `ffn` call per expert)
+        self.ffn_b1 = ffn_b1
         self.fmt, self.hidden, self.inter = (
             model.expert_format,
             c.hidden_size,
@@ -356,29 +361,53 @@ class ExpertStore:
             wave = ready + [k for k in resident if k not in ready] + [r.key for r in requests]
             if not wave:
                 raise StoreError("expert cache has no free slot (internal error: all protected)")
-            for key in wave:
-                slot = self.slot_of[key]
-                self._wait(slot)
-                rows, cols = np.nonzero(ids == key[1])  # [n], [n]
-                t0 = time.perf_counter()
-                y = self.ffn(self.record(slot), self.fmt, self.hidden, self.inter, hidden[rows])
-                st.compute_s += time.perf_counter() - t0
-                partial[key] = y * weights[rows, cols][:, None]  # [n, H]
-                self._touch(slot, key)
-                self.protect[slot] = False
-                if self.policy == "none":
-                    self._free(slot)
+            while wave:  # store order; whatever has landed by then goes along in one call
+                self._wait(self.slot_of[wave[0]])
+                group = [wave[0]] + [k for k in wave[1:] if self._landed(self.slot_of[k])]
+                for key in group[1:]:
+                    self._wait(self.slot_of[key])  # does not block: raises a failed read
+                self._compute(group, hidden, ids, weights, partial)
+                wave = [k for k in wave if k not in partial]
             remaining = [k for k in remaining if k not in partial]
         self._release_prefetched(layer)
 
         out = np.zeros(hidden.shape, dtype=np.float64)  # [T, H]; exact sum, see run_experts
         for key in keys:
             rows, _ = np.nonzero(ids == key[1])  # [n]
-            np.add.at(out, rows, partial[key])
+            add_rows(out, rows, partial[key])
         st.call_s += time.perf_counter() - t_call
         if self.on_layer is not None:
             self.on_layer(layer)
         return out.astype(dtype, copy=False)
+
+    def _landed(self, slot: int) -> bool:
+        future = self.slot_future[slot]
+        return future is None or future.done()
+
+    def _compute(self, group, hidden, ids, weights, partial) -> None:
+        """Run the experts of `group` (landed) on their routed rows into `partial`, weighted."""
+        t0 = time.perf_counter()
+        if self.ffn_b1 is not None and hidden.shape[0] == 1 and len(group) > 1:
+            slots = [self.slot_of[key] for key in group]
+            x = np.repeat(hidden, len(group), axis=0)  # [m, H]: one decode row per expert
+            offsets = np.asarray(slots, dtype=np.int64) * self.slot_bytes  # [m]
+            y = self.ffn_b1(self.arena, offsets, self.fmt, self.hidden, self.inter, x)  # [m, H]
+            for e, key in enumerate(group):
+                col = int(np.flatnonzero(ids[0] == key[1])[0])
+                partial[key] = y[e : e + 1] * weights[0, col]  # [1, H]
+        else:
+            for key in group:
+                rows, cols = np.nonzero(ids == key[1])  # [n], [n]
+                record = self.record(self.slot_of[key])
+                y = self.ffn(record, self.fmt, self.hidden, self.inter, hidden[rows])  # [n, H]
+                partial[key] = y * weights[rows, cols][:, None]  # [n, H]
+        self.stats.compute_s += time.perf_counter() - t0
+        for key in group:
+            slot = self.slot_of[key]
+            self._touch(slot, key)
+            self.protect[slot] = False
+            if self.policy == "none":
+                self._free(slot)
 
     def snapshot(self) -> StoreStats:
         """A copy of the stats, with the reader's counters brought up to date."""

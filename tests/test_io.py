@@ -77,3 +77,16 @@ def test_buffered_fallback(data_file):
     pool.read([io.ReadRequest(path, 0, 4096, buf)])
     assert np.array_equal(buf, data[:4096])
     pool.close()
+
+
+def test_busy_throughput_counts_overlapping_reads_once():
+    from moe.io import busy_throughput
+
+    # two overlapping reads (0-1 s, 0.5-2 s), a gap, one more (3-4 s); one read before start
+    timeline = [(-1.0, -0.5, 999), (0.0, 1.0, 100), (0.5, 2.0, 100), (3.0, 4.0, 100)]
+    busy = busy_throughput(timeline, 0.0, 5.0)
+    assert busy.reads == 3
+    assert busy.share == pytest.approx(3.0 / 5.0)  # busy 0-2 and 3-4
+    assert busy.gbps == pytest.approx(300 / 3.0 / 1e9)
+    assert busy.in_flight == pytest.approx((1.0 + 1.5 + 1.0) / 3.0)
+    assert busy_throughput(timeline, 10.0, 11.0).reads == 0

@@ -172,6 +172,37 @@ def test_expert_ffn_matches_twin(fmt, b, threads):
         assert np.abs(y - ref).max() <= tol * np.abs(ref).max(), (hidden, inter)
 
 
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_batched_experts_equal_one_call_each(fmt, threads):
+    """experts_ffn_b1 (several experts, one parallel region) = expert_ffn per expert, bit for
+    bit, with records at arbitrary arena offsets and a different x row per expert."""
+    for hidden, inter in FFN_SHAPES:
+        recs = [
+            quant.pack_expert(
+                awkward(inter, hidden, seed=20 + e) * np.float32(0.1),
+                awkward(inter, hidden, seed=30 + e) * np.float32(0.1),
+                awkward(hidden, inter, seed=40 + e) * np.float32(0.1),
+                fmt,
+            )
+            for e in range(3)
+        ]
+        n = recs[0].size
+        arena = np.zeros(5 * n + 64, dtype=np.uint8)
+        offsets = [3 * n + 64, 0, n]  # out of order, one unaligned
+        for off, rec in zip(offsets, recs, strict=True):
+            arena[off : off + n] = rec
+        x = random_x(3, hidden)
+        y = quant.experts_ffn_b1(arena, offsets, fmt, hidden, inter, x)
+        assert y.shape == (3, hidden) and y.dtype == np.float32
+        for e in range(3):
+            one = quant.expert_ffn(recs[e], fmt, hidden, inter, x[e : e + 1])[0]
+            np.testing.assert_array_equal(y[e], one)
+        with pytest.raises(ValueError, match="inside the arena"):
+            quant.experts_ffn_b1(arena, [arena.size - n + 1], fmt, hidden, inter, x[:1])
+        with pytest.raises(ValueError, match="rows for"):
+            quant.experts_ffn_b1(arena, offsets, fmt, hidden, inter, x[:2])
+
+
 def test_expert_record_layout():
     hidden, inter = 96, 160
     rng = np.random.default_rng(5)

@@ -78,15 +78,27 @@ def test_validation_replays_a_real_streaming_run(tmp_path):
 
     model = tmp_path / "tiny"
     synth(model, "tiny")
-    runs, predictions, disk = sim_validate.validate(
-        model, 300 << 20, "lru", False, 8, [1, 2, 3], repeat=2
+    runs, predictions, seen, disk = sim_validate.validate(
+        model,
+        int(48.5 * 2**20),
+        "lru",
+        False,
+        8,
+        [1, 2, 3],
+        repeat=2,  # ~18 of 256 slots
     )
-    assert len(runs) == len(predictions) == 2
+    assert len(runs) == len(predictions) == len(seen) == 2
     for measured, predicted in zip(runs, predictions, strict=True):
         assert measured["mean_s_per_token"] > 0 and predicted.s_per_token > 0
         assert 0 <= predicted.hit_rate <= 1 and 0 <= measured["hit_rate"] <= 1
         # the cache is replayed from the run's own trace, prompt included: same hits and bytes
         assert predicted.hit_rate == pytest.approx(measured["hit_rate"], abs=0.05)
     assert all(p[2] > 0 for p in disk.points)  # the disk really was measured
-    text = sim_validate.report(runs, predictions)
-    assert "measured" in text and "hit rate" in text
+    for measured, replayed in zip(runs, seen, strict=True):
+        # the run's own reads: it had some in flight, and they moved bytes
+        assert measured["disk_reads"] > 0
+        assert 0 < measured["disk_busy_share"] <= 1 and measured["disk_busy_gbps"] > 0
+        assert 1 <= measured["disk_in_flight"] <= 4 + 1e-6
+        assert replayed.hit_rate == predicted.hit_rate  # only the disk differs
+    text = sim_validate.report(runs, predictions, seen)
+    assert "measured" in text and "hit rate" in text and "while reading" in text

@@ -135,3 +135,16 @@ def test_truncated_trunk(model):
         f.truncate(path.stat().st_size - 10000)
     with pytest.raises(StoreError, match="trunk.gguf: truncated: trunk tensor"):
         open_local(model)
+
+
+def test_add_rows_matches_np_add_at_with_and_without_repeats():
+    from moe.model import add_rows
+
+    rng = np.random.default_rng(0)
+    for rows in (np.array([0, 2, 3]), np.array([1, 1, 3]), np.array([2])):
+        terms = rng.standard_normal((rows.size, 5)).astype(np.float32)
+        want = np.zeros((4, 5))
+        np.add.at(want, rows, terms)
+        got = np.zeros((4, 5))
+        add_rows(got, rows, terms)
+        np.testing.assert_array_equal(got, want)
