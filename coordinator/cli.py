@@ -300,6 +300,11 @@ def _add_coact(sub) -> None:
     p = sub.add_parser("coact", help="expert frequencies, co-activation, reuse, cache hit rates")
     p.add_argument("traces", nargs="+", help="trace files from `generate --trace` (merged)")
     p.add_argument("--out", required=True, help="directory for coact.json and PNG plots")
+    p.add_argument(
+        "--cache-sizes",
+        metavar="N,N,...",
+        help="cache sizes in expert records for the hit-rate table (default: 2%%-50%% of all)",
+    )
     p.set_defaults(func=cmd_coact)
     m = sub.add_parser("merge-traces", help="merge traces of several runs into one file")
     m.add_argument("out", help="merged trace file (.npz)")
@@ -401,8 +406,16 @@ def cmd_simulate(args) -> int:
 def cmd_coact(args) -> int:
     from moe import coact, trace
 
+    sizes = None
+    if args.cache_sizes:
+        try:
+            sizes = [int(v) for v in args.cache_sizes.split(",")]
+        except ValueError:
+            sizes = [0]
+        if min(sizes) < 1:
+            raise MoeshardError(f"--cache-sizes wants positive integers, got {args.cache_sizes!r}")
     merged = trace.merge([trace.load(p) for p in args.traces])
-    result, plots = coact.run(merged, Path(args.out))
+    result, plots = coact.run(merged, Path(args.out), sizes)
     print(coact.summary(result))
     print(f"wrote {Path(args.out) / 'coact.json'} and {len(plots)} plots")
     return EXIT_OK

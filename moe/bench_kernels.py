@@ -7,6 +7,8 @@ ratio.  Weights are cycled through a pool of copies larger than the last-level c
 numbers are from DRAM the way experts are in a real MoE forward pass, not from cache.
 
 Expert rows time `expert_ffn` (gate + up + down on one record); matrix rows time `matmul`.
+The decode-layer table times one layer's worth of experts at batch 1 both ways the store can
+run them: one `expert_ffn` call each, and one `experts_ffn_b1` call for all of them.
 JIT warm-up is measured in child processes with an empty and then a filled numba cache.
 """
 
@@ -87,16 +89,53 @@ def dram_read_gbs_threads(gib: float, reps: int) -> float:
 
 def _pool(record: np.ndarray) -> list[np.ndarray]:
     """Copies of record filling POOL_BYTES, each starting 64-byte aligned."""
-    n = max(2, -(-POOL_BYTES // record.size))
+    arena, offsets = _arena(record)
+    return [arena[o : o + record.size] for o in offsets]
+
+
+def _arena(record: np.ndarray, min_copies: int = 2) -> tuple[np.ndarray, list[int]]:
+    """One array holding copies of record that fill POOL_BYTES (at least `min_copies`), and
+    their 64-byte aligned offsets (an expert cache's arena, in miniature)."""
+    n = max(min_copies, -(-POOL_BYTES // record.size))
     stride = -(-record.size // 64) * 64
     raw = np.empty(n * stride + 64, dtype=np.uint8)
     base = (-raw.ctypes.data) % 64
-    pool = []
-    for i in range(n):
-        view = raw[base + i * stride : base + i * stride + record.size]
-        view[:] = record
-        pool.append(view)
-    return pool
+    offsets = [base + i * stride for i in range(n)]
+    for o in offsets:
+        raw[o : o + record.size] = record
+    return raw, offsets
+
+
+def bench_decode_layer(
+    hidden: int, inter: int, fmt: str, experts: int, n_samples: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(seconds per layer: one call per expert, seconds per layer: one batched call, bytes per
+    layer) for `experts` distinct records at batch 1, cycled through a pool bigger than L3."""
+    rng = np.random.default_rng(0)
+    gate = rng.standard_normal((inter, hidden), dtype=np.float32)
+    up = rng.standard_normal((inter, hidden), dtype=np.float32)
+    down = rng.standard_normal((hidden, inter), dtype=np.float32)
+    record = quant.pack_expert(gate, up, down, fmt)
+    arena, offsets = _arena(record, min_copies=2 * experts)  # >= 2 layers' worth
+    groups = [offsets[i : i + experts] for i in range(0, len(offsets) - experts + 1, experts)]
+    x = rng.standard_normal((1, hidden), dtype=np.float32)  # [1, H]
+    xs = np.repeat(x, experts, axis=0)  # [experts, H]: the same decode row for each expert
+    state = {"each": 0, "batched": 0}
+
+    def each():
+        group = groups[state["each"] % len(groups)]
+        state["each"] += 1
+        for o in group:
+            quant.expert_ffn(arena[o : o + record.size], fmt, hidden, inter, x)
+
+    def batched():
+        group = groups[state["batched"] % len(groups)]
+        state["batched"] += 1
+        quant.experts_ffn_b1(arena, group, fmt, hidden, inter, xs)
+
+    one = _samples(each, n_samples, min_sample_s=0.05)
+    many = _samples(batched, n_samples, min_sample_s=0.05)
+    return one, many, experts * record.size
 
 
 def bench_shape(
@@ -214,6 +253,26 @@ def run(args) -> int:
     print(
         "\nGB/s = packed weight bytes per second (median); ratio = GB/s / DRAM read (numpy); "
         "'b=1 best' = fastest sample (the machine may be shared)."
+    )
+    experts = 16
+    print(f"\ndecode layer: {experts} experts at batch 1 (a top-{experts} MoE layer)")
+    head = f"{'shape':34} {'fmt':5} {'MB':>7} {'per expert':>11} {'batched':>9} {'ratio':>6}"
+    print(head)
+    print("-" * len(head))
+    for label, kind, a, b_ in shapes:
+        if kind != "expert":
+            continue
+        for fmt in fmts:
+            one, many, nbytes = bench_decode_layer(a, b_, fmt, experts, args.samples)
+            t_one, t_many = float(np.median(one)), float(np.median(many))
+            print(
+                f"{label:34} {fmt:5} {nbytes / 1e6:7.2f} {nbytes / t_one / 1e9:11.2f}"
+                f" {nbytes / t_many / 1e9:9.2f} {t_one / t_many:6.2f}",
+                flush=True,
+            )
+    print(
+        "per expert = one expert_ffn call per expert (two parallel regions each); batched = "
+        "one experts_ffn_b1 call (experts split across threads); GB/s of packed bytes, medians."
     )
     return 0
 

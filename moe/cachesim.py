@@ -91,7 +91,56 @@ def belady_hits(keys, capacity: int, count_from: int = 0) -> int:
     return hits
 
 
-POLICIES = {"lru": lru_hits, "lfu": lfu_hits, "belady": belady_hits}
+def arc_hits(keys: np.ndarray, capacity: int) -> int:
+    """ARC (Megiddo and Modha, FAST 2003): a recency list T1 and a frequency list T2 share
+    the cache; ghost lists B1, B2 of recently evicted keys move the target size p of T1 toward
+    whichever list would have hit. Not used by the store; here to show whether an adaptive
+    policy closes the gap to Belady on a trace (`moeshard coact`)."""
+    if capacity < 1:
+        return 0
+    t1: OrderedDict = OrderedDict()
+    t2: OrderedDict = OrderedDict()
+    b1: OrderedDict = OrderedDict()
+    b2: OrderedDict = OrderedDict()
+    p, hits = 0.0, 0
+
+    def replace(in_b2: bool) -> None:
+        if t1 and (len(t1) > p or (in_b2 and len(t1) == p)):
+            b1[t1.popitem(last=False)[0]] = None
+        else:
+            b2[t2.popitem(last=False)[0]] = None
+
+    for key in keys.tolist():
+        if key in t1 or key in t2:
+            hits += 1
+            (t1 if key in t1 else t2).pop(key)
+            t2[key] = None
+        elif key in b1:
+            p = min(capacity, p + max(len(b2) / len(b1), 1))
+            replace(False)
+            del b1[key]
+            t2[key] = None
+        elif key in b2:
+            p = max(0.0, p - max(len(b1) / len(b2), 1))
+            replace(True)
+            del b2[key]
+            t2[key] = None
+        else:
+            if len(t1) + len(b1) == capacity:
+                if len(t1) < capacity:
+                    b1.popitem(last=False)
+                    replace(False)
+                else:
+                    t1.popitem(last=False)
+            elif len(t1) + len(t2) + len(b1) + len(b2) >= capacity:
+                if len(t1) + len(t2) + len(b1) + len(b2) == 2 * capacity:
+                    b2.popitem(last=False)
+                replace(False)
+            t1[key] = None
+    return hits
+
+
+POLICIES = {"lru": lru_hits, "lfu": lfu_hits, "arc": arc_hits, "belady": belady_hits}
 
 
 def hit_rates(trace: Trace, capacities: list[int]) -> dict[str, list[float]]:

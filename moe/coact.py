@@ -92,7 +92,7 @@ def cache_sizes(trace: Trace) -> list[int]:
     return [s for s in sizes if s < records]
 
 
-def analyse(trace: Trace) -> dict:
+def analyse(trace: Trace, sizes: list[int] | None = None) -> dict:
     layers = trace.moe_layers
     per_layer = {}
     for layer in layers:
@@ -100,7 +100,7 @@ def analyse(trace: Trace) -> dict:
         per_layer[str(layer)] = {"frequency": freq.tolist(), **skew(freq)}
     pairs = list(zip(layers[:-1], layers[1:], strict=True))
     reuse = reuse_distances(trace)
-    sizes = cache_sizes(trace)
+    sizes = cache_sizes(trace) if sizes is None else sorted(set(sizes))
     return {
         "meta": trace.meta,
         "rows": int(len(trace.layer)),
@@ -136,6 +136,16 @@ def summary(result: dict) -> str:
     )
     for policy, rates in cache["hit_rate"].items():
         lines.append(f"  {policy:>32}:  " + "  ".join(f"{r:6.1%}" for r in rates))
+    best = cache["hit_rate"].get("belady")
+    if best:  # what a policy reads, relative to the least any policy could
+        lines.append("  misses relative to Belady's:")
+        for policy, rates in cache["hit_rate"].items():
+            if policy != "belady":
+                ratios = [
+                    (1 - r) / (1 - b) if b < 1 else float("nan")
+                    for r, b in zip(rates, best, strict=True)
+                ]
+                lines.append(f"  {policy:>32}:  " + "  ".join(f"{x:5.2f}x" for x in ratios))
     return "\n".join(lines)
 
 
@@ -200,9 +210,9 @@ def plot(result: dict, out: Path) -> list[Path]:
     return written
 
 
-def run(trace: Trace, out: Path) -> tuple[dict, list[Path]]:
+def run(trace: Trace, out: Path, sizes: list[int] | None = None) -> tuple[dict, list[Path]]:
     out.mkdir(parents=True, exist_ok=True)
-    result = analyse(trace)
+    result = analyse(trace, sizes)
     tmp = out / "coact.json.tmp"
     tmp.write_text(json.dumps(result))
     tmp.replace(out / "coact.json")

@@ -73,6 +73,26 @@ def test_cache_policies_on_a_known_sequence():
     # Belady, 3 slots: 1 2 3 | 1 hit | 4 evicts 3 | 1 hit | 2 hit | 5 evicts 4 | 1 hit | 2 hit
     assert cachesim.belady_hits(keys, 3) == 5
     assert cachesim.lfu_hits(keys, 100) == len(keys) - len(set(keys.tolist()))
+    assert cachesim.arc_hits(keys, 100) == len(keys) - len(set(keys.tolist()))
+
+
+def test_arc_keeps_a_hot_set_through_scans_and_never_beats_belady():
+    """A hot set (used twice in a row, so ARC files it as frequent) re-used between scans of
+    new keys: LRU loses it to every scan and hits only the immediate re-use, ARC keeps it.
+    On random traces no policy beats the offline optimum."""
+    hot = list(range(4))
+    keys, fresh = [], 1000
+    for _ in range(30):
+        keys += hot + hot + list(range(fresh, fresh + 8))
+        fresh += 8
+    keys = np.array(keys)
+    assert cachesim.lru_hits(keys, 8) == 30 * len(hot)
+    assert cachesim.arc_hits(keys, 8) >= 30 * len(hot) + 0.8 * 29 * len(hot)
+    rng = np.random.default_rng(0)
+    for cap in (1, 3, 10):
+        for _ in range(20):
+            keys = rng.zipf(1.3, size=300) % 50
+            assert cachesim.arc_hits(keys, cap) <= cachesim.belady_hits(keys, cap)
 
 
 def test_belady_bounds_online_policies():
