@@ -10,6 +10,7 @@ ratio to the raw disk at the same size and depth.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -139,6 +140,14 @@ def interleaved(targets, size: int, depth: int, seconds: float, reps: int) -> Al
     )
 
 
+def write_profile(path: Path, points: list) -> None:
+    """The measured (read bytes, depth, GB/s) points as JSON, written to a temporary name and
+    renamed, so a failed run never leaves half a profile behind."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"points": points}, indent=1) + "\n")
+    tmp.replace(path)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", default="/var/tmp", help="where the scratch file goes (real disk)")
     p.add_argument("--file-size", default="4G", help="scratch file size")
@@ -147,6 +156,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=0.5, help="per measurement")
     p.add_argument("--reps", type=int, default=3, help="median of this many")
     p.add_argument("--keep", action="store_true", help="keep the scratch file")
+    p.add_argument(
+        "--profile-out",
+        metavar="FILE",
+        help="also write the measured points as a disk profile for `moeshard simulate --disk`",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,6 +177,7 @@ def run(args) -> int:
     make_scratch(path, file_size)
     try:
         reader_depth = 4 if 4 in depths else depths[-1]
+        points = []  # [read bytes, depth, GB/s]: a `moe.simulate.Disk` profile
         head = "read size " + "".join(f"  QD{d:<2} GB/s" for d in depths)
         print(f"O_DIRECT random reads of {path} ({fmt_bytes(file_size)}), median of {args.reps}")
         print(head + f"  QD{reader_depth} raw vs reader, alternated (ratio)")
@@ -171,6 +186,7 @@ def run(args) -> int:
             row = [
                 median_of(raw_read_gbps, args.reps, targets, size, d, args.seconds) for d in depths
             ]
+            points += [[size, d, g] for d, g in zip(depths, row, strict=True)]
             alt = interleaved(targets, size, reader_depth, args.seconds, 2 * args.reps + 1)
             print(
                 f"{fmt_bytes(size):>9} "
@@ -178,6 +194,9 @@ def run(args) -> int:
                 + f"  {alt.raw:>6.3f} vs {alt.pool:>6.3f} ({alt.ratio:.2f})"
             )
             sys.stdout.flush()
+        if args.profile_out:
+            write_profile(Path(args.profile_out), points)
+            print(f"wrote {args.profile_out}: use it with moeshard simulate TRACE --disk FILE")
     finally:
         if not args.keep:
             path.unlink(missing_ok=True)

@@ -88,6 +88,20 @@ GEOMETRIES = {
 }
 
 
+def _valid_points(points) -> bool:
+    """A non-empty list of [read bytes > 0, depth >= 1, GB/s > 0]."""
+    if not isinstance(points, list) or not points:
+        return False
+    for p in points:
+        if not (isinstance(p, list) and len(p) == 3):
+            return False
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in p):
+            return False
+        if not (p[0] > 0 and p[1] >= 1 and p[2] > 0 and math.isfinite(p[2])):
+            return False
+    return True
+
+
 @dataclass
 class Disk:
     points: list  # [read bytes, depth, GB/s]
@@ -99,8 +113,16 @@ class Disk:
         try:
             data = json.loads(Path(spec).read_text())
         except (OSError, ValueError) as exc:
-            raise MoeshardError(f"{spec}: not a disk profile name or JSON file ({exc})") from None
-        return cls(data["points"])
+            raise MoeshardError(
+                f"{spec}: not a disk profile name ({', '.join(DISK_PROFILES)}) or JSON file ({exc})"
+            ) from None
+        points = data.get("points") if isinstance(data, dict) else None
+        if not _valid_points(points):
+            raise MoeshardError(
+                f'{spec}: a disk profile is {{"points": [[read bytes, depth, GB/s], ...]}} with '
+                "positive numbers (`moeshard bench disk --profile-out FILE` writes one)"
+            )
+        return cls(points)
 
     def scaled(self, factor: float) -> Disk:
         """The same curve shape, every bandwidth times `factor`."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from moe import simulate
-from moe.trace import DECODE, Trace
+from moe.trace import DECODE, FORMAT, Trace
 
 
 def synthetic_trace(tokens=60, layers=(0, 1, 2), n_experts=64, k=4, seed=0) -> Trace:
@@ -23,7 +25,13 @@ def synthetic_trace(tokens=60, layers=(0, 1, 2), n_experts=64, k=4, seed=0) -> T
         np.zeros(n, np.uint16),
         ids.astype(np.int16),
         np.full((n, k), 0.25, np.float16),
-        {"n_experts": n_experts, "top_k": k, "moe_layers": list(layers), "model_id": "x"},
+        {
+            "format": FORMAT,
+            "n_experts": n_experts,
+            "top_k": k,
+            "moe_layers": list(layers),
+            "model_id": "x",
+        },
     )
 
 
@@ -102,3 +110,29 @@ def test_validation_replays_a_real_streaming_run(tmp_path):
         assert replayed.hit_rate == predicted.hit_rate  # only the disk differs
     text = sim_validate.report(runs, predictions, seen)
     assert "measured" in text and "hit rate" in text and "while reading" in text
+
+
+def test_bench_disk_writes_a_profile_that_simulate_reads(tmp_path, capsys):
+    """`bench disk --profile-out` measures this disk and writes the points `simulate --disk`
+    takes; a malformed profile is refused with exit code 2 and a message."""
+    from coordinator.cli import main
+
+    profile = tmp_path / "disk.json"
+    argv = ["bench", "disk", "--dir", str(tmp_path), "--file-size", "32M", "--sizes", "1M"]
+    argv += ["--depths", "1,2", "--seconds", "0.05", "--reps", "1", "--profile-out", str(profile)]
+    assert main(argv) == 0
+    points = json.loads(profile.read_text())["points"]
+    assert [p[:2] for p in points] == [[1 << 20, 1], [1 << 20, 2]]
+    assert all(p[2] > 0 for p in points)
+    assert not (tmp_path / "moeshard-bench-disk.bin").exists()  # scratch file removed
+
+    trace_path = tmp_path / "t.npz"
+    synthetic_trace().save(trace_path)
+    capsys.readouterr()
+    assert main(["simulate", str(trace_path), "--geometry", "k2", "--disk", str(profile)]) == 0
+    assert "s/token" in capsys.readouterr().out
+
+    for bad in ('{"points": []}', '{"points": [[1048576, 0, 1.0]]}', "[1, 2]", "not json"):
+        profile.write_text(bad)
+        assert main(["simulate", str(trace_path), "--geometry", "k2", "--disk", str(profile)]) == 2
+        assert "disk profile" in capsys.readouterr().err
