@@ -131,6 +131,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--repeat", type=int, default=1, help="rounds over all rows; each row's median round"
     )
     p.add_argument(
+        "--prefetch-top",
+        type=int,
+        metavar="N",
+        help="also a '+prefetch topN' row per policy: prefetch each token's N best predictions",
+    )
+    p.add_argument(
         "--io-only",
         action="store_true",
         help="skip the expert kernels (records still read and checksummed): the I/O path alone",
@@ -182,11 +188,13 @@ def run(args) -> int:
 
     rows: list[tuple[str, dict]] = [("naive", {})]
     for policy in args.policies.split(","):
-        for prefetch in (False, True):
+        rows.append((policy, {"policy": policy, "prefetch": False}))
+        rows.append((f"{policy} +prefetch", {"policy": policy, "prefetch": True}))
+        if args.prefetch_top:
             rows.append(
                 (
-                    f"{policy}{' +prefetch' if prefetch else ''}",
-                    {"policy": policy, "prefetch": prefetch},
+                    f"{policy} +prefetch top{args.prefetch_top}",
+                    {"policy": policy, "prefetch": True, "top": args.prefetch_top},
                 )
             )
     packed = packed_model(args.packed, model) if args.packed else None
@@ -203,6 +211,7 @@ def run(args) -> int:
                 options["policy"],
                 prefetch=options["prefetch"],
                 prefetch_slots=plan.prefetch_slots,
+                prefetch_top=options.get("top"),
                 depth=args.depth,
                 profile=profile,
                 ffn=ffn,
@@ -279,8 +288,9 @@ def run(args) -> int:
         f"floor: I/O {io_floor:.4f} s/token (must-read bytes / {raw:.2f} GB/s); non-I/O time "
         f"(min over rows of s/token - stall) {compute:.4f} s/token; bound = max = {floor:.4f}"
     )
+    w = max(16, 1 + max(len(name) for name, *_ in results))  # the config column
     head = (
-        f"{'config':<16}{'s/token':>9}{'GB/token':>10}{'hit rate':>10}{'Belady':>8}"
+        f"{'config':<{w}}{'s/token':>9}{'GB/token':>10}{'hit rate':>10}{'Belady':>8}"
         f"{'stall':>7}{'recall':>8}{'prec.':>7}{'x I/O floor':>12}{'x bound':>9}"
         f"{'reads/tok':>10}{'KiB/read':>9}"
     )
@@ -294,7 +304,7 @@ def run(args) -> int:
     for name, s_tok, gb, d, stall, same, _ in results:
         pf = "prefetch" in name
         print(
-            f"{name:<16}{s_tok:>9.4f}{gb / 1e9:>10.3f}{d.hit_rate:>10.1%}{belady:>8.1%}"
+            f"{name:<{w}}{s_tok:>9.4f}{gb / 1e9:>10.3f}{d.hit_rate:>10.1%}{belady:>8.1%}"
             f"{stall / s_tok:>7.0%}"
             + (f"{d.recall:>8.0%}{d.precision:>7.0%}" if pf else f"{'-':>8}{'-':>7}")
             + f"{s_tok / io_floor:>12.2f}{s_tok / floor:>9.2f}"

@@ -437,6 +437,12 @@ def _add_streaming_options(p) -> None:
     g.add_argument("--ram", metavar="SIZE", help="RAM budget, e.g. 8G or 512M (enables streaming)")
     g.add_argument("--cache-policy", choices=POLICIES, default="lru", help="expert cache policy")
     g.add_argument("--no-prefetch", action="store_true", help="no next-layer expert prefetch")
+    g.add_argument(
+        "--prefetch-top",
+        type=int,
+        metavar="N",
+        help="prefetch only each token's N highest-scoring predicted experts (default: all k)",
+    )
     g.add_argument("--read-depth", type=int, default=4, help="O_DIRECT reads in flight")
     g.add_argument("--context", type=int, help="KV tokens to plan for (default: prompt + max)")
     g.add_argument("--profile-out", metavar="FILE", help="write expert usage counts (JSON)")
@@ -463,6 +469,7 @@ def _open_streaming(args):
         context,
         policy=args.cache_policy,
         prefetch=not args.no_prefetch,
+        prefetch_top=args.prefetch_top,
         depth=args.read_depth,
         profile=profile,
         prefill_tokens=prompt,

@@ -127,7 +127,7 @@ def open_streaming(path: str | Path, budget: int, context: int, **store_options)
     """Single process under a hard RAM budget (`moe.budget`): O_DIRECT-streamed experts through
     an ExpertStore, the trunk resident or streamed layer by layer.
 
-    store_options: policy, prefetch, depth, profile (Counter), prefill_tokens.
+    store_options: policy, prefetch, prefetch_top, depth, profile (Counter), prefill_tokens.
     """
     from moe.blas import limit_blas_threads
     from moe.budget import measure_overhead, plan_budget
@@ -145,7 +145,13 @@ def open_streaming(path: str | Path, budget: int, context: int, **store_options)
     prefetch = store_options.pop("prefetch", True)
     layout = TrunkLayout(model.path / "trunk.gguf", model.model_id)
     plan = plan_budget(
-        model, budget, context, store_options.pop("prefill_tokens", None), prefetch, layout
+        model,
+        budget,
+        context,
+        store_options.pop("prefill_tokens", None),
+        prefetch,
+        layout,
+        store_options.get("prefetch_top"),
     )
     plan.overhead = overhead
     trunk = StreamingTrunk(layout, plan.trunk_prefix)

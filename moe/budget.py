@@ -120,6 +120,7 @@ def plan_budget(
     prefill_tokens: int | None = None,
     prefetch: bool = True,
     layout: TrunkLayout | None = None,
+    prefetch_top: int | None = None,
 ) -> BudgetPlan:
     """Split `budget` bytes; raises MoeshardError naming the minimum when it is too small."""
     c = model.config
@@ -129,7 +130,7 @@ def plan_budget(
     slot = align_up(
         quant.expert_record_nbytes(model.expert_format, c.hidden_size, c.expert_intermediate)
     )
-    pf = c.top_k if prefetch else 0
+    pf = (prefetch_top or c.top_k) if prefetch else 0  # a decode step predicts this many
     expert_min = (c.top_k + pf) * slot
     layers = sorted(layout.layers)
     full = layout.total_bytes()

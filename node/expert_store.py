@@ -112,6 +112,7 @@ class ExpertStore:
         policy: str = "lru",
         prefetch: bool = True,
         prefetch_slots: int | None = None,
+        prefetch_top: int | None = None,
         depth: int = 4,
         profile: Counter | None = None,
         pin_count: int | None = None,
@@ -139,6 +140,11 @@ class ExpertStore:
         self.slot_bytes = align_up(self.record_nbytes)
         self.prefetch_slots = c.top_k if prefetch_slots is None else prefetch_slots
         self.prefetch_enabled = prefetch and self.prefetch_slots > 0
+        if prefetch_top is not None and not 1 <= prefetch_top <= c.top_k:
+            raise MoeshardError(f"prefetch top must be 1..{c.top_k} (the router's top-k)")
+        # read by `moe.layers.hint_next_layer`: predict only each token's `prefetch_top`
+        # highest-scoring experts of the next layer (None: all top_k)
+        self.prefetch_top = prefetch_top
         need = 1 + (self.prefetch_slots if self.prefetch_enabled else 0)
         if slots < need:
             raise MoeshardError(f"expert cache needs at least {need} slots, got {slots}")

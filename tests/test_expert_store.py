@@ -72,6 +72,28 @@ def test_cache_hits_and_prefetch_stats(model):
     assert s.bytes_read >= (s.misses + s.prefetch_hits) * store.record_nbytes
 
 
+def test_prefetch_top_predicts_fewer_and_changes_nothing(model, baseline):
+    """prefetch_top=1: each decode hint names at most one expert per token (the router's best
+    guess); the output is the same bit for bit; a top outside 1..k is refused."""
+    c = model.config
+    store = ExpertStore(model, 1 + 2 * c.top_k, "lru", prefetch=True, prefetch_top=1)
+    hints = []
+    real_prefetch = store.prefetch
+    store.prefetch = lambda layer, ids: (hints.append(len(ids)), real_prefetch(layer, ids))
+    result = run(model, store)
+    s = store.snapshot()
+    store.close()
+    assert result.tokens == baseline.tokens
+    for a, b in zip(result.logits, baseline.logits, strict=True):
+        np.testing.assert_array_equal(a, b)
+    decode_hints = hints[-(len(c.moe_layers) - 1) :]  # the last token's hints: one row each
+    assert decode_hints and all(n == 1 for n in decode_hints)
+    assert s.predicted > 0 and s.precision > 0
+    for bad in (0, c.top_k + 1):
+        with pytest.raises(MoeshardError, match="prefetch top"):
+            ExpertStore(model, 1 + 2 * c.top_k, "lru", prefetch=True, prefetch_top=bad)
+
+
 def test_none_policy_reads_every_use(model):
     store = ExpertStore(model, 8, "none", prefetch=False)
     run(model, store, max_tokens=3)

@@ -153,15 +153,21 @@ def test_cli_generate_ram_matches_unbudgeted(tiny, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["tokens"] == plain["tokens"]
     assert main(["generate", *common, "--ram", "1M"]) == 2
     assert "below the minimum working set" in capsys.readouterr().err
+    assert main(["generate", *common, "--ram", "64M", "--prefetch-top", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == plain["tokens"]
+    assert main(["generate", *common, "--ram", "64M", "--prefetch-top", "99"]) == 2
+    assert "prefetch top must be" in capsys.readouterr().err
 
 
 def test_bench_commands_run(tiny, tmp_path, capsys):
     from coordinator.cli import main
 
     argv = ["bench", "stream", str(tiny), "--ram", "49M", "--tokens", "4"]
-    assert main([*argv, "--disk-seconds", "0.05", "--reps", "1", "--policies", "lru"]) == 0
+    fast = ["--disk-seconds", "0.05", "--reps", "1", "--policies", "lru", "--prefetch-top", "1"]
+    assert main([*argv, *fast]) == 0
     out = capsys.readouterr().out
     assert "naive" in out and "lru +prefetch" in out and "Belady" in out
+    assert "lru +prefetch top1" in out
     trace = tmp_path / "trace.npz"
     gen = ["generate", str(tiny), "--prompt-ids", "1,2,3", "--max-tokens", "6", "--json"]
     assert main([*gen, "--trace", str(trace)]) == 0
