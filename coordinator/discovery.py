@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import queue
 import socket
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from zeroconf import IPVersion, ServiceBrowser, ServiceStateChange, Zeroconf
@@ -53,37 +56,81 @@ def discover(model_id: str | None, timeout: float = 2.0) -> list[Discovered]:
         time.sleep(timeout)
         browser.cancel()
         for name in sorted(names):
-            info = zc.get_service_info(SERVICE_TYPE, name, timeout=1000)
-            if info is None or not info.addresses:
-                log.warning("discovery: %s did not resolve; skipped", name)
-                continue
-            txt = _txt(info)
-            node = Discovered(
-                node_id=txt.get("node_id", name),
-                addr=f"{socket.inet_ntoa(info.addresses[0])}:{info.port}",
-                model_id=txt.get("model_id", ""),
-                format_version=int(txt.get("fmt", "0") or 0),
-                txt=txt,
-            )
-            if model_id is not None and node.model_id != model_id:
-                log.warning(
-                    "discovery: ignoring node %s at %s: model id %s differs from %s",
-                    node.node_id,
-                    node.addr,
-                    node.model_id[:16],
-                    model_id[:16],
-                )
-                continue
-            if node.format_version != FORMAT_VERSION:
-                log.warning(
-                    "discovery: ignoring node %s at %s: format version %d, ours is %d",
-                    node.node_id,
-                    node.addr,
-                    node.format_version,
-                    FORMAT_VERSION,
-                )
-                continue
-            found.append(node)
+            node = _resolve(zc, name, model_id)
+            if node is not None:
+                found.append(node)
     finally:
         zc.close()
     return found
+
+
+def _resolve(zc: Zeroconf, name: str, model_id: str | None) -> Discovered | None:
+    """The node behind a service name, or None (logged) if it does not resolve or serves
+    another model or format version."""
+    info = zc.get_service_info(SERVICE_TYPE, name, timeout=1000)
+    if info is None or not info.addresses:
+        log.warning("discovery: %s did not resolve; skipped", name)
+        return None
+    txt = _txt(info)
+    node = Discovered(
+        node_id=txt.get("node_id", name),
+        addr=f"{socket.inet_ntoa(info.addresses[0])}:{info.port}",
+        model_id=txt.get("model_id", ""),
+        format_version=int(txt.get("fmt", "0") or 0),
+        txt=txt,
+    )
+    if model_id is not None and node.model_id != model_id:
+        log.warning(
+            "discovery: ignoring node %s at %s: model id %s differs from %s",
+            node.node_id,
+            node.addr,
+            node.model_id[:16],
+            model_id[:16],
+        )
+        return None
+    if node.format_version != FORMAT_VERSION:
+        log.warning(
+            "discovery: ignoring node %s at %s: format version %d, ours is %d",
+            node.node_id,
+            node.addr,
+            node.format_version,
+            FORMAT_VERSION,
+        )
+        return None
+    return node
+
+
+class Watcher:
+    """Keeps browsing after start-up and hands every node of `model_id` that is announced
+    (or re-announced) to `on_node`, so nodes that join a running generation are used.
+
+    zeroconf calls its handlers on its own thread, which must not block, so names are queued
+    and one worker thread resolves them and calls `on_node` (which may block on an RPC).
+    """
+
+    def __init__(self, model_id: str, on_node: Callable[[Discovered], None]):
+        self.model_id, self.on_node = model_id, on_node
+        self._names: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._zc = Zeroconf(ip_version=IPVersion.V4Only)
+        self._worker = threading.Thread(target=self._run, name="node-watcher", daemon=True)
+        self._worker.start()
+        self._browser = ServiceBrowser(self._zc, SERVICE_TYPE, handlers=[self._on_change])
+
+    def _on_change(self, zeroconf, service_type, name, state_change) -> None:
+        if state_change in (ServiceStateChange.Added, ServiceStateChange.Updated):
+            self._names.put(name)
+
+    def _run(self) -> None:
+        while (name := self._names.get()) is not None:
+            try:
+                node = _resolve(self._zc, name, self.model_id)
+                if node is not None:
+                    self.on_node(node)
+            except Exception:  # a bad announcement must not end the watch
+                log.exception("discovery: handling %s failed", name)
+
+    def close(self) -> None:
+        self._browser.cancel()
+        self._names.put(None)
+        self._worker.join(timeout=5)
+        self._zc.close()

@@ -140,6 +140,7 @@ class RemoteExperts:
         self.dropped: dict[tuple[int, int], int] = defaultdict(int)  # --degrade drops
         self.layer_ms: list[float] = []  # fan-out wall time of each layer call
         self._pending_hints: set = set()
+        self.watcher = None  # a coordinator.discovery.Watcher feeding `add_peer`, closed with us
         for addr in dict.fromkeys(addrs):
             self._connect(addr)
         if not any(p.up for p in self.peers):
@@ -174,6 +175,33 @@ class RemoteExperts:
             channel.close()
             return
         self.peers.append(peer)
+
+    def add_peer(self, addr: str) -> bool:
+        """Admit a node that appeared after start-up (fed by zeroconf's `Watcher`); True if
+        it is now used. A known address is skipped, and so is a node whose id is already up
+        at another address (a node on all interfaces is announced under each)."""
+        with self.lock:
+            if addr in self.ignored or any(p.addr == addr for p in self.peers):
+                return False
+        channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        peer = Peer(
+            addr, channel, pb_grpc.ExpertNodeStub(channel), health_pb2_grpc.HealthStub(channel)
+        )
+        try:
+            why = self._admit(peer, self.config.connect_timeout_s)
+        except grpc.RpcError as exc:
+            why = f"unreachable ({exc.code().name})"  # announced but not answering: skip it
+        with self.lock:
+            if not why and any(p.up and p.node_id == peer.node_id for p in self.peers):
+                why = f"node {peer.node_id} is already used at another address"
+            elif not why:
+                self.peers.append(peer)
+        if why:
+            log.info("discovered node %s not added: %s", addr, why)
+            channel.close()
+            return False
+        log.warning("node %s (%s) joined: %d experts", peer.node_id, addr, len(peer.held))
+        return True
 
     def _admit(self, peer: Peer, timeout: float) -> str:
         """Info call: '' and the peer marked up if it serves this model, else the reason."""
@@ -263,6 +291,8 @@ class RemoteExperts:
             return [p for p in self.peers if p.up]
 
     def close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.close()
         self._stop.set()
         self._prober.join(timeout=2)
         for peer in self.peers:

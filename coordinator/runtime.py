@@ -206,6 +206,10 @@ def open_remote(
         raise StoreError(f"{model.path}: has no trunk.gguf (a node shard directory?)")
     addrs = resolve_peers(model.model_id, peers, discover, discover_timeout)
     experts = RemoteExperts(model.model_id, model.config.hidden_size, addrs, remote_config)
+    if discover and not peers:  # keep browsing: nodes that start later join the generation
+        from coordinator.discovery import Watcher
+
+        experts.watcher = Watcher(model.model_id, lambda node: experts.add_peer(node.addr))
     trunk = model.load_trunk()
     transformer = model.family.Transformer(model.config, trunk, experts)
     return finish_runtime(model, transformer, experts, warmup_s, started)

@@ -420,3 +420,42 @@ def test_node_on_all_interfaces_is_discovered_at_a_real_address(model_dir):
         node.stop()
     # Unregistered on stop: a fresh browse no longer sees it.
     assert "all-interfaces" not in {n.node_id for n in discover(None, 1.0)}
+
+
+def test_node_started_later_joins_a_running_generation(converted):
+    """With --discover the coordinator keeps browsing: a node announced after start-up is
+    admitted (its id not doubled), and once the first node dies the late one carries the
+    generation to the same tokens as one machine. A model id of its own keeps other tests'
+    nodes out of the picture."""
+    from coordinator.runtime import open_remote
+
+    path = converted("qwen3_moe", experts="q8_0")
+    local = open_local(path)
+    want = generate(local.transformer, PROMPT, SamplingOptions(max_tokens=TOKENS)).tokens
+    early = Node(NodeConfig(path=str(path), node_id="early"))
+    early.start()
+    late = None
+    rt = None
+    try:
+        rt = open_remote(path, discover=True, discover_timeout=1.5)
+        remote = rt.experts
+        assert [p.node_id for p in remote.live_peers()] == ["early"]
+        late = Node(NodeConfig(path=str(path), node_id="late"))
+        late.start()
+        deadline = time.monotonic() + 20  # mDNS announcements can be slow on a loaded box
+        while time.monotonic() < deadline:
+            if "late" in {p.node_id for p in remote.live_peers()}:
+                break
+            time.sleep(0.1)
+        assert sorted(p.node_id for p in remote.live_peers()) == ["early", "late"]
+        assert not remote.add_peer(f"127.0.0.1:{late.port}")  # known: not added twice
+        early.stop()
+        got = generate(rt.transformer, PROMPT, SamplingOptions(max_tokens=TOKENS)).tokens
+        assert got == want
+        assert next(p for p in remote.peers if p.node_id == "late").calls > 0
+    finally:
+        if rt is not None:
+            rt.experts.close()
+        if late is not None:
+            late.stop()
+        early.stop()

@@ -13,6 +13,9 @@ no peer list). Every scenario's tokens must equal the single-node output:
   link down/up       a node's switch port goes down mid-generation and comes back: banned,
                      then re-admitted within the same generation
   node SIGKILL       a node is killed mid-generation: its layer calls fail over to replicas
+  new coordinator    a fresh coordinator after the kill: 2 of 3 nodes cover every expert
+  node restart       the killed node restarts mid-generation: found by the coordinator's
+                     running zeroconf browse (or its prober) and given work again
 
 Prints a table (scenario, outcome, tokens/s, failovers) and exits 1 if any scenario failed.
 `--delay-relay` is the internal entry point of the delay relay (one per node namespace).
@@ -535,6 +538,36 @@ def scenarios(bed: Bed, args) -> list[Result]:
             ref(args.tokens),
             not seg or "DOWN" in seg[0],
             "dead node discovered, unreachable, skipped" if stale else "dead node not discovered",
+        )
+    )
+
+    # 7. the killed node restarts mid-generation: a coordinator that never knew it finds it
+    # through its still-running zeroconf browse ("joined"); one that kept the stale address
+    # re-admits it through its prober ("re-admitted"). Either way it must take work again.
+    n = sized(6.0)
+    alive = [h for h in NODES if h != host]
+    proc = bed.generate(model, args.prompt_ids, n)
+    bed.wait_admitted(alive, proc)
+    time.sleep(1.0)
+    bed.start_node(host, work / "shards" / f"node-{NODES.index(host):02d}", victim)
+    log(f"{victim} restarted mid-generation")
+    result, err, _ = finish(proc)
+    joined = lines_with(err, victim, "joined")
+    back = lines_with(err, victim, "re-admitted")
+    seg = [s for s in node_segments(err) if s.startswith(f"{victim} ")]
+    calls = re.search(r" (\d+) calls", seg[0]) if seg else None
+    used = bool(calls) and int(calls.group(1)) > 0
+    for line in (joined or back)[:1]:
+        log("coordinator: " + line.split(": ", 1)[-1])
+    results.append(
+        check(
+            f"{host} restarted mid-run ({n} tok)",
+            result,
+            err,
+            ref(n),
+            bool(joined or back) and used,
+            ("joined by zeroconf" if joined else "re-admitted" if back else "NOT used")
+            + (f", {calls.group(1)} calls" if used else ""),
         )
     )
     return results
