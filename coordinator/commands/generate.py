@@ -1,0 +1,225 @@
+"""`moeshard generate`: local, single-node streaming (--ram) and remote (--peers/--discover)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+from coordinator.commands import EXIT_OK
+from coordinator.commands.network import add_peer_options
+from moe.errors import MoeshardError
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt")
+    p.add_argument("model", help="model directory (from `moeshard convert`)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--dump-logits", metavar="FILE.npy", help="save float32 [tokens, vocab]")
+    p.add_argument(
+        "--trace", metavar="FILE.npz", help="record every routing decision (see moe/trace.py)"
+    )
+    add_peer_options(p, required=False)
+    p.add_argument("--degrade", action="store_true", help="drop experts no live node holds")
+    p.add_argument("--wire-dtype", choices=("f32", "bf16"), default="f32", help="activations")
+    p.add_argument("--deadline", type=float, default=5.0, help="seconds per node call")
+    add_streaming_options(p)
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args) -> int:
+    from coordinator.generate import SamplingOptions, generate
+    from coordinator.runtime import open_local
+
+    if args.max_tokens < 1:
+        raise MoeshardError("--max-tokens must be at least 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
+        raise MoeshardError("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
+    if args.peers or args.discover:
+        from coordinator.remote import RemoteConfig
+
+        if args.ram:
+            raise MoeshardError("--ram is for single-node mode; give each node its own --ram")
+        from coordinator.runtime import open_remote
+
+        remote = RemoteConfig(
+            deadline_s=args.deadline, wire_dtype=args.wire_dtype, degrade=args.degrade
+        )
+        rt = open_remote(args.model, args.peers, args.discover, args.discover_timeout, remote)
+    else:
+        rt = _open_streaming(args) if args.ram else open_local(args.model)
+    if args.prompt_ids is not None:
+        try:
+            prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise MoeshardError(
+                f"--prompt-ids: not a comma-separated list: {args.prompt_ids}"
+            ) from None
+        bad = [t for t in prompt_ids if not 0 <= t < rt.config.vocab_size]
+        if bad:
+            raise MoeshardError(f"--prompt-ids: {bad[0]} is outside the vocabulary")
+    else:
+        prompt_ids = rt.encode(args.prompt)
+    opts = SamplingOptions(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_ids=tuple(rt.eos_ids),
+        keep_logits=bool(args.dump_logits),
+    )
+    recorder = None
+    if args.trace:
+        from moe.trace import TraceRecorder
+
+        recorder = TraceRecorder(rt.transformer.experts, trace_meta(rt))
+        rt.transformer.experts = recorder
+    stream = None if args.json else rt.text_streamer(sys.stdout)
+    monitor = None
+    if args.ram:
+        from coordinator.stream_monitor import StreamMonitor
+
+        print(rt.experts.plan.describe(), file=sys.stderr)
+        monitor = StreamMonitor(rt.experts, stream, args.stats_json)
+        monitor.start(len(prompt_ids))
+    result = generate(rt.transformer, prompt_ids, opts, monitor or stream)
+    if recorder:
+        recorder.trace().save(args.trace)
+    if stream:
+        stream.finish()
+    stats = rt.stats(result)
+    if monitor:
+        monitor.finish(stats)
+        _report_streaming(args, rt, stats)
+    if args.dump_logits:
+        np.save(args.dump_logits, np.stack(result.logits).astype(np.float32))
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "prompt_ids": result.prompt_ids,
+                    "tokens": result.tokens,
+                    "text": rt.decode(result.tokens),
+                    "stats": stats,
+                }
+            )
+        )
+    else:
+        print(
+            f"[{len(result.prompt_ids)} prompt tokens, prefill {stats['prefill_s']:.3f} s; "
+            f"{len(result.tokens)} tokens at {stats['decode_s_per_token']:.4f} s/token "
+            f"({stats['tokens_per_s']:.1f} tok/s); experts read "
+            f"{stats['expert_bytes_read'] / 1e6:.1f} MB; start-up {stats['startup_s']:.2f} s "
+            f"(JIT warm-up {stats['jit_warmup_s']:.2f} s); stop: {result.stopped_by}]",
+            file=sys.stderr,
+        )
+    if hasattr(rt.experts, "summary"):
+        _report_remote(rt.experts.summary(), len(result.tokens))
+        rt.experts.close()
+    return EXIT_OK
+
+
+def _report_remote(summary: dict, tokens: int) -> None:
+    nodes = ", ".join(
+        f"{n['node_id'] or n['addr']} {n['calls']} calls {n['ewma_ms']:.2f} ms"
+        + ("" if n["up"] else " DOWN")
+        for n in summary["nodes"]
+    )
+    wire = (summary["bytes_sent"] + summary["bytes_received"]) / max(tokens, 1)
+    print(
+        f"[nodes: {nodes}; {summary['retries']} retried layer calls; "
+        f"{wire / 1e3:.1f} KB on the wire per token]",
+        file=sys.stderr,
+    )
+    if summary["dropped"]:
+        total = sum(summary["dropped"].values())
+        print(f"[--degrade: dropped {total} expert slots: {summary['dropped']}]", file=sys.stderr)
+
+
+def add_streaming_options(p) -> None:
+    from node.expert_store import POLICIES
+
+    g = p.add_argument_group("single-node streaming (a hard RAM budget)")
+    g.add_argument("--ram", metavar="SIZE", help="RAM budget, e.g. 8G or 512M (enables streaming)")
+    g.add_argument("--cache-policy", choices=POLICIES, default="lru", help="expert cache policy")
+    g.add_argument("--no-prefetch", action="store_true", help="no next-layer expert prefetch")
+    g.add_argument(
+        "--prefetch-top",
+        type=int,
+        metavar="N",
+        help="prefetch only each token's N highest-scoring predicted experts (default: all k)",
+    )
+    g.add_argument("--read-depth", type=int, default=4, help="O_DIRECT reads in flight")
+    g.add_argument("--context", type=int, help="KV tokens to plan for (default: prompt + max)")
+    g.add_argument("--profile-out", metavar="FILE", help="write expert usage counts (JSON)")
+    g.add_argument("--profile-in", metavar="FILE", help="usage counts for --cache-policy pin")
+    g.add_argument("--stats-json", metavar="FILE", help="one JSON line of stats per token")
+
+
+def _open_streaming(args):
+    from coordinator.runtime import open_streaming
+    from moe.budget import parse_size
+    from moe.model import ModelDir
+    from node.expert_store import read_profile
+
+    if args.read_depth < 1:
+        raise MoeshardError("--read-depth must be at least 1")
+    prompt = len(args.prompt_ids.split(",")) if args.prompt_ids else len(args.prompt.encode())
+    context = args.context or prompt + args.max_tokens
+    profile = None
+    if args.profile_in:
+        profile = read_profile(args.profile_in, ModelDir(args.model).model_id)
+    return open_streaming(
+        args.model,
+        parse_size(args.ram),
+        context,
+        policy=args.cache_policy,
+        prefetch=not args.no_prefetch,
+        prefetch_top=args.prefetch_top,
+        depth=args.read_depth,
+        profile=profile,
+        prefill_tokens=prompt,
+    )
+
+
+def _report_streaming(args, rt, stats: dict) -> None:
+    from moe.budget import fmt_bytes
+    from node.expert_store import write_profile
+
+    if args.profile_out:
+        write_profile(args.profile_out, rt.model.model_id, rt.experts.counts)
+    n = max(stats["generated_tokens"], 1)
+    print(
+        f"[streaming: {args.cache_policy}, prefetch {'off' if args.no_prefetch else 'on'}; "
+        f"{stats['store_bytes_read'] / 1e9 / n:.3f} GB read/token, "
+        f"hit rate {stats['store_hit_rate']:.1%}, stall {stats['store_stall_s']:.2f} s, "
+        f"read {stats['store_read_s']:.2f} s, compute {stats['store_compute_s']:.2f} s, "
+        f"prefetch recall {stats['store_prefetch_recall']:.1%} "
+        f"precision {stats['store_prefetch_precision']:.1%}; peak RSS "
+        f"{fmt_bytes(stats['peak_rss_bytes'])} (budget {fmt_bytes(stats['ram_budget_bytes'])} "
+        f"+ interpreter {fmt_bytes(stats['interpreter_overhead_bytes'])})]",
+        file=sys.stderr,
+    )
+
+
+def trace_meta(rt) -> dict:
+    c = rt.config
+    return {
+        "model_id": rt.model.model_id,
+        "model_type": c.model_type,
+        "n_experts": c.n_experts,
+        "top_k": c.top_k,
+        "moe_layers": list(c.moe_layers),
+        "hidden_size": c.hidden_size,
+        "expert_intermediate": c.expert_intermediate,
+    }

@@ -1,0 +1,154 @@
+"""Commands on one model directory: convert, inspect, synth, quality, perplexity."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from coordinator.commands import EXIT_BAD_INPUT, EXIT_OK
+from moe.errors import MoeshardError
+
+
+def add_convert(sub) -> None:
+    from moe.convert import (
+        DEFAULT_EXPERT_FORMAT,
+        DEFAULT_TRUNK_FORMAT,
+        EXPERT_FORMATS,
+        TRUNK_FORMATS,
+    )
+
+    p = sub.add_parser("convert", help="Hugging Face checkpoint directory -> model directory")
+    p.add_argument("src", help="checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("out", help="model directory to create")
+    p.add_argument("--experts", choices=EXPERT_FORMATS, default=DEFAULT_EXPERT_FORMAT)
+    p.add_argument("--trunk", choices=TRUNK_FORMATS, default=DEFAULT_TRUNK_FORMAT)
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_convert)
+
+
+def cmd_convert(args) -> int:
+    from moe.convert import convert
+
+    s = convert(args.src, args.out, args.experts, args.trunk, args.force, not args.quiet)
+    print(
+        f"converted {args.src} -> {args.out}: {s.params / 1e6:.2f} M params "
+        f"(trunk {s.trunk_params / 1e6:.2f} M, experts {s.expert_params / 1e6:.2f} M), "
+        f"{s.bytes_written / 1e6:.1f} MB written in {s.seconds:.2f} s; model id {s.model_id[:16]}"
+    )
+    if s.skipped:
+        print(f"skipped {len(s.skipped)} checkpoint tensors not used by inference:")
+        reasons: dict[str, list[str]] = {}
+        for name, reason in s.skipped.items():
+            reasons.setdefault(reason, []).append(name)
+        for reason, names in reasons.items():
+            shown = ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+            print(f"  {len(names)} x {reason}: {shown}")
+    return EXIT_OK
+
+
+def add_inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="geometry, formats, sizes and shard files of a model")
+    p.add_argument("model", help="model directory")
+    p.add_argument("--verify", action="store_true", help="recompute every checksum")
+    p.set_defaults(func=cmd_inspect)
+
+
+def cmd_inspect(args) -> int:
+    from moe.inspect import describe
+
+    text, ok = describe(args.model, args.verify)
+    print(text)
+    if not ok:
+        print("moeshard: error: checksum verification failed", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return EXIT_OK
+
+
+def add_synth(sub) -> None:
+    from moe.synth import PRESETS
+
+    p = sub.add_parser("synth", help="write a large random-weight model (streaming benchmarks)")
+    p.add_argument("out", help="model directory to create")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="k3-mini")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.set_defaults(func=cmd_synth)
+
+
+def cmd_synth(args) -> int:
+    from moe.synth import synth
+
+    s = synth(args.out, args.preset, args.force, args.seed)
+    print(
+        f"synth {args.preset} -> {args.out}: {s['bytes'] / 1e9:.2f} GB in {s['seconds']:.1f} s "
+        f"({s['gb_per_s']:.2f} GB/s); model id {s['id'][:16]}"
+    )
+    return EXIT_OK
+
+
+def add_quality(sub) -> None:
+    p = sub.add_parser(
+        "quality", help="top-1 agreement and KL of quantised formats against f32 (on a checkpoint)"
+    )
+    p.add_argument("src", help="Hugging Face checkpoint directory")
+    p.add_argument("--experts", default="q4_0,q8_0,bf16", help="expert formats to compare")
+    p.add_argument("--trunk", default="f32", help="trunk formats to compare (comma-separated)")
+    p.add_argument("--prompt-ids", action="append", help="a prompt as ids (repeatable)")
+    p.add_argument("--prompt", action="append", help="a prompt as text (repeatable)")
+    p.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
+    p.set_defaults(func=cmd_quality)
+
+
+def cmd_quality(args) -> int:
+    from tokenizers import Tokenizer
+
+    from moe.quality import compare_formats
+
+    prompts = [[int(t) for t in p.split(",")] for p in args.prompt_ids or []]
+    if args.prompt:
+        tokenizer = Tokenizer.from_file(str(Path(args.src) / "tokenizer.json"))
+        prompts += [tokenizer.encode(p).ids for p in args.prompt]
+    if not prompts:
+        raise MoeshardError("give at least one --prompt or --prompt-ids")
+    rows = compare_formats(
+        args.src, prompts, args.tokens, args.experts.split(","), args.trunk.split(",")
+    )
+    print(f"reference: f32 experts and trunk, {len(prompts)} prompts x {args.tokens} greedy tokens")
+    print(
+        f"{'experts':>8} {'trunk':>6} {'positions':>9} {'top-1 agree':>11} {'mean KL':>10} "
+        f"{'max KL':>10}"
+    )
+    for r in rows:
+        print(
+            f"{r.experts:>8} {r.trunk:>6} {r.positions:>9} {r.top1_agreement:>11.2%} "
+            f"{r.mean_kl:>10.2e} {r.max_kl:>10.2e}"
+        )
+    return EXIT_OK
+
+
+def add_perplexity(sub) -> None:
+    p = sub.add_parser("perplexity", help="perplexity of a text under each expert format")
+    p.add_argument("src", help="Hugging Face checkpoint directory (with tokenizer.json)")
+    p.add_argument("--text", required=True, help="UTF-8 text file")
+    p.add_argument("--experts", default="f32,q4_0", help="expert formats (comma-separated)")
+    p.add_argument("--trunk", default="f32", help="trunk format")
+    p.add_argument("--window", type=int, default=256, help="tokens per evaluation window")
+    p.add_argument("--max-tokens", type=int, default=0, help="evaluate at most this many (0: all)")
+    p.set_defaults(func=cmd_perplexity)
+
+
+def cmd_perplexity(args) -> int:
+    from moe.quality import perplexity_by_format
+
+    try:
+        text = Path(args.text).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MoeshardError(f"{args.text}: cannot read text ({exc})") from None
+    n, results = perplexity_by_format(
+        args.src, text, args.experts.split(","), args.trunk, args.window, args.max_tokens
+    )
+    print(f"{n} tokens of {args.text}, windows of {args.window}, trunk {args.trunk}")
+    for fmt, ppl in results.items():
+        print(f"  experts {fmt:>5}: perplexity {ppl:.3f}")
+    return EXIT_OK
