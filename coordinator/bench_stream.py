@@ -215,6 +215,7 @@ def run(args) -> int:
                 depth=args.depth,
                 profile=profile,
                 ffn=ffn,
+                ffn_b1=None if args.io_only else quant.experts_ffn_b1,
             )
             store.trace = []
         else:

@@ -195,3 +195,21 @@ def test_streamed_trunk_and_minimum_budget_on_fixtures(family, converted):
     plan = plan_budget(model, minimum, CONTEXT)
     assert not plan.trunk_resident
     assert stats["trunk_bytes_read"] > plan.trunk_total  # layers were read more than once
+
+
+def test_bench_stream_io_only_runs_no_expert_kernel(tiny, monkeypatch, capsys):
+    """--io-only measures the I/O path alone: neither the per-expert nor the batched decode
+    kernel may run (records are still read and checksummed)."""
+    from coordinator.cli import main
+    from moe import kernels, quant
+
+    def kernel_ran(*args, **kwargs):
+        raise AssertionError("an expert kernel ran under --io-only")
+
+    quant.warmup()  # compiled and loaded first: the start-up warm-up calls every kernel once
+    monkeypatch.setattr(quant, "warmup", lambda: 0.0)
+    monkeypatch.setattr(kernels, "expert_ffn_kernel", kernel_ran)
+    monkeypatch.setattr(kernels, "experts_b1_kernel", kernel_ran)
+    argv = ["bench", "stream", str(tiny), "--ram", "49M", "--tokens", "3", "--io-only"]
+    assert main([*argv, "--disk-seconds", "0.05", "--reps", "1", "--policies", "lru"]) == 0
+    assert "I/O path only" in capsys.readouterr().out
