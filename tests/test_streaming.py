@@ -154,7 +154,9 @@ def test_cli_generate_ram_matches_unbudgeted(tiny, tmp_path, capsys):
     assert main(["generate", *common, "--ram", "1M"]) == 2
     assert "below the minimum working set" in capsys.readouterr().err
     assert main(["generate", *common, "--ram", "64M", "--prefetch-top", "1"]) == 0
-    assert json.loads(capsys.readouterr().out)["tokens"] == plain["tokens"]
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["tokens"] == plain["tokens"]
+    assert "prefetch top 1;" in captured.err
     assert main(["generate", *common, "--ram", "64M", "--prefetch-top", "99"]) == 2
     assert "prefetch top must be" in capsys.readouterr().err
 

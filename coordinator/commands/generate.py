@@ -192,6 +192,12 @@ def _open_streaming(args):
     )
 
 
+def _prefetch_mode(args) -> str:
+    if args.no_prefetch:
+        return "off"
+    return f"top {args.prefetch_top}" if args.prefetch_top else "on"
+
+
 def _report_streaming(args, rt, stats: dict) -> None:
     from moe.budget import fmt_bytes
     from node.expert_store import write_profile
@@ -200,7 +206,7 @@ def _report_streaming(args, rt, stats: dict) -> None:
         write_profile(args.profile_out, rt.model.model_id, rt.experts.counts)
     n = max(stats["generated_tokens"], 1)
     print(
-        f"[streaming: {args.cache_policy}, prefetch {'off' if args.no_prefetch else 'on'}; "
+        f"[streaming: {args.cache_policy}, prefetch {_prefetch_mode(args)}; "
         f"{stats['store_bytes_read'] / 1e9 / n:.3f} GB read/token, "
         f"hit rate {stats['store_hit_rate']:.1%}, stall {stats['store_stall_s']:.2f} s, "
         f"read {stats['store_read_s']:.2f} s, compute {stats['store_compute_s']:.2f} s, "
