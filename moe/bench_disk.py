@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from moe.budget import fmt_bytes, parse_size
+from moe.errors import MoeshardError
 from moe.io import ReaderPool, ReadRequest, aligned_buffer, open_direct
 
 SIZES = "4K,64K,256K,1M,2M,8M"
@@ -144,8 +145,12 @@ def write_profile(path: Path, points: list) -> None:
     """The measured (read bytes, depth, GB/s) points as JSON, written to a temporary name and
     renamed, so a failed run never leaves half a profile behind."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"points": points}, indent=1) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps({"points": points}, indent=1) + "\n")
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise MoeshardError(f"{path}: cannot write the disk profile ({exc.strerror})") from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -173,6 +178,8 @@ def run(args) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     depths = [int(d) for d in args.depths.split(",")]
     file_size = parse_size(args.file_size)
+    if args.profile_out and not Path(args.profile_out).resolve().parent.is_dir():
+        raise MoeshardError(f"--profile-out {args.profile_out}: no such directory")
     path = Path(args.dir) / "moeshard-bench-disk.bin"
     make_scratch(path, file_size)
     try:

@@ -125,6 +125,10 @@ def test_bench_disk_writes_a_profile_that_simulate_reads(tmp_path, capsys):
     assert [p[:2] for p in points] == [[1 << 20, 1], [1 << 20, 2]]
     assert all(p[2] > 0 for p in points)
     assert not (tmp_path / "moeshard-bench-disk.bin").exists()  # scratch file removed
+    nowhere = argv[:-1] + [str(tmp_path / "missing" / "disk.json")]
+    assert main(nowhere) == 2  # refused before measuring, nothing written
+    assert "no such directory" in capsys.readouterr().err
+    assert not (tmp_path / "missing").exists()
 
     trace_path = tmp_path / "t.npz"
     synthetic_trace().save(trace_path)
