@@ -63,13 +63,7 @@ class NaiveExperts:
         self.counts: Counter = Counter()
 
     def snapshot(self) -> StoreStats:
-        rs = self.reader.stats
-        self.stats.bytes_read, self.stats.reads, self.stats.read_s = (
-            rs.bytes_read,
-            rs.reads,
-            rs.read_s,
-        )
-        return StoreStats(**vars(self.stats))
+        return self.stats.with_reads(self.reader.stats)
 
     def __call__(self, layer, hidden, ids, weights):
         t_call = time.perf_counter()

@@ -155,11 +155,15 @@ class RemoteExperts:
 
     # -- membership ------------------------------------------------------------------------
 
-    def _connect(self, addr: str) -> None:
+    @staticmethod
+    def _new_peer(addr: str) -> Peer:
         channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
-        peer = Peer(
+        return Peer(
             addr, channel, pb_grpc.ExpertNodeStub(channel), health_pb2_grpc.HealthStub(channel)
         )
+
+    def _connect(self, addr: str) -> None:
+        peer = self._new_peer(addr)
         try:
             why = self._admit(peer, self.config.connect_timeout_s)
         except grpc.RpcError as exc:
@@ -172,7 +176,7 @@ class RemoteExperts:
         if why:
             log.warning("ignoring node %s: %s", addr, why)
             self.ignored[addr] = why
-            channel.close()
+            peer.channel.close()
             return
         self.peers.append(peer)
 
@@ -183,10 +187,7 @@ class RemoteExperts:
         with self.lock:
             if addr in self.ignored or any(p.addr == addr for p in self.peers):
                 return False
-        channel = grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
-        peer = Peer(
-            addr, channel, pb_grpc.ExpertNodeStub(channel), health_pb2_grpc.HealthStub(channel)
-        )
+        peer = self._new_peer(addr)
         try:
             why = self._admit(peer, self.config.connect_timeout_s)
         except grpc.RpcError as exc:
@@ -198,7 +199,7 @@ class RemoteExperts:
                 self.peers.append(peer)
         if why:
             log.info("discovered node %s not added: %s", addr, why)
-            channel.close()
+            peer.channel.close()
             return False
         log.warning("node %s (%s) joined: %d experts", peer.node_id, addr, len(peer.held))
         return True

@@ -30,7 +30,7 @@ import json
 import logging
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +83,10 @@ class StoreStats:
             hit_rate=self.hit_rate, prefetch_recall=self.recall, prefetch_precision=self.precision
         )
         return d
+
+    def with_reads(self, reads) -> StoreStats:
+        """A copy, with the reader's counters (`moe.io.ReadStats`) brought up to date."""
+        return replace(self, bytes_read=reads.bytes_read, reads=reads.reads, read_s=reads.read_s)
 
     def minus(self, other: StoreStats) -> StoreStats:
         return StoreStats(**{k: v - getattr(other, k) for k, v in asdict(self).items()})
@@ -417,13 +421,7 @@ class ExpertStore:
 
     def snapshot(self) -> StoreStats:
         """A copy of the stats, with the reader's counters brought up to date."""
-        rs = self.reader.stats
-        self.stats.bytes_read, self.stats.reads, self.stats.read_s = (
-            rs.bytes_read,
-            rs.reads,
-            rs.read_s,
-        )
-        return StoreStats(**asdict(self.stats))
+        return self.stats.with_reads(self.reader.stats)
 
     def resident_keys(self) -> set[tuple[int, int]]:
         return set(self.slot_of)

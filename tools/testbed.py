@@ -200,6 +200,13 @@ def node_segments(stderr: str) -> list[str]:
     return [s.strip() for s in line.split("[nodes:", 1)[1].split(";", 1)[0].split(",")]
 
 
+def node_calls(stderr: str, node_id: str) -> int:
+    """Layer calls the coordinator's summary line credits to `node_id` (0 if not listed)."""
+    seg = [s for s in node_segments(stderr) if s.startswith(f"{node_id} ")]
+    calls = re.search(r" (\d+) calls", seg[0]) if seg else None
+    return int(calls.group(1)) if calls else 0
+
+
 def lines_with(stderr: str, *needles: str) -> list[str]:
     return [ln for ln in stderr.splitlines() if all(n in ln for n in needles)]
 
@@ -505,9 +512,7 @@ def scenarios(bed: Bed, args) -> list[Result]:
     log(f"{victim} SIGKILLed (the busiest node)")
     result, err, _ = finish(proc)
     banned = lines_with(err, victim, "banned")
-    seg = [s for s in node_segments(err) if s.startswith(f"{victim} ")]
-    calls = re.search(r" (\d+) calls", seg[0]) if seg else None
-    used = bool(calls) and int(calls.group(1)) > 0  # it had taken part in the generation
+    used = node_calls(err, victim) > 0  # it had taken part in the generation
     for line in banned[:1]:
         log("coordinator: " + line.split(": ", 1)[-1])
     results.append(
@@ -554,9 +559,8 @@ def scenarios(bed: Bed, args) -> list[Result]:
     result, err, _ = finish(proc)
     joined = lines_with(err, victim, "joined")
     back = lines_with(err, victim, "re-admitted")
-    seg = [s for s in node_segments(err) if s.startswith(f"{victim} ")]
-    calls = re.search(r" (\d+) calls", seg[0]) if seg else None
-    used = bool(calls) and int(calls.group(1)) > 0
+    calls = node_calls(err, victim)
+    used = calls > 0
     for line in (joined or back)[:1]:
         log("coordinator: " + line.split(": ", 1)[-1])
     results.append(
@@ -567,7 +571,7 @@ def scenarios(bed: Bed, args) -> list[Result]:
             ref(n),
             bool(joined or back) and used,
             ("joined by zeroconf" if joined else "re-admitted" if back else "NOT used")
-            + (f", {calls.group(1)} calls" if used else ""),
+            + (f", {calls} calls" if used else ""),
         )
     )
     return results
