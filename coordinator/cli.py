@@ -22,17 +22,16 @@ from moe.errors import MoeshardError
 
 
 def _add_bench(sub) -> None:
-    from coordinator import bench_rpc, bench_stream
-    from moe import bench_disk, bench_kernels
+    from coordinator.bench import disk, kernels, rpc, stream
 
     p = sub.add_parser("bench", help="benchmarks that print ratios against same-run baselines")
     benches = p.add_subparsers(dest="bench", required=True)
     for name, module, text in [
-        ("kernels", bench_kernels, "Q4_0/Q8_0 matmul GB/s vs DRAM bandwidth"),
-        ("rpc", bench_rpc, "gRPC round trips, per-layer fan-out, tok/s on 1..N nodes"),
-        ("cluster", bench_rpc, "the same as `bench rpc` (the issue's name for it)"),
-        ("disk", bench_disk, "O_DIRECT read GB/s by read size and queue depth"),
-        ("stream", bench_stream, "streaming s/token per cache policy vs the disk floor"),
+        ("kernels", kernels, "Q4_0/Q8_0 matmul GB/s vs DRAM bandwidth"),
+        ("rpc", rpc, "gRPC round trips, per-layer fan-out, tok/s on 1..N nodes"),
+        ("cluster", rpc, "the same as `bench rpc` (the issue's name for it)"),
+        ("disk", disk, "O_DIRECT read GB/s by read size and queue depth"),
+        ("stream", stream, "streaming s/token per cache policy vs the disk floor"),
     ]:
         b = benches.add_parser(name, help=text)
         module.add_arguments(b)
@@ -69,9 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from moe.blas import limit_blas_threads
+    from moe.kernels.blas import limit_blas_threads
 
-    limit_blas_threads(1)  # see moe/blas.py: small products stall on busy BLAS helper threads
+    limit_blas_threads(
+        1
+    )  # see moe/kernels/blas.py: small products stall on busy BLAS helper threads
     try:
         return args.func(args)
     except MoeshardError as exc:

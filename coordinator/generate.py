@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moe.trace import DECODE, PREFILL
+from moe.storage.traces import DECODE, PREFILL
 
 
 @dataclass
@@ -57,17 +57,20 @@ def generate(
     prompt_ids: list[int],
     opts: SamplingOptions,
     on_token: Callable[[int], None] | None = None,
+    on_forward: Callable[[int, int], None] | None = None,
 ) -> GenerationResult:
-    """Run `model` (a family Transformer) on the prompt and generate up to opts.max_tokens."""
+    """Run `model` (a family Transformer) on the prompt and generate up to opts.max_tokens.
+
+    on_token(token) after each generated token; on_forward(position, phase) before each
+    forward pass (PREFILL or DECODE; a TraceRecorder's `mark`)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")
     rng = np.random.default_rng(opts.seed)
     cache = model.new_cache(len(prompt_ids) + opts.max_tokens)
     result = GenerationResult(prompt_ids=list(prompt_ids), tokens=[])
-    mark = getattr(model.experts, "mark", None)  # a TraceRecorder wants positions and phase
     t0 = time.perf_counter()
-    if mark:
-        mark(cache.length, PREFILL)
+    if on_forward:
+        on_forward(cache.length, PREFILL)
     logits = model.forward(np.asarray(prompt_ids, dtype=np.int64), cache)[-1]  # [V]
     result.prefill_s = time.perf_counter() - t0
     while len(result.tokens) < opts.max_tokens:
@@ -83,8 +86,8 @@ def generate(
         if len(result.tokens) == opts.max_tokens:
             break
         t0 = time.perf_counter()
-        if mark:
-            mark(cache.length, DECODE)
+        if on_forward:
+            on_forward(cache.length, DECODE)
         logits = model.forward(np.asarray([token], dtype=np.int64), cache)[-1]  # [V]
         result.decode_s.append(time.perf_counter() - t0)
     return result

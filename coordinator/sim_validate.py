@@ -21,18 +21,19 @@ import os
 import statistics
 import time
 
+from coordinator.bench.disk import reader_gbps
 from coordinator.generate import SamplingOptions, generate
 from coordinator.runtime import open_streaming
-from moe import simulate
-from moe.bench_disk import reader_gbps
-from moe.io import busy_throughput
-from moe.model import ModelDir
-from moe.trace import TraceRecorder
+from moe.analysis import simulate
+from moe.analysis.disk import Disk
+from moe.experts.recorder import TraceRecorder
+from moe.model.model_dir import ModelDir
+from moe.storage.io import busy_throughput
 
 DEPTH = 4  # reads in flight, in the real run and its replay
 
 
-def measure_disk(model, record_bytes: int, seconds: float = 0.25, seed: int = 0) -> simulate.Disk:
+def measure_disk(model, record_bytes: int, seconds: float = 0.25, seed: int = 0) -> Disk:
     """Random reads over the model's own records through the expert cache's reader
     (`moe.io.ReaderPool`: O_DIRECT, checksums verified), GB/s at depths 1, 2, 4, 8, for the
     record size and for 4 records at a time (merged adjacent reads). The reader, not the bare
@@ -47,16 +48,16 @@ def measure_disk(model, record_bytes: int, seconds: float = 0.25, seed: int = 0)
             continue
         for depth in (1, 2, 4, 8):
             points.append([size, depth, reader_gbps(targets, size, depth, seconds, seed)])
-    return simulate.Disk(points)
+    return Disk(points)
 
 
-def median_disk(disks: list[simulate.Disk]) -> simulate.Disk:
+def median_disk(disks: list[Disk]) -> Disk:
     """Point by point median of several measurements of the same (size, depth) grid."""
     points = [
         [size, depth, statistics.median(d.points[i][2] for d in disks)]
         for i, (size, depth, _) in enumerate(disks[0].points)
     ]
-    return simulate.Disk(points)
+    return Disk(points)
 
 
 def run_once(model_path, ram: int, policy: str, prefetch: bool, tokens: int, prompt: list[int]):
@@ -70,7 +71,7 @@ def run_once(model_path, ram: int, policy: str, prefetch: bool, tokens: int, pro
         depth=DEPTH,
         prefill_tokens=len(prompt),
     )
-    store, c = rt.experts, rt.config
+    store, c = rt.store, rt.config
     meta = {
         "model_id": rt.model.model_id,
         "n_experts": c.n_experts,
@@ -87,6 +88,7 @@ def run_once(model_path, ram: int, policy: str, prefetch: bool, tokens: int, pro
         prompt,
         SamplingOptions(max_tokens=tokens),
         lambda _t: marks.append((store.snapshot(), time.perf_counter())) if not marks else None,
+        recorder.mark,
     )
     (start, t_decode), end = marks[0], store.snapshot()
     busy = busy_throughput(store.reader.timeline, t_decode, time.perf_counter())
@@ -99,17 +101,14 @@ def run_once(model_path, ram: int, policy: str, prefetch: bool, tokens: int, pro
         "compute_s_per_token": (end.compute_s - start.compute_s) / n,
         "uses_per_token": (end.accesses - start.accesses) / n,
         "recall": end.recall,
-        "capacity": store.plan.expert_slots - store.plan.prefetch_slots,
+        "capacity": rt.plan.expert_slots - rt.plan.prefetch_slots,
         "disk_busy_share": busy.share,
         "disk_busy_gbps": busy.gbps,
         "disk_in_flight": busy.in_flight,
         "disk_reads": busy.reads,
     }
     trace = recorder.trace()
-    store.close()
-    trunk_close = getattr(rt.transformer.trunk, "close", None)
-    if trunk_close is not None:
-        trunk_close()
+    rt.close()
     return measured, trace
 
 

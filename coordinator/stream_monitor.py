@@ -8,34 +8,35 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+from moe.experts.store import ExpertStore
+
 
 class StreamMonitor:
     """Wraps the generate loop's on_token callback: after each token, the ExpertStore's counter
-    deltas go to --stats-json (one JSON line per token) and a progress line to stderr."""
+    deltas go to --stats-json (one JSON line per token) and a progress line to stderr.
 
-    def __init__(
-        self,
-        store,  # node.expert_store.ExpertStore
-        inner: Callable[[int], None] | None,
-        stats_path: str | None = None,
-        err: TextIO = sys.stderr,
-    ):
-        self.store, self.inner, self.err = store, inner, err
+    Made before the store (its `layer_done` is the store's `on_layer` callback), started once
+    the store and the text streamer exist."""
+
+    def __init__(self, stats_path: str | None = None, err: TextIO = sys.stderr):
+        self.err = err
         self.out = open(stats_path, "w") if stats_path else None  # noqa: SIM115 (closed in finish)
-        self.last = store.snapshot()
+        self.store: ExpertStore | None = None
+        self.inner: Callable[[int], None] | None = None
         self.t_last = self.t0 = time.perf_counter()
         self.tokens = 0
         self.live = err.isatty()
 
-    def start(self, prompt_tokens: int) -> None:
+    def start(self, store: ExpertStore, inner, prompt_tokens: int) -> None:
+        self.store, self.inner = store, inner
+        self.last = store.snapshot()
         self.err.write(f"[prefill: {prompt_tokens} tokens]\n")
         self.err.flush()
         self.t_last = self.t0 = time.perf_counter()
-        if self.live:
-            self.store.on_layer = self._prefill_layer
 
-    def _prefill_layer(self, layer: int) -> None:
-        if self.tokens:
+    def layer_done(self, layer: int) -> None:
+        """During prefill on a terminal: which layer, how long, how much read."""
+        if self.tokens or not self.live or self.store is None:
             return
         snap = self.store.snapshot()
         self.err.write(

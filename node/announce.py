@@ -20,9 +20,10 @@ import socket
 
 from zeroconf import IPVersion, ServiceInfo, Zeroconf
 
+from moe.wire.constants import SERVICE_TYPE
+
 log = logging.getLogger(__name__)
 
-SERVICE_TYPE = "_moeshard._tcp.local."
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 

@@ -17,18 +17,21 @@ from dataclasses import dataclass
 
 import grpc
 
-from moe import quant
 from moe.errors import MoeshardError
-from moe.io import align_up
-from moe.model import LocalExperts, ModelDir
-from moe.store import FORMAT_VERSION
+from moe.experts.backend import ExpertsBackend
+from moe.experts.local import LocalExperts
+from moe.experts.store import ExpertStore
+from moe.kernels import quant
+from moe.model.model_dir import ModelDir
+from moe.storage.budget import expert_slots
+from moe.storage.io import align_up
+from moe.storage.manifest import FORMAT_VERSION
 from moe.wire import health_pb2_grpc
 from moe.wire import moeshard_pb2_grpc as pb_grpc
-from node.servicer import WIRE_VERSION, ExpertNodeServicer, HealthServicer, NodeIdentity
+from moe.wire.constants import MAX_MESSAGE_BYTES, WIRE_VERSION
+from node.servicer import ExpertNodeServicer, HealthServicer, NodeIdentity
 
 log = logging.getLogger(__name__)
-
-MAX_MESSAGE_BYTES = 256 << 20
 
 
 @dataclass
@@ -44,26 +47,17 @@ class NodeConfig:
     grace_s: float = 10.0  # on SIGTERM, how long in-flight calls may take to finish
 
 
-def make_backend(model: ModelDir, ram: int):
+def make_backend(model: ModelDir, ram: int) -> ExpertsBackend:
     """The experts backend: unbounded LocalExperts, or with --ram the RAM-budgeted ExpertStore
     (O_DIRECT reads into a fixed arena of `ram` bytes of expert slots, LRU, prefetch)."""
     if ram <= 0:
-        return LocalExperts(model)
-    from node.expert_store import ExpertStore
-
+        return LocalExperts(model.shard_set)
     c = model.config
-    slot = align_up(
-        quant.expert_record_nbytes(model.expert_format, c.hidden_size, c.expert_intermediate)
-    )
+    slot = align_up(model.shard_set.record_nbytes)
     held = len(model.locations)
-    slots = min(ram // slot, held + c.top_k)  # more slots than records would never be used
-    if slots < c.top_k + 1:
-        raise MoeshardError(
-            f"--ram {ram} B holds {ram // slot} expert records of {slot} B; need at least "
-            f"{c.top_k + 1} (top-k + 1)"
-        )
+    slots = expert_slots(ram, slot, held, c.top_k, c.top_k)
     log.info("expert cache: %d slots of %d B (%d records held)", slots, slot, held)
-    return ExpertStore(model, slots)
+    return ExpertStore(model.shard_set, slots, c.top_k, prefetch_slots=c.top_k)
 
 
 def create_server(

@@ -1,10 +1,10 @@
 """The node's gRPC servicers: thin layers that validate, call the experts backend, and reply.
 
 `ExpertNodeServicer` implements moeshard.v1.ExpertNode (proto/moeshard.proto) on top of any
-experts backend with the `LocalExperts` interface: `backend(layer, hidden [T, H], ids [T, k],
-weights [T, k]) -> [T, H]` and optionally `backend.prefetch(layer, experts)`. Every request is
-checked before the backend sees it; a bad request gets a status code and a message and the node
-keeps serving. `HealthServicer` is the standard grpc.health.v1 service.
+`moe.experts.backend.ExpertsBackend` (LocalExperts, or the ExpertStore under `--ram`). Every
+request is checked before the backend sees it; a bad request gets a status code and a message
+and the node keeps serving. A Prefetch hint starts its reads at once. `HealthServicer` is the
+standard grpc.health.v1 service.
 """
 
 from __future__ import annotations
@@ -18,15 +18,13 @@ import grpc
 import numpy as np
 
 from moe.errors import StoreError
+from moe.experts.backend import ExpertsBackend
 from moe.wire import codec, health_pb2, health_pb2_grpc
 from moe.wire import moeshard_pb2 as pb
 from moe.wire import moeshard_pb2_grpc as pb_grpc
+from moe.wire.constants import MAX_ROWS, MAX_SLOTS, WIRE_VERSION
 
 log = logging.getLogger(__name__)
-
-WIRE_VERSION = 1
-MAX_ROWS = 1 << 16  # rows of one Forward call
-MAX_SLOTS = 256  # expert slots per row of one Forward call
 
 
 class RequestError(Exception):
@@ -41,7 +39,7 @@ class RequestError(Exception):
 class NodeIdentity:
     node_id: str  # unique name of this node (zeroconf instance name, logs)
     model_id: str  # sha256 hex of the model the records belong to
-    format_version: int  # moe.store.FORMAT_VERSION of the shard files
+    format_version: int  # moe.storage.manifest.FORMAT_VERSION of the shard files
     model_type: str  # HF model_type of the model
     expert_format: str  # f32, bf16, q8_0, q4_0
     hidden_size: int  # H: width of every hidden row
@@ -60,7 +58,7 @@ def _holdings(keys) -> list[pb.LayerExperts]:
 class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
     """Validate -> experts backend -> reply. Thread-safe; compute is serialised by a lock."""
 
-    def __init__(self, identity: NodeIdentity, held: set[tuple[int, int]], backend):
+    def __init__(self, identity: NodeIdentity, held: set[tuple[int, int]], backend: ExpertsBackend):
         self.identity = identity
         self.held = set(held)  # (layer, expert) records this node can compute
         self.bad: set[tuple[int, int]] = set()  # records that failed their checksum
@@ -77,6 +75,8 @@ class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
         with self.state_lock:
             good, bad = self.held - self.bad, set(self.bad)
             inflight, served = self.inflight, self.served
+        with self.compute_lock:  # the backend's counters change under this lock
+            stats = {k: float(v) for k, v in self.backend.stats().items() if _is_number(v)}
         return pb.NodeInfo(
             node_id=ident.node_id,
             model_id=ident.model_id,
@@ -90,6 +90,7 @@ class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
             inflight=inflight,
             served=served,
             wire_version=WIRE_VERSION,
+            stats=stats,
         )
 
     def Forward(self, request, context):
@@ -112,11 +113,10 @@ class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
             context.abort(exc.code, str(exc))
         with self.state_lock:
             wanted = [e for e in request.experts if (request.layer, e) in self.held - self.bad]
-        prefetch = getattr(self.backend, "prefetch", None)
-        if wanted and prefetch is not None:
+        if wanted:
             try:
-                with self.compute_lock:  # the backend is not thread-safe; hints are cheap
-                    prefetch(int(request.layer), np.asarray(wanted, dtype=np.int64))
+                with self.compute_lock:  # the backend is not thread-safe; starting reads is cheap
+                    self.backend.prefetch(int(request.layer), np.asarray(wanted, dtype=np.int64))
             except StoreError as exc:  # a hint must never fail the caller
                 log.warning("prefetch of layer %d failed: %s", request.layer, exc)
         return pb.PrefetchReply(accepted=len(wanted))
@@ -237,6 +237,10 @@ class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
             except StoreError:
                 bad.append(int(expert))
         return bad
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class HealthServicer(health_pb2_grpc.HealthServicer):

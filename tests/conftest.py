@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moe.convert import convert
+from moe.convert.converter import convert
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FAMILY_FIXTURES = (

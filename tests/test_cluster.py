@@ -19,14 +19,15 @@ import grpc
 import numpy as np
 import pytest
 
-from coordinator.discovery import discover
 from coordinator.generate import SamplingOptions, generate
-from coordinator.placement import shard_model
-from coordinator.remote import RemoteConfig, RemoteError, RemoteExperts
+from coordinator.remote.config import RemoteConfig, RemoteError
+from coordinator.remote.discovery import browse
+from coordinator.remote.experts import RemoteExperts
 from coordinator.runtime import open_local
-from moe import quant
-from moe.model import ModelDir
-from moe.store import ShardFile
+from moe.convert.placement import shard_model
+from moe.kernels import quant
+from moe.model.model_dir import ModelDir
+from moe.storage.shards import ShardFile
 from moe.wire import codec
 from moe.wire import moeshard_pb2 as pb
 from moe.wire import moeshard_pb2_grpc as pb_grpc
@@ -184,7 +185,7 @@ def test_generation_through_three_nodes_equals_single_node(model_dir, cluster, r
         assert all(
             np.array_equal(a, b) for a, b in zip(result.logits, reference.logits, strict=True)
         )
-        summary = remote.summary()
+        summary = remote.stats()
         assert summary["retries"] == 0 and all(n["up"] for n in summary["nodes"])
         assert sum(n["calls"] > 0 for n in summary["nodes"]) >= 2  # work is spread
     finally:
@@ -208,7 +209,7 @@ def test_many_experts_per_token_give_the_same_bits_as_one_machine(model_dir, clu
         result = generate(transformer, PROMPT, opts)
         assert result.tokens == local.tokens
         assert all(np.array_equal(a, b) for a, b in zip(result.logits, local.logits, strict=True))
-        assert sum(n["calls"] > 0 for n in remote.summary()["nodes"]) == 3
+        assert sum(n["calls"] > 0 for n in remote.stats()["nodes"]) == 3
     finally:
         remote.close()
 
@@ -251,15 +252,15 @@ def test_foreign_model_node_is_ignored(model_dir, converted, cluster, caplog):
                 model.model_id, 64, [f"127.0.0.1:{port}", cluster[0].addr], RemoteConfig()
             )
         try:
-            assert [p.addr for p in remote.peers] == [cluster[0].addr]
-            assert "differs" in remote.ignored[f"127.0.0.1:{port}"]
+            assert [p.addr for p in remote.peers.peers] == [cluster[0].addr]
+            assert "differs" in remote.peers.ignored[f"127.0.0.1:{port}"]
         finally:
             remote.close()
         # Discovery sees every node, keeps the three of this model, warns about the other.
         found = []
         with caplog.at_level(logging.WARNING):
             for _ in range(3):
-                found += discover(model.model_id, timeout=1.5)
+                found += browse(model.model_id, timeout=1.5)
                 warned = any("foreign" in r.getMessage() for r in caplog.records)
                 if warned and {n.addr for n in found} >= {n.addr for n in cluster}:
                     break
@@ -270,7 +271,7 @@ def test_foreign_model_node_is_ignored(model_dir, converted, cluster, caplog):
         )
         all_nodes: set[str] = set()
         for _ in range(3):  # mDNS answers can be late on a loaded machine
-            all_nodes |= {n.node_id for n in discover(None, timeout=1.5)}
+            all_nodes |= {n.node_id for n in browse(None, timeout=1.5)}
             if "foreign" in all_nodes:
                 break
         assert "foreign" in all_nodes
@@ -306,7 +307,7 @@ def test_node_killed_mid_generation_then_readmitted(model_dir, cluster, plan, re
     try:
         result = generate(transformer, PROMPT, SamplingOptions(max_tokens=TOKENS))
         assert killed and result.tokens == reference.tokens
-        dead = next(p for p in remote.peers if p.addr == addrs[killed[0]])
+        dead = next(p for p in remote.peers.peers if p.addr == addrs[killed[0]])
         assert not dead.up and dead.failures >= 1 and remote.retries >= 1
         # Restart it on the same port: the prober re-admits it.
         restarted = NodeProcess(plan["nodes"][killed[0]]["dir"], port=cluster[killed[0]].port)
@@ -385,7 +386,7 @@ def test_hung_node_misses_deadline_and_replicas_take_over(model_dir, cluster, re
     try:
         result = generate(transformer, PROMPT, SamplingOptions(max_tokens=TOKENS))
         assert stopped and result.tokens == reference.tokens
-        hung = next(p for p in remote.peers if p.addr == addrs[stopped[0]])
+        hung = next(p for p in remote.peers.peers if p.addr == addrs[stopped[0]])
         assert not hung.up and hung.failures >= 1
         os.kill(cluster[stopped[0]].proc.pid, signal.SIGCONT)
         deadline = time.monotonic() + 15
@@ -405,7 +406,7 @@ def test_node_on_all_interfaces_is_discovered_at_a_real_address(model_dir):
         found: list = []
         for _ in range(3):
             found = [
-                n for n in discover(node.identity.model_id, 1.5) if n.node_id == "all-interfaces"
+                n for n in browse(node.identity.model_id, 1.5) if n.node_id == "all-interfaces"
             ]
             if found:
                 break
@@ -419,7 +420,7 @@ def test_node_on_all_interfaces_is_discovered_at_a_real_address(model_dir):
     finally:
         node.stop()
     # Unregistered on stop: a fresh browse no longer sees it.
-    assert "all-interfaces" not in {n.node_id for n in discover(None, 1.0)}
+    assert "all-interfaces" not in {n.node_id for n in browse(None, 1.0)}
 
 
 def test_node_started_later_joins_a_running_generation(converted):
@@ -452,7 +453,7 @@ def test_node_started_later_joins_a_running_generation(converted):
         early.stop()
         got = generate(rt.transformer, PROMPT, SamplingOptions(max_tokens=TOKENS)).tokens
         assert got == want
-        assert next(p for p in remote.peers if p.node_id == "late").calls > 0
+        assert next(p for p in remote.peers.peers if p.node_id == "late").calls > 0
     finally:
         if rt is not None:
             rt.experts.close()

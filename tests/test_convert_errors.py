@@ -140,12 +140,12 @@ def test_existing_output_is_kept(tmp_path, capsys):
 
 def test_failure_midway_removes_temporary_directory(tmp_path, capsys, monkeypatch):
     """A crash while writing (here: a full disk) leaves neither OUT nor the temporary dir."""
-    from moe import store
+    from moe.storage import gguf_file
 
     def disk_full(self, data):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(store.StreamingGGUF, "write", disk_full)
+    monkeypatch.setattr(gguf_file.StreamingGGUF, "write", disk_full)
     out = tmp_path / "out"
     with pytest.raises(OSError):
         main(["convert", str(SRC), str(out), "--quiet"])

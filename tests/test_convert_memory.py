@@ -10,8 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PEAK_RSS = (
     "import resource, sys\n"
-    "from moe import quant\n"
-    "from moe.convert import convert\n"
+    "from moe.kernels import quant\n"
+    "from moe.convert.converter import convert\n"
     "quant.warmup()\n"
     "if len(sys.argv) > 1: convert(sys.argv[1], sys.argv[2], 'q4_0', 'bf16', progress=False)\n"
     "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"

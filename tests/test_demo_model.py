@@ -16,7 +16,7 @@ DEMO = Path(__file__).resolve().parents[1] / "models" / "demo-hf"
 
 @pytest.fixture(scope="module")
 def demo_f32(tmp_path_factory):
-    from moe.convert import convert
+    from moe.convert.converter import convert
 
     out = tmp_path_factory.mktemp("demo") / "f32"
     convert(DEMO, out, "f32", "f32", progress=False)

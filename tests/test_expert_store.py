@@ -9,8 +9,10 @@ import pytest
 
 from coordinator.generate import SamplingOptions, generate
 from moe.errors import MoeshardError, StoreError
-from moe.model import LocalExperts, ModelDir
-from node.expert_store import ExpertStore, read_profile, write_profile
+from moe.experts.local import LocalExperts
+from moe.experts.store import ExpertStore
+from moe.experts.usage import read_usage, write_profile
+from moe.model.model_dir import ModelDir
 
 PROMPT = [3, 17, 42, 5, 99, 7]
 
@@ -28,7 +30,7 @@ def model(request, converted):
 
 @pytest.fixture(scope="module")
 def baseline(model):
-    return run(model, LocalExperts(model))
+    return run(model, LocalExperts(model.shard_set))
 
 
 def test_identical_across_policies_sizes_and_prefetch(model, baseline):
@@ -41,7 +43,14 @@ def test_identical_across_policies_sizes_and_prefetch(model, baseline):
                 profile = None
                 if policy == "pin":
                     profile = read_profile_from(model)
-                store = ExpertStore(model, slots, policy, prefetch=prefetch, profile=profile)
+                store = ExpertStore(
+                    model.shard_set,
+                    slots,
+                    model.config.top_k,
+                    policy,
+                    prefetch=prefetch,
+                    profile=profile,
+                )
                 result = run(model, store)
                 store.close()
                 assert result.tokens == baseline.tokens, (policy, prefetch, slots)
@@ -54,7 +63,7 @@ def test_identical_across_policies_sizes_and_prefetch(model, baseline):
 
 
 def read_profile_from(model):
-    store = ExpertStore(model, 4, "lru", prefetch=False)
+    store = ExpertStore(model.shard_set, 4, model.config.top_k, "lru", prefetch=False)
     run(model, store, max_tokens=3)
     store.close()
     return store.counts
@@ -62,7 +71,13 @@ def read_profile_from(model):
 
 def test_cache_hits_and_prefetch_stats(model):
     c = model.config
-    store = ExpertStore(model, c.n_experts * len(c.moe_layers) + c.top_k, "lru", prefetch=True)
+    store = ExpertStore(
+        model.shard_set,
+        c.n_experts * len(c.moe_layers) + c.top_k,
+        model.config.top_k,
+        "lru",
+        prefetch=True,
+    )
     run(model, store)
     s = store.snapshot()
     store.close()
@@ -76,7 +91,9 @@ def test_prefetch_top_predicts_fewer_and_changes_nothing(model, baseline):
     """prefetch_top=1: each decode hint names at most one expert per token (the router's best
     guess); the output is the same bit for bit; a top outside 1..k is refused."""
     c = model.config
-    store = ExpertStore(model, 1 + 2 * c.top_k, "lru", prefetch=True, prefetch_top=1)
+    store = ExpertStore(
+        model.shard_set, 1 + 2 * c.top_k, model.config.top_k, "lru", prefetch=True, prefetch_top=1
+    )
     hints = []
     real_prefetch = store.prefetch
     store.prefetch = lambda layer, ids: (hints.append(len(ids)), real_prefetch(layer, ids))
@@ -91,11 +108,18 @@ def test_prefetch_top_predicts_fewer_and_changes_nothing(model, baseline):
     assert s.predicted > 0 and s.precision > 0
     for bad in (0, c.top_k + 1):
         with pytest.raises(MoeshardError, match="prefetch top"):
-            ExpertStore(model, 1 + 2 * c.top_k, "lru", prefetch=True, prefetch_top=bad)
+            ExpertStore(
+                model.shard_set,
+                1 + 2 * c.top_k,
+                model.config.top_k,
+                "lru",
+                prefetch=True,
+                prefetch_top=bad,
+            )
 
 
 def test_none_policy_reads_every_use(model):
-    store = ExpertStore(model, 8, "none", prefetch=False)
+    store = ExpertStore(model.shard_set, 8, model.config.top_k, "none", prefetch=False)
     run(model, store, max_tokens=3)
     s = store.snapshot()
     store.close()
@@ -103,19 +127,19 @@ def test_none_policy_reads_every_use(model):
 
 
 def test_profile_roundtrip(model, tmp_path):
-    store = ExpertStore(model, 8, "lru", prefetch=False)
+    store = ExpertStore(model.shard_set, 8, model.config.top_k, "lru", prefetch=False)
     run(model, store, max_tokens=2)
     store.close()
     path = tmp_path / "profile.json"
     write_profile(path, model.model_id, store.counts)
-    assert read_profile(path, model.model_id) == store.counts
+    assert read_usage(path, model.model_id) == store.counts
     with pytest.raises(MoeshardError, match="another model"):
-        read_profile(path, "f" * 64)
+        read_usage(path, "f" * 64)
 
 
 def test_pin_without_profile_refused(model):
     with pytest.raises(MoeshardError, match="profile"):
-        ExpertStore(model, 8, "pin")
+        ExpertStore(model.shard_set, 8, model.config.top_k, "pin")
 
 
 def test_corrupted_record_names_expert(converted, tmp_path):
@@ -130,7 +154,7 @@ def test_corrupted_record_names_expert(converted, tmp_path):
         byte = f.read(1)
         f.seek(loc.offset + 10)
         f.write(bytes([byte[0] ^ 0xFF]))
-    store = ExpertStore(model, 4, "lru", prefetch=False)
+    store = ExpertStore(model.shard_set, 4, model.config.top_k, "lru", prefetch=False)
     hidden = np.ones((1, model.config.hidden_size), np.float32)  # [1, H]
     ids = np.array([[expert, 0]])  # [1, k]
     weights = np.array([[0.5, 0.5]], np.float32)  # [1, k]

@@ -8,8 +8,9 @@ import grpc
 import numpy as np
 import pytest
 
-from coordinator.placement import shard_model
-from moe.model import LocalExperts, ModelDir
+from moe.convert.placement import shard_model
+from moe.experts.local import LocalExperts
+from moe.model.model_dir import ModelDir
 from moe.wire import codec, health_pb2, health_pb2_grpc
 from moe.wire import moeshard_pb2 as pb
 from moe.wire import moeshard_pb2_grpc as pb_grpc
@@ -70,7 +71,7 @@ def test_forward_matches_local_experts_exactly(node, model_dir):
     weights = rng.random((4, 2), dtype=np.float32)  # [4, 2]
     reply = stub.Forward(request(n.identity.model_id, 1, hidden, ids, weights))
     got = codec.decode(reply.out, "out", (codec.F32,), (4, H))  # [4, H]
-    local = LocalExperts(ModelDir(model_dir))
+    local = LocalExperts(ModelDir(model_dir).shard_set)
     for t in range(3):
         keep = ids[t] >= 0
         want = local(1, hidden[t : t + 1], ids[t : t + 1, keep], weights[t : t + 1, keep])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe.quality import eval_windows, log_softmax
+from coordinator.quality import eval_windows, log_softmax
 
 
 @pytest.mark.parametrize("n, window", [(10, 4), (256, 256), (1000, 256), (3, 8), (513, 256)])

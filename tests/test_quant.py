@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
-from moe import quant
+from moe.kernels import quant
 
 QTYPE = {
     "f32": GGMLQuantizationType.F32,

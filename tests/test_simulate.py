@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from moe import simulate
-from moe.trace import DECODE, FORMAT, Trace
+from moe.analysis import simulate
+from moe.analysis.disk import DISK_PROFILES, Disk
+from moe.storage.traces import DECODE, FORMAT, Trace
 
 
 def synthetic_trace(tokens=60, layers=(0, 1, 2), n_experts=64, k=4, seed=0) -> Trace:
@@ -36,8 +37,8 @@ def synthetic_trace(tokens=60, layers=(0, 1, 2), n_experts=64, k=4, seed=0) -> T
 
 
 def test_disk_profile_reproduces_its_measured_points():
-    disk = simulate.Disk.load("this-machine")
-    for size, depth, gbps in simulate.DISK_PROFILES["this-machine"]["points"]:
+    disk = Disk.load("this-machine")
+    for size, depth, gbps in DISK_PROFILES["this-machine"]["points"]:
         if depth == 1:
             assert disk.gbps(size, depth) == pytest.approx(gbps)
     assert disk.gbps(256 << 10, 1) < disk.gbps(1 << 20, 1)
@@ -58,7 +59,7 @@ def test_every_effect_points_the_right_way():
     trace = synthetic_trace()
     geometry = simulate.Geometry("g", 3, 64, 4, 4 << 20, 32 << 20, 1e9)
     tokens = simulate.project(trace, geometry)
-    disk = simulate.Disk.load("this-machine")
+    disk = Disk.load("this-machine")
 
     def run(ram_mb, policy="lru", prefetch=False, packed=False, recall=0.8):
         config = simulate.Config(policy, prefetch, packed)
@@ -82,7 +83,7 @@ def test_every_effect_points_the_right_way():
 def test_validation_replays_a_real_streaming_run(tmp_path):
     """The side-by-side command runs a real budgeted generation and its simulation."""
     from coordinator import sim_validate
-    from moe.synth import synth
+    from moe.convert.synth import synth
 
     model = tmp_path / "tiny"
     synth(model, "tiny")

@@ -10,10 +10,12 @@ import pytest
 from gguf import GGUFReader
 
 from coordinator.cli import main
-from moe import quant
 from moe.errors import StoreError
-from moe.model import LocalExperts, ModelDir
-from moe.store import ALIGNMENT, FORMAT_VERSION
+from moe.experts.local import LocalExperts
+from moe.kernels import quant
+from moe.model.model_dir import ModelDir
+from moe.storage.gguf_file import ALIGNMENT
+from moe.storage.manifest import FORMAT_VERSION
 
 
 @pytest.fixture
@@ -41,7 +43,7 @@ def test_files_are_gguf_with_aligned_records_and_index(model):
         assert tensor.data_offset == reader.data_offset + offset
         assert (reader.data_offset + offset) % ALIGNMENT == 0
     opened = ModelDir(model)
-    record = LocalExperts(opened).record(0, 0)
+    record = opened.shard_set.read(0, 0)
     assert record.nbytes == quant.expert_record_nbytes("q4_0", 64, 32)
 
 
@@ -90,10 +92,10 @@ def test_checksum_mismatch_names_the_expert(model, capsys):
         byte = f.read(1)
         f.seek(loc.offset + 100)
         f.write(bytes([byte[0] ^ 0xFF]))
-    experts = LocalExperts(ModelDir(model))
-    experts.record(1, 4)  # the neighbour is fine
+    experts = LocalExperts(ModelDir(model).shard_set)
+    experts.offset(1, 4)  # the neighbour is fine
     with pytest.raises(StoreError, match=f"{path.name}: checksum mismatch in expert 5 of layer 1"):
-        experts.record(1, 5)
+        experts.offset(1, 5)
     assert main(["inspect", str(model), "--verify"]) == 2
     assert "BAD checksums: layer 1 expert 5" in capsys.readouterr().out
 
@@ -138,7 +140,7 @@ def test_truncated_trunk(model):
 
 
 def test_add_rows_matches_np_add_at_with_and_without_repeats():
-    from moe.model import add_rows
+    from moe.experts.compute import add_rows
 
     rng = np.random.default_rng(0)
     for rows in (np.array([0, 2, 3]), np.array([1, 1, 3]), np.array([2])):

@@ -7,12 +7,15 @@ import pytest
 
 from coordinator.generate import SamplingOptions, generate
 from coordinator.runtime import open_local, open_streaming
-from moe.budget import parse_size, plan_budget
+from moe.convert.synth import synth
 from moe.errors import MoeshardError
-from moe.model import ModelDir
-from moe.streaming_trunk import StreamingTrunk, TrunkLayout
-from moe.synth import synth
-from node.expert_store import ExpertStore, read_profile, write_profile
+from moe.experts.store import ExpertStore
+from moe.experts.usage import read_usage, write_profile
+from moe.model.model_dir import ModelDir
+from moe.model.streaming_trunk import StreamingTrunk
+from moe.storage.budget import plan_budget
+from moe.storage.trunk_file import TrunkLayout
+from moe.units import parse_size
 
 PROMPT = [1, 5, 9, 2, 7]
 OPTS = SamplingOptions(max_tokens=8, temperature=1.0, seed=0, keep_logits=True)
@@ -80,14 +83,14 @@ def test_identical_tokens_from_everything_cached_to_minimum(tiny, reference):
 
 def test_identical_tokens_across_policies(tiny, reference, tmp_path):
     model = ModelDir(tiny)
-    store = ExpertStore(model, 16, "lru", prefetch=False)
+    store = ExpertStore(model.shard_set, 16, model.config.top_k, "lru", prefetch=False)
     rt = open_local(tiny)
     rt.transformer.experts = store
     generate(rt.transformer, PROMPT, OPTS)
     store.close()
     profile_path = tmp_path / "profile.json"
     write_profile(profile_path, model.model_id, store.counts)
-    profile = read_profile(profile_path, model.model_id)
+    profile = read_usage(profile_path, model.model_id)
     budget = plan_budget(model, 1 << 40, CONTEXT).minimum + (128 << 10)
     for policy in ("lru", "lfu", "pin", "none"):
         for prefetch in (True, False):
@@ -203,15 +206,15 @@ def test_bench_stream_io_only_runs_no_expert_kernel(tiny, monkeypatch, capsys):
     """--io-only measures the I/O path alone: neither the per-expert nor the batched decode
     kernel may run (records are still read and checksummed)."""
     from coordinator.cli import main
-    from moe import kernels, quant
+    from moe.kernels import entry, quant
 
     def kernel_ran(*args, **kwargs):
         raise AssertionError("an expert kernel ran under --io-only")
 
     quant.warmup()  # compiled and loaded first: the start-up warm-up calls every kernel once
     monkeypatch.setattr(quant, "warmup", lambda: 0.0)
-    monkeypatch.setattr(kernels, "expert_ffn_kernel", kernel_ran)
-    monkeypatch.setattr(kernels, "experts_b1_kernel", kernel_ran)
+    monkeypatch.setattr(entry, "expert_ffn_kernel", kernel_ran)
+    monkeypatch.setattr(entry, "experts_b1_kernel", kernel_ran)
     argv = ["bench", "stream", str(tiny), "--ram", "49M", "--tokens", "3", "--io-only"]
     assert main([*argv, "--disk-seconds", "0.05", "--reps", "1", "--policies", "lru"]) == 0
     assert "I/O path only" in capsys.readouterr().out

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from coordinator.cli import main
-from moe import cachesim, coact, trace
+from moe.analysis import cachesim, coact
+from moe.storage import traces as trace
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +69,16 @@ def test_coact_outputs(traces, tmp_path, capsys):
 
 def test_cache_policies_on_a_known_sequence():
     keys = np.array([1, 2, 3, 1, 4, 1, 2, 5, 1, 2])
+    one_per_call = [[k] for k in keys.tolist()]
     # LRU, 3 slots: 1 2 3 | 1 hit | 4 evicts 2 | 1 hit | 2 evicts 3 | 5 evicts 4 | 1, 2 hit
-    assert cachesim.lru_hits(keys, 3) == 4
+    assert cachesim.policy_hits(one_per_call, 3, "lru") == 4
     # Belady, 3 slots: 1 2 3 | 1 hit | 4 evicts 3 | 1 hit | 2 hit | 5 evicts 4 | 1 hit | 2 hit
     assert cachesim.belady_hits(keys, 3) == 5
-    assert cachesim.lfu_hits(keys, 100) == len(keys) - len(set(keys.tolist()))
+    # LFU, 3 slots: 1 2 3 | 1 hit (1 is used most) | 4 evicts 2 (oldest of the once-used)
+    # | 1 hit | 2 evicts 3 | 5 evicts 4 | 1, 2 hit
+    assert cachesim.policy_hits(one_per_call, 3, "lfu") == 4
+    assert cachesim.policy_hits(one_per_call, 100, "lfu") == len(keys) - len(set(keys.tolist()))
+    assert cachesim.policy_hits(one_per_call, 100, "none") == 0
     assert cachesim.arc_hits(keys, 100) == len(keys) - len(set(keys.tolist()))
 
 
@@ -86,7 +92,7 @@ def test_arc_keeps_a_hot_set_through_scans_and_never_beats_belady():
         keys += hot + hot + list(range(fresh, fresh + 8))
         fresh += 8
     keys = np.array(keys)
-    assert cachesim.lru_hits(keys, 8) == 30 * len(hot)
+    assert cachesim.policy_hits([[k] for k in keys.tolist()], 8, "lru") == 30 * len(hot)
     assert cachesim.arc_hits(keys, 8) >= 30 * len(hot) + 0.8 * 29 * len(hot)
     rng = np.random.default_rng(0)
     for cap in (1, 3, 10):
@@ -100,8 +106,8 @@ def test_belady_bounds_online_policies():
     keys = rng.zipf(1.3, size=3000) % 200
     for capacity in (4, 16, 64):
         best = cachesim.belady_hits(keys, capacity)
-        assert best >= cachesim.lru_hits(keys, capacity)
-        assert best >= cachesim.lfu_hits(keys, capacity)
+        for policy in ("lru", "lfu"):
+            assert best >= cachesim.policy_hits([[k] for k in keys.tolist()], capacity, policy)
 
 
 def test_skew_of_uniform_and_concentrated_usage():
@@ -115,7 +121,7 @@ def test_skew_of_uniform_and_concentrated_usage():
 def test_pack_moves_records_and_keeps_output(traces, converted, tmp_path, capsys):
     from coordinator.generate import SamplingOptions, generate
     from coordinator.runtime import open_local
-    from moe.model import ModelDir
+    from moe.model.model_dir import ModelDir
 
     src = converted("deepseek_v3")
     out = tmp_path / "packed"
@@ -138,7 +144,7 @@ def test_pack_moves_records_and_keeps_output(traces, converted, tmp_path, capsys
 
 
 def test_seriation_puts_coactivated_experts_next_to_each_other():
-    from moe.pack import seriate
+    from moe.convert.pack import seriate
 
     coact_matrix = np.zeros((6, 6), dtype=np.int64)
     for i, j in ((0, 4), (4, 2), (2, 5), (5, 1), (1, 3)):
@@ -150,7 +156,7 @@ def test_seriation_puts_coactivated_experts_next_to_each_other():
 def test_pack_in_place(traces, converted, tmp_path):
     import shutil
 
-    from moe.model import ModelDir
+    from moe.model.model_dir import ModelDir
 
     model = tmp_path / "model"
     shutil.copytree(converted("deepseek_v3"), model)
@@ -163,11 +169,11 @@ def test_pack_in_place(traces, converted, tmp_path):
 
 
 def test_shard_placement_balances_by_a_real_trace(traces, converted, tmp_path):
-    from coordinator.placement import shard_model
-    from moe.trace import usage_counts
+    from moe.convert.placement import shard_model
+    from moe.experts.usage import read_usage
 
     model = converted("deepseek_v3")
-    usage = usage_counts(traces[0])
+    usage = read_usage(traces[0])
     assert sum(usage.values()) == trace.load(traces[0]).ids.size
     plan = shard_model(model, 2, 1, tmp_path / "shards", traces[0])
     assert plan["balanced_by"] == "trace"

@@ -26,7 +26,9 @@ def add_generate(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--dump-logits", metavar="FILE.npy", help="save float32 [tokens, vocab]")
     p.add_argument(
-        "--trace", metavar="FILE.npz", help="record every routing decision (see moe/trace.py)"
+        "--trace",
+        metavar="FILE.npz",
+        help="record every routing decision (see moe/storage/traces.py)",
     )
     add_peer_options(p, required=False)
     p.add_argument("--degrade", action="store_true", help="drop experts no live node holds")
@@ -44,8 +46,9 @@ def cmd_generate(args) -> int:
         raise MoeshardError("--max-tokens must be at least 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         raise MoeshardError("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
+    monitor = None
     if args.peers or args.discover:
-        from coordinator.remote import RemoteConfig
+        from coordinator.remote.config import RemoteConfig
 
         if args.ram:
             raise MoeshardError("--ram is for single-node mode; give each node its own --ram")
@@ -55,8 +58,13 @@ def cmd_generate(args) -> int:
             deadline_s=args.deadline, wire_dtype=args.wire_dtype, degrade=args.degrade
         )
         rt = open_remote(args.model, args.peers, args.discover, args.discover_timeout, remote)
+    elif args.ram:
+        from coordinator.stream_monitor import StreamMonitor
+
+        monitor = StreamMonitor(args.stats_json)
+        rt = _open_streaming(args, monitor.layer_done)
     else:
-        rt = _open_streaming(args) if args.ram else open_local(args.model)
+        rt = open_local(args.model)
     if args.prompt_ids is not None:
         try:
             prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
@@ -80,19 +88,16 @@ def cmd_generate(args) -> int:
     )
     recorder = None
     if args.trace:
-        from moe.trace import TraceRecorder
+        from moe.experts.recorder import TraceRecorder
 
         recorder = TraceRecorder(rt.transformer.experts, trace_meta(rt))
         rt.transformer.experts = recorder
     stream = None if args.json else rt.text_streamer(sys.stdout)
-    monitor = None
-    if args.ram:
-        from coordinator.stream_monitor import StreamMonitor
-
-        print(rt.experts.plan.describe(), file=sys.stderr)
-        monitor = StreamMonitor(rt.experts, stream, args.stats_json)
-        monitor.start(len(prompt_ids))
-    result = generate(rt.transformer, prompt_ids, opts, monitor or stream)
+    if monitor:
+        print(rt.plan.describe(), file=sys.stderr)
+        monitor.start(rt.store, stream, len(prompt_ids))
+    on_forward = recorder.mark if recorder else None
+    result = generate(rt.transformer, prompt_ids, opts, monitor or stream, on_forward)
     if recorder:
         recorder.trace().save(args.trace)
     if stream:
@@ -123,9 +128,9 @@ def cmd_generate(args) -> int:
             f"(JIT warm-up {stats['jit_warmup_s']:.2f} s); stop: {result.stopped_by}]",
             file=sys.stderr,
         )
-    if hasattr(rt.experts, "summary"):
-        _report_remote(rt.experts.summary(), len(result.tokens))
-        rt.experts.close()
+    if args.peers or args.discover:
+        _report_remote(rt.experts.stats(), len(result.tokens))
+    rt.close()
     return EXIT_OK
 
 
@@ -147,7 +152,7 @@ def _report_remote(summary: dict, tokens: int) -> None:
 
 
 def add_streaming_options(p) -> None:
-    from node.expert_store import POLICIES
+    from moe.experts.policy import POLICIES
 
     g = p.add_argument_group("single-node streaming (a hard RAM budget)")
     g.add_argument("--ram", metavar="SIZE", help="RAM budget, e.g. 8G or 512M (enables streaming)")
@@ -166,11 +171,11 @@ def add_streaming_options(p) -> None:
     g.add_argument("--stats-json", metavar="FILE", help="one JSON line of stats per token")
 
 
-def _open_streaming(args):
+def _open_streaming(args, on_layer):
     from coordinator.runtime import open_streaming
-    from moe.budget import parse_size
-    from moe.model import ModelDir
-    from node.expert_store import read_profile
+    from moe.experts.usage import read_usage
+    from moe.model.model_dir import ModelDir
+    from moe.units import parse_size
 
     if args.read_depth < 1:
         raise MoeshardError("--read-depth must be at least 1")
@@ -178,7 +183,7 @@ def _open_streaming(args):
     context = args.context or prompt + args.max_tokens
     profile = None
     if args.profile_in:
-        profile = read_profile(args.profile_in, ModelDir(args.model).model_id)
+        profile = read_usage(args.profile_in, ModelDir(args.model).model_id)
     return open_streaming(
         args.model,
         parse_size(args.ram),
@@ -189,6 +194,7 @@ def _open_streaming(args):
         depth=args.read_depth,
         profile=profile,
         prefill_tokens=prompt,
+        on_layer=on_layer,
     )
 
 
@@ -199,11 +205,11 @@ def _prefetch_mode(args) -> str:
 
 
 def _report_streaming(args, rt, stats: dict) -> None:
-    from moe.budget import fmt_bytes
-    from node.expert_store import write_profile
+    from moe.experts.usage import write_profile
+    from moe.units import fmt_bytes
 
     if args.profile_out:
-        write_profile(args.profile_out, rt.model.model_id, rt.experts.counts)
+        write_profile(args.profile_out, rt.model.model_id, rt.store.counts)
     n = max(stats["generated_tokens"], 1)
     print(
         f"[streaming: {args.cache_policy}, prefetch {_prefetch_mode(args)}; "

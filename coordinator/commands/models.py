@@ -10,7 +10,7 @@ from moe.errors import MoeshardError
 
 
 def add_convert(sub) -> None:
-    from moe.convert import (
+    from moe.convert.converter import (
         DEFAULT_EXPERT_FORMAT,
         DEFAULT_TRUNK_FORMAT,
         EXPERT_FORMATS,
@@ -28,7 +28,7 @@ def add_convert(sub) -> None:
 
 
 def cmd_convert(args) -> int:
-    from moe.convert import convert
+    from moe.convert.converter import convert
 
     s = convert(args.src, args.out, args.experts, args.trunk, args.force, not args.quiet)
     print(
@@ -55,7 +55,7 @@ def add_inspect(sub) -> None:
 
 
 def cmd_inspect(args) -> int:
-    from moe.inspect import describe
+    from moe.model.report import describe
 
     text, ok = describe(args.model, args.verify)
     print(text)
@@ -66,7 +66,7 @@ def cmd_inspect(args) -> int:
 
 
 def add_synth(sub) -> None:
-    from moe.synth import PRESETS
+    from moe.convert.synth import PRESETS
 
     p = sub.add_parser("synth", help="write a large random-weight model (streaming benchmarks)")
     p.add_argument("out", help="model directory to create")
@@ -77,7 +77,7 @@ def add_synth(sub) -> None:
 
 
 def cmd_synth(args) -> int:
-    from moe.synth import synth
+    from moe.convert.synth import synth
 
     s = synth(args.out, args.preset, args.force, args.seed)
     print(
@@ -103,7 +103,7 @@ def add_quality(sub) -> None:
 def cmd_quality(args) -> int:
     from tokenizers import Tokenizer
 
-    from moe.quality import compare_formats
+    from coordinator.quality import compare_formats
 
     prompts = [[int(t) for t in p.split(",")] for p in args.prompt_ids or []]
     if args.prompt:
@@ -139,7 +139,7 @@ def add_perplexity(sub) -> None:
 
 
 def cmd_perplexity(args) -> int:
-    from moe.quality import perplexity_by_format
+    from coordinator.quality import perplexity_by_format
 
     try:
         text = Path(args.text).read_text(encoding="utf-8")

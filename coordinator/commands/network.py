@@ -20,7 +20,7 @@ def add_node(sub) -> None:
 
 
 def cmd_node(args) -> int:
-    from moe.budget import parse_size
+    from moe.units import parse_size
     from node.daemon import NodeConfig, run
 
     config = NodeConfig(
@@ -49,7 +49,7 @@ def add_shard(sub) -> None:
 
 
 def cmd_shard(args) -> int:
-    from coordinator.placement import shard_model
+    from moe.convert.placement import shard_model
 
     plan = shard_model(args.model, args.nodes, args.replicas, args.out, args.trace, args.force)
     for node in plan["nodes"]:
@@ -69,7 +69,7 @@ def add_health(sub) -> None:
 
 
 def cmd_health(args) -> int:
-    from coordinator.remote import check_health
+    from coordinator.remote.report import check_health
 
     status = check_health(args.addr, args.timeout)
     print(f"{args.addr}: {status}")
@@ -91,9 +91,9 @@ def add_peer_options(p, required: bool) -> None:
 
 
 def cmd_cluster(args) -> int:
-    from coordinator.remote import describe_cluster
-    from coordinator.runtime import resolve_peers
-    from moe.model import ModelDir
+    from coordinator.remote.discovery import resolve_peers
+    from coordinator.remote.report import describe_cluster
+    from moe.model.model_dir import ModelDir
 
     model = ModelDir(args.model)
     peers = resolve_peers(model.model_id, args.peers, args.discover, args.discover_timeout)

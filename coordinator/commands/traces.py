@@ -26,7 +26,8 @@ def add_coact(sub) -> None:
 
 
 def cmd_coact(args) -> int:
-    from moe import coact, trace
+    from moe.analysis import coact
+    from moe.storage import traces as trace
 
     sizes = None
     if args.cache_sizes:
@@ -44,7 +45,7 @@ def cmd_coact(args) -> int:
 
 
 def cmd_merge_traces(args) -> int:
-    from moe import trace
+    from moe.storage import traces as trace
 
     merged = trace.merge([trace.load(p) for p in args.traces])
     merged.save(args.out)
@@ -61,7 +62,8 @@ def add_pack(sub) -> None:
 
 
 def cmd_pack(args) -> int:
-    from moe import pack, trace
+    from moe.convert import pack
+    from moe.storage import traces as trace
 
     merged = trace.merge([trace.load(p) for p in args.trace])
     out = pack.pack(args.model, merged, args.out)
@@ -99,8 +101,10 @@ def add_simulate(sub) -> None:
 
 
 def cmd_simulate(args) -> int:
-    from moe import simulate, trace
-    from moe.budget import parse_size
+    from moe.analysis import simulate
+    from moe.analysis.disk import Disk
+    from moe.storage import traces as trace
+    from moe.units import parse_size
 
     if args.validate:
         from coordinator import sim_validate
@@ -128,7 +132,7 @@ def cmd_simulate(args) -> int:
     merged = trace.merge([trace.load(p) for p in args.traces])
     geometry = simulate.geometry_of(args.geometry)
     ram = parse_size(args.ram)
-    disk = simulate.Disk.load(args.disk)
+    disk = Disk.load(args.disk)
     results = simulate.run_all(
         merged,
         geometry,

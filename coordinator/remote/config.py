@@ -1,0 +1,32 @@
+"""The coordinator's client settings for the node network, and its one error type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe.errors import MoeshardError
+
+
+class RemoteError(MoeshardError):
+    """The cluster cannot compute a layer: no live node holds a needed expert, or a bug."""
+
+
+@dataclass
+class RemoteConfig:
+    deadline_s: float = 5.0  # deadline of one Forward call
+    transport: str = "stream"  # "stream": one persistent bidi stream per node; "unary": futures
+    connect_timeout_s: float = 3.0  # deadline of the start-up Info call to each peer
+    wire_dtype: str = "f32"  # activations on the wire: f32 (exact) or bf16 (half the bytes)
+    ewma_alpha: float = 0.2  # weight of the newest round trip in a node's latency estimate
+    call_cost_ms: float = 0.3  # extra score for involving one more node in a layer
+    backoff_s: float = 0.5  # first ban after a failure; doubles on each failed probe
+    max_backoff_s: float = 30.0  # longest ban between probes
+    probe_interval_s: float = 0.2  # how often the prober looks for banned nodes due a probe
+    prefetch: bool = True  # forward next-layer prefetch hints to the nodes
+    degrade: bool = False  # drop experts no live node holds (renormalising) instead of failing
+
+    def check(self) -> None:
+        if self.wire_dtype not in ("f32", "bf16"):
+            raise MoeshardError(f"wire dtype {self.wire_dtype}: use f32 or bf16")
+        if self.transport not in ("stream", "unary"):
+            raise MoeshardError(f"transport {self.transport}: use stream or unary")

@@ -1,0 +1,157 @@
+"""Find expert nodes on the local network with zeroconf (see node/announce.py for the records)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from zeroconf import IPVersion, ServiceBrowser, ServiceStateChange, Zeroconf
+
+from moe.errors import StoreError
+from moe.storage.manifest import FORMAT_VERSION
+from moe.wire.constants import SERVICE_TYPE
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Discovered:
+    node_id: str
+    addr: str  # host:port to dial
+    model_id: str
+    format_version: int
+    txt: dict = field(default_factory=dict)
+
+
+def _txt(info) -> dict[str, str]:
+    out = {}
+    for key, value in (info.properties or {}).items():
+        k = key.decode(errors="replace") if isinstance(key, bytes) else str(key)
+        v = value.decode(errors="replace") if isinstance(value, bytes) else (value or "")
+        out[k] = v
+    return out
+
+
+def browse(model_id: str | None, timeout: float = 2.0) -> list[Discovered]:
+    """Browse `_moeshard._tcp.local.` for `timeout` seconds; nodes of model `model_id`.
+
+    Nodes advertising another model id or format version are left out with a warning.
+    """
+    names: set[str] = set()
+
+    def on_change(zeroconf, service_type, name, state_change) -> None:
+        if state_change in (ServiceStateChange.Added, ServiceStateChange.Updated):
+            names.add(name)
+        elif state_change is ServiceStateChange.Removed:
+            names.discard(name)
+
+    zc = Zeroconf(ip_version=IPVersion.V4Only)
+    found: list[Discovered] = []
+    try:
+        browser = ServiceBrowser(zc, SERVICE_TYPE, handlers=[on_change])
+        time.sleep(timeout)
+        browser.cancel()
+        for name in sorted(names):
+            node = _resolve(zc, name, model_id)
+            if node is not None:
+                found.append(node)
+    finally:
+        zc.close()
+    return found
+
+
+def _resolve(zc: Zeroconf, name: str, model_id: str | None) -> Discovered | None:
+    """The node behind a service name, or None (logged) if it does not resolve or serves
+    another model or format version."""
+    info = zc.get_service_info(SERVICE_TYPE, name, timeout=1000)
+    if info is None or not info.addresses:
+        log.warning("discovery: %s did not resolve; skipped", name)
+        return None
+    txt = _txt(info)
+    node = Discovered(
+        node_id=txt.get("node_id", name),
+        addr=f"{socket.inet_ntoa(info.addresses[0])}:{info.port}",
+        model_id=txt.get("model_id", ""),
+        format_version=int(txt.get("fmt", "0") or 0),
+        txt=txt,
+    )
+    if model_id is not None and node.model_id != model_id:
+        log.warning(
+            "discovery: ignoring node %s at %s: model id %s differs from %s",
+            node.node_id,
+            node.addr,
+            node.model_id[:16],
+            model_id[:16],
+        )
+        return None
+    if node.format_version != FORMAT_VERSION:
+        log.warning(
+            "discovery: ignoring node %s at %s: format version %d, ours is %d",
+            node.node_id,
+            node.addr,
+            node.format_version,
+            FORMAT_VERSION,
+        )
+        return None
+    return node
+
+
+class Watcher:
+    """Keeps browsing after start-up and hands every node of `model_id` that is announced
+    (or re-announced) to `on_node`, so nodes that join a running generation are used.
+
+    zeroconf calls its handlers on its own thread, which must not block, so names are queued
+    and one worker thread resolves them and calls `on_node` (which may block on an RPC).
+    """
+
+    def __init__(self, model_id: str, on_node: Callable[[Discovered], None]):
+        self.model_id, self.on_node = model_id, on_node
+        self._names: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._zc = Zeroconf(ip_version=IPVersion.V4Only)
+        self._worker = threading.Thread(target=self._run, name="node-watcher", daemon=True)
+        self._worker.start()
+        self._browser = ServiceBrowser(self._zc, SERVICE_TYPE, handlers=[self._on_change])
+
+    def _on_change(self, zeroconf, service_type, name, state_change) -> None:
+        if state_change in (ServiceStateChange.Added, ServiceStateChange.Updated):
+            self._names.put(name)
+
+    def _run(self) -> None:
+        while (name := self._names.get()) is not None:
+            try:
+                node = _resolve(self._zc, name, self.model_id)
+                if node is not None:
+                    self.on_node(node)
+            except Exception:  # a bad announcement must not end the watch
+                log.exception("discovery: handling %s failed", name)
+
+    def close(self) -> None:
+        self._browser.cancel()
+        self._names.put(None)
+        self._worker.join(timeout=5)
+        self._zc.close()
+
+
+def resolve_peers(
+    model_id: str, peers: str | None, discover: bool, discover_timeout: float = 2.0
+) -> list[str]:
+    """HOST:PORT addresses of the expert nodes: from a comma-separated list or zeroconf."""
+    if peers:
+        addrs = [a.strip() for a in peers.split(",") if a.strip()]
+        bad = [a for a in addrs if not a.rpartition(":")[2].isdigit()]
+        if bad:
+            raise StoreError(f"--peers: '{bad[0]}' is not HOST:PORT")
+        return addrs
+    if discover:
+        addrs = [n.addr for n in browse(model_id, discover_timeout)]
+        if not addrs:
+            raise StoreError(
+                f"zeroconf found no node serving model {model_id[:16]} in {discover_timeout} s"
+            )
+        return addrs
+    raise StoreError("no expert nodes: give --peers or --discover")

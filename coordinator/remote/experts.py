@@ -1,0 +1,303 @@
+"""RemoteExperts: the experts backend that fans each MoE layer out to the storage nodes.
+
+Per layer, every routed expert is assigned to one live node holding it (fast nodes preferred
+by an EWMA of their measured round trips, work spread over nodes), each involved node gets
+ONE Forward call carrying only the rows that need it, all calls go out at once over persistent
+channels (so they overlap on the wire and on the nodes), and the weighted partial sums are
+added up (`moe.experts.compute.combine`). A node that fails or misses its deadline is banned
+(`coordinator.remote.peers`); its share of the layer is re-sent to replicas within the same
+call, so no token is lost and the result is the same. The next layer's prefetch hints go out
+right after this layer's Forward calls, without waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+
+import grpc
+import numpy as np
+
+from coordinator.remote.config import RemoteConfig, RemoteError
+from coordinator.remote.peers import Peer, PeerSet
+from coordinator.remote.transport import ForwardStream, StreamCall, UnaryCall
+from moe.experts.backend import ExpertsBase, PrefetchHint
+from moe.experts.compute import combine
+from moe.wire import codec
+from moe.wire import moeshard_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+# Failures that mean "this node, not this request": ban the node and use a replica.
+NODE_FAILURES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.UNIMPLEMENTED,
+}
+LAYER_HISTORY = 100_000  # layer call times kept
+
+
+class _Missing(Exception):
+    def __init__(self, experts: list[int]):
+        super().__init__(experts)
+        self.experts = experts
+
+
+class RemoteExperts(ExpertsBase):
+    def __init__(
+        self,
+        model_id: str,
+        hidden_size: int,
+        addrs: list[str],
+        config: RemoteConfig | None = None,
+    ):
+        self.model_id, self.hidden_size = model_id, hidden_size
+        self.config = config or RemoteConfig()
+        self.config.check()
+        self.wire_dtype = codec.BY_NAME[self.config.wire_dtype]
+        self.peers = PeerSet(model_id, hidden_size, addrs, self.config)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.layer_calls = 0
+        self.retries = 0
+        self.dropped: dict[tuple[int, int], int] = defaultdict(int)  # --degrade drops
+        self.layer_ms: list[float] = []  # fan-out wall time of each layer call
+        self._pending_hints: set = set()
+
+    def add_peer(self, addr: str) -> bool:
+        """A node found after start-up (zeroconf): admitted if it serves this model."""
+        return self.peers.add(addr)
+
+    def live_peers(self) -> list[Peer]:
+        return self.peers.live()
+
+    # -- the forward call ---------------------------------------------------------------------
+
+    def __call__(
+        self, layer, hidden, ids, weights, dtype=np.float32, hint: PrefetchHint | None = None
+    ) -> np.ndarray:
+        t0 = time.perf_counter()
+        hidden = np.ascontiguousarray(hidden, dtype=np.float32)  # [T, H]
+        ids = np.asarray(ids)  # [T, k]
+        weights = np.asarray(weights, dtype=np.float32)  # [T, k]
+        while True:
+            try:
+                out = self._fan_out(layer, hidden, ids, weights, dtype, hint)  # [T, H]
+                break
+            except _Missing as miss:
+                if not self.config.degrade:
+                    raise self._missing_error(layer, miss.experts) from None
+                ids, weights = self._drop(layer, ids, weights, miss.experts)
+        self.layer_ms.append((time.perf_counter() - t0) * 1e3)
+        if len(self.layer_ms) > LAYER_HISTORY:
+            del self.layer_ms[: LAYER_HISTORY // 2]
+        self.layer_calls += 1
+        return out
+
+    def _assign(self, layer: int, experts, excluded) -> tuple[dict[int, Peer], list[int]]:
+        """expert -> the live peer to compute it; also the experts no live peer can take."""
+        live = self.peers.live()
+        load: dict[str, int] = defaultdict(int)
+        chosen: dict[int, Peer] = {}
+        missing: list[int] = []
+        cost = self.config.call_cost_ms
+        for expert in experts:
+            no = excluded.get(expert, ())
+            cands = [p for p in live if p.holds(layer, expert) and p.addr not in no]
+            if not cands:
+                missing.append(expert)
+                continue
+
+            def score(p: Peer) -> tuple[float, int]:
+                # When this node would finish its share of the layer if it also took `expert`
+                # (calls run in parallel, so the layer ends with the slowest node); involving
+                # one more node costs the coordinator `cost` of CPU. Ties: fewer calls so far.
+                n = load[p.addr]
+                return p.overhead_ms + (n + 1) * p.expert_ms + (0.0 if n else cost), p.calls
+
+            best = min(cands, key=score)
+            chosen[expert] = best
+            load[best.addr] += 1
+        return chosen, missing
+
+    def _fan_out(self, layer, hidden, ids, weights, dtype, hint) -> np.ndarray:
+        todo = sorted(int(e) for e in np.unique(ids) if e >= 0)  # experts still to compute
+        excluded: dict[int, set[str]] = defaultdict(set)
+        parts: list[tuple[int, np.ndarray, np.ndarray]] = []  # (first expert, rows, [n, H])
+        while todo:
+            chosen, missing = self._assign(layer, todo, excluded)
+            if missing:
+                raise _Missing(missing)
+            by_peer: dict[str, tuple[Peer, list[int]]] = {}
+            for expert, peer in chosen.items():
+                by_peer.setdefault(peer.addr, (peer, []))[1].append(expert)
+            calls = [self._request(peer, layer, hidden, ids, weights, mine)
+                     for peer, mine in by_peer.values()]  # fmt: skip
+            if hint is not None:  # the next layer's reads start while this layer computes
+                self.prefetch(hint.layer, hint.predicted)
+                hint = None
+            done: list[int] = []
+            fatal: RemoteError | None = None
+            for peer, experts, rows, call in calls:  # every reply is consumed (stream order)
+                try:
+                    reply, rtt = call.result()
+                except grpc.RpcError as exc:
+                    fatal = self._failed(peer, layer, experts, exc, excluded) or fatal
+                    continue
+                self.peers.record_latency(peer, rtt, reply.compute_ms, len(experts))
+                self.bytes_received += reply.ByteSize()
+                try:
+                    part = codec.decode(
+                        reply.out,
+                        "reply",
+                        (codec.F64, codec.F32, codec.BF16),
+                        (len(rows), self.hidden_size),
+                    )  # [n, H]
+                except codec.CodecError as exc:
+                    self.peers.ban(peer, f"malformed reply: {exc}")
+                    _exclude(excluded, experts, peer)
+                    continue
+                parts.append((experts[0], rows, part))
+                done.extend(experts)
+            if fatal is not None:
+                raise fatal
+            if len(done) < len(todo):
+                self.retries += 1
+            todo = [e for e in todo if e not in set(done)]
+        ordered = sorted(parts, key=lambda p: p[0])
+        return combine(hidden.shape, ((rows, part) for _, rows, part in ordered), dtype)
+
+    def _request(self, peer: Peer, layer, hidden, ids, weights, experts: list[int]):
+        """Send `peer` the rows that route to `experts`; (peer, experts, rows, call)."""
+        mine = np.isin(ids, experts)  # [T, k]
+        rows = np.nonzero(mine.any(axis=1))[0]  # [n]
+        request = pb.ForwardRequest(
+            model_id=self.model_id,
+            layer=layer,
+            hidden=codec.encode(hidden[rows], self.wire_dtype),
+            ids=codec.encode(np.where(mine[rows], ids[rows], -1), codec.I32),
+            weights=codec.encode(np.where(mine[rows], weights[rows], 0), codec.F32),
+            # f32 wire: partial sums come back unrounded (f64), so the total is the same bits
+            # as on one machine, however the experts are spread
+            out_dtype=codec.F64 if self.wire_dtype == codec.F32 else self.wire_dtype,
+        )
+        self.bytes_sent += request.ByteSize()
+        return peer, experts, rows, self._send(peer, request)
+
+    def _send(self, peer: Peer, request) -> UnaryCall | StreamCall:
+        with self.peers.lock:
+            peer.calls += 1
+            peer.last_used = time.monotonic()
+        if self.config.transport == "unary":
+            return UnaryCall(peer.stub.Forward.future(request, timeout=self.config.deadline_s))
+        with self.peers.lock:
+            if peer.stream is None:
+                peer.stream = ForwardStream(peer.stub)
+            stream = peer.stream
+        stream.send(request)
+
+        def broken(stream: ForwardStream, peer=peer) -> None:
+            with self.peers.lock:  # this stream is finished: the next call opens a new one
+                if peer.stream is stream:
+                    peer.stream = None
+
+        return StreamCall(stream, self.peers.watchdog, self.config.deadline_s, broken)
+
+    def _failed(self, peer, layer, experts, exc: grpc.RpcError, excluded) -> RemoteError | None:
+        """Handle one failed call; returns the error to raise when retrying cannot help."""
+        code = exc.code()
+        _exclude(excluded, experts, peer)
+        if code in NODE_FAILURES:
+            self.peers.ban(peer, f"{code.name}: {exc.details()}")
+        elif code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS):
+            log.warning("node %s layer %d: %s: %s", peer.addr, layer, code.name, exc.details())
+            self.peers.refresh(peer)
+        else:
+            return RemoteError(
+                f"node {peer.addr} refused layer {layer}: {code.name}: {exc.details()}"
+            )
+        return None
+
+    def _missing_error(self, layer: int, experts: list[int]) -> RemoteError:
+        peers = self.peers.peers
+        unknown = [p.addr for p in peers if not p.held]
+        nobody = f"no node; {len(unknown)} never reached" if unknown else "no node"
+        holders = {
+            e: [f"{p.addr} (down)" for p in peers if p.holds(layer, e)] or [nobody] for e in experts
+        }
+        text = "; ".join(
+            f"expert {e} of layer {layer} (held by {', '.join(h)})" for e, h in holders.items()
+        )
+        return RemoteError(f"no live node holds {text}")
+
+    def _drop(self, layer, ids, weights, experts) -> tuple[np.ndarray, np.ndarray]:
+        """--degrade: remove `experts` from the routing, rescale the rest to the same total."""
+        gone = np.isin(ids, experts)  # [T, k]
+        for expert in experts:
+            self.dropped[(layer, int(expert))] += int((ids == expert).sum())
+            log.warning("layer %d: dropped expert %d (no live node holds it)", layer, expert)
+        total = weights.sum(axis=1, keepdims=True)  # [T, 1]
+        kept = np.where(gone, np.float32(0), weights)  # [T, k]
+        kept_sum = kept.sum(axis=1, keepdims=True)  # [T, 1]
+        scale = np.divide(total, kept_sum, out=np.zeros_like(total), where=kept_sum > 0)  # [T, 1]
+        return np.where(gone, -1, ids), (kept * scale).astype(np.float32)
+
+    # -- prefetch -----------------------------------------------------------------------------
+
+    def prefetch(self, layer: int, predicted) -> None:
+        """Fire-and-forget: hint each chosen replica which experts of `layer` come next."""
+        if not self.config.prefetch:
+            return
+        experts = sorted(int(e) for e in np.unique(predicted) if e >= 0)
+        chosen, _ = self._assign(layer, experts, {})
+        by_peer: dict[str, tuple[Peer, list[int]]] = {}
+        for expert, peer in chosen.items():
+            by_peer.setdefault(peer.addr, (peer, []))[1].append(expert)
+        for peer, mine in by_peer.values():
+            request = pb.PrefetchRequest(model_id=self.model_id, layer=layer, experts=mine)
+            future = peer.stub.Prefetch.future(request, timeout=self.config.deadline_s)
+            self._pending_hints.add(future)
+            future.add_done_callback(self._hint_done)
+
+    def _hint_done(self, future) -> None:
+        self._pending_hints.discard(future)
+        if future.exception() is not None:
+            log.debug("prefetch hint failed: %s", future.exception())
+
+    # -- reporting ----------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        return {
+            "expert_bytes_read": 0,  # the nodes read the experts
+            "layer_calls": self.layer_calls,
+            "retries": self.retries,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "dropped": {f"{a}:{b}": n for (a, b), n in self.dropped.items()},
+            "nodes": [
+                {
+                    "addr": p.addr,
+                    "node_id": p.node_id,
+                    "up": p.up,
+                    "calls": p.calls,
+                    "failures": p.failures,
+                    "ewma_ms": round(p.ewma_ms, 3),
+                }
+                for p in self.peers.peers
+            ],
+        }
+
+    def close(self) -> None:
+        self.peers.close()
+
+
+def _exclude(excluded: dict[int, set[str]], experts: list[int], peer: Peer) -> None:
+    for expert in experts:
+        excluded[expert].add(peer.addr)

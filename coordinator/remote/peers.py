@@ -1,0 +1,238 @@
+"""The coordinator's view of the expert nodes: who is up, what each holds, how fast it is.
+
+`PeerSet` admits a node after an Info call (same model id, format and hidden size), bans a
+node that fails with exponential backoff, and runs a prober thread that re-admits banned nodes
+once their health check says SERVING and their Info still matches, refreshes the latency of
+idle nodes, and ticks the stream watchdog.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from coordinator.remote.config import RemoteConfig, RemoteError
+from coordinator.remote.transport import ForwardStream, Watchdog, open_channel
+from moe.storage.manifest import FORMAT_VERSION
+from moe.wire import health_pb2, health_pb2_grpc
+from moe.wire import moeshard_pb2 as pb
+from moe.wire import moeshard_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+IDLE_REFRESH_S = 1.0  # a node unused this long gets its latency estimate refreshed by a ping
+LATENCY_HISTORY = 4096  # round trips kept per node
+
+
+@dataclass
+class Peer:
+    addr: str
+    channel: grpc.Channel
+    stub: pb_grpc.ExpertNodeStub
+    health: health_pb2_grpc.HealthStub
+    node_id: str = ""
+    held: set = field(default_factory=set)  # (layer, expert) the node serves
+    ewma_ms: float = 1.0  # smoothed round trip of a Forward call
+    overhead_ms: float = 1.0  # smoothed round trip minus the node's compute time
+    expert_ms: float = 0.0  # smoothed compute time per expert on the node
+    up: bool = False
+    retry_at: float = 0.0  # monotonic time of the next probe while banned
+    backoff_s: float = 0.0
+    calls: int = 0
+    failures: int = 0
+    latencies_ms: list = field(default_factory=list)  # recent round trips (bounded)
+    stream: ForwardStream | None = None  # the persistent ForwardStream (transport "stream")
+    last_used: float = 0.0  # monotonic time of the last Forward sent to it
+    last_ping: float = 0.0  # monotonic time of the last idle-refresh ping
+
+    @classmethod
+    def connect(cls, addr: str) -> Peer:
+        channel = open_channel(addr)
+        return cls(
+            addr, channel, pb_grpc.ExpertNodeStub(channel), health_pb2_grpc.HealthStub(channel)
+        )
+
+    def holds(self, layer: int, expert: int) -> bool:
+        return (layer, expert) in self.held
+
+    def ping_ms(self, timeout: float) -> float:
+        t0 = time.perf_counter()
+        self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        return (time.perf_counter() - t0) * 1e3
+
+
+class PeerSet:
+    """The nodes of one generation; thread-safe (the prober shares the peers' state)."""
+
+    def __init__(self, model_id: str, hidden_size: int, addrs: list[str], config: RemoteConfig):
+        self.model_id, self.hidden_size, self.config = model_id, hidden_size, config
+        self.lock = threading.Lock()
+        self.peers: list[Peer] = []
+        self.ignored: dict[str, str] = {}  # addr -> why it is not used
+        self.watchdog = Watchdog()
+        for addr in dict.fromkeys(addrs):
+            self._connect(addr)
+        if not any(p.up for p in self.peers):
+            for peer in self.peers:
+                self.ignored[peer.addr] = "unreachable"
+                peer.channel.close()
+            reasons = "; ".join(f"{a}: {r}" for a, r in self.ignored.items()) or "none given"
+            raise RemoteError(f"no usable expert nodes ({reasons})")
+        self._stop = threading.Event()
+        self._prober = threading.Thread(target=self._probe_loop, name="node-prober", daemon=True)
+        self._prober.start()
+
+    def _connect(self, addr: str) -> None:
+        peer = Peer.connect(addr)
+        try:
+            why = self.admit(peer, self.config.connect_timeout_s)
+        except grpc.RpcError as exc:
+            # Reachable later, perhaps: keep it banned and let the prober try.
+            log.warning("node %s unreachable at start (%s); will retry", addr, exc.code().name)
+            peer.backoff_s = self.config.backoff_s
+            peer.retry_at = time.monotonic() + peer.backoff_s
+            self.peers.append(peer)
+            return
+        if why:
+            log.warning("ignoring node %s: %s", addr, why)
+            self.ignored[addr] = why
+            peer.channel.close()
+            return
+        self.peers.append(peer)
+
+    def add(self, addr: str) -> bool:
+        """Admit a node that appeared after start-up (fed by zeroconf's `Watcher`); True if
+        it is now used. A known address is skipped, and so is a node whose id is already up
+        at another address (a node on all interfaces is announced under each)."""
+        with self.lock:
+            if addr in self.ignored or any(p.addr == addr for p in self.peers):
+                return False
+        peer = Peer.connect(addr)
+        try:
+            why = self.admit(peer, self.config.connect_timeout_s)
+        except grpc.RpcError as exc:
+            why = f"unreachable ({exc.code().name})"  # announced but not answering: skip it
+        with self.lock:
+            if not why and any(p.up and p.node_id == peer.node_id for p in self.peers):
+                why = f"node {peer.node_id} is already used at another address"
+            elif not why:
+                self.peers.append(peer)
+        if why:
+            log.info("discovered node %s not added: %s", addr, why)
+            peer.channel.close()
+            return False
+        log.warning("node %s (%s) joined: %d experts", peer.node_id, addr, len(peer.held))
+        return True
+
+    def admit(self, peer: Peer, timeout: float) -> str:
+        """Info call: '' and the peer marked up if it serves this model, else the reason."""
+        info = peer.stub.Info(pb.InfoRequest(), timeout=timeout)  # also sets up the connection
+        rtt_ms = min(peer.ping_ms(timeout) for _ in range(3))
+        if info.model_id != self.model_id:
+            return f"model id {info.model_id[:16]} differs from ours {self.model_id[:16]}"
+        if info.format_version != FORMAT_VERSION:
+            return f"format version {info.format_version}, ours is {FORMAT_VERSION}"
+        if info.hidden_size != self.hidden_size:
+            return f"hidden size {info.hidden_size}, ours is {self.hidden_size}"
+        held = {(h.layer, e) for h in info.holdings for e in h.experts}
+        with self.lock:
+            peer.node_id, peer.held = info.node_id, held
+            if not peer.latencies_ms:
+                peer.ewma_ms = peer.overhead_ms = rtt_ms
+            peer.up, peer.backoff_s = True, 0.0
+        log.info("node %s (%s): %d experts, %.2f ms", peer.node_id, peer.addr, len(held), rtt_ms)
+        return ""
+
+    def refresh(self, peer: Peer) -> None:
+        """The node said it no longer serves some records: re-read its holdings, or ban it."""
+        try:
+            why = self.admit(peer, self.config.connect_timeout_s)
+        except grpc.RpcError as exc:
+            why = f"Info failed: {exc.code().name}"
+        if why:
+            self.ban(peer, why)
+
+    def ban(self, peer: Peer, reason: str) -> None:
+        with self.lock:
+            if peer.stream is not None:
+                peer.stream.close()
+                peer.stream = None
+            if not peer.up:
+                return
+            peer.up = False
+            peer.failures += 1
+            peer.backoff_s = self.config.backoff_s
+            peer.retry_at = time.monotonic() + peer.backoff_s
+        log.warning(
+            "node %s (%s) banned for %.1f s: %s", peer.node_id, peer.addr, peer.backoff_s, reason
+        )
+
+    def live(self) -> list[Peer]:
+        with self.lock:
+            return [p for p in self.peers if p.up]
+
+    def record_latency(self, peer: Peer, seconds: float, compute_ms: float, experts: int) -> None:
+        ms = seconds * 1e3
+        a = self.config.ewma_alpha
+        with self.lock:
+            peer.ewma_ms = (1 - a) * peer.ewma_ms + a * ms
+            peer.overhead_ms = (1 - a) * peer.overhead_ms + a * max(ms - compute_ms, 0.0)
+            peer.expert_ms = (1 - a) * peer.expert_ms + a * compute_ms / max(experts, 1)
+            peer.latencies_ms.append(ms)
+            if len(peer.latencies_ms) > LATENCY_HISTORY:
+                del peer.latencies_ms[: LATENCY_HISTORY // 2]
+
+    # -- the prober ---------------------------------------------------------------------------
+
+    def _probe_loop(self) -> None:
+        while not self._stop.wait(self.config.probe_interval_s):
+            now = time.monotonic()
+            self.watchdog.tick(now)
+            self._refresh_idle(now)
+            for peer in list(self.peers):
+                if not peer.up and now >= peer.retry_at:
+                    self._probe(peer)
+
+    def _refresh_idle(self, now: float) -> None:
+        """Nodes not chosen lately get their estimate refreshed by a ping, so one slow
+        measurement does not starve a node forever (and a recovered node wins work back)."""
+        for peer in self.live():
+            if now - peer.last_used < IDLE_REFRESH_S or now - peer.last_ping < IDLE_REFRESH_S:
+                continue
+            peer.last_ping = now
+            try:
+                ms = peer.ping_ms(1.0)
+            except grpc.RpcError as exc:
+                self.ban(peer, f"idle ping failed: {exc.code().name}")
+                continue
+            with self.lock:
+                peer.overhead_ms = 0.5 * peer.overhead_ms + 0.5 * ms
+
+    def _probe(self, peer: Peer) -> None:
+        try:
+            reply = peer.health.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+            why = self.admit(peer, 1.0) if serving else "not serving"
+        except grpc.RpcError as exc:
+            why = exc.code().name
+        if not why:
+            log.warning("node %s (%s) re-admitted", peer.node_id, peer.addr)
+            return
+        with self.lock:
+            peer.backoff_s = min(
+                max(peer.backoff_s * 2, self.config.backoff_s), self.config.max_backoff_s
+            )
+            peer.retry_at = time.monotonic() + peer.backoff_s
+        log.debug("node %s still down (%s); next probe in %.1f s", peer.addr, why, peer.backoff_s)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._prober.join(timeout=2)
+        for peer in self.peers:
+            if peer.stream is not None:
+                peer.stream.close()
+            peer.channel.close()

@@ -1,0 +1,366 @@
+"""Hugging Face checkpoint directory -> moeshard model directory, streaming tensor by tensor.
+
+Memory stays bounded by the largest single tensor (plus one expert): safetensors files are
+memory-mapped, each tensor is converted, packed, checksummed and written before the next.
+Everything is written into a temporary directory beside OUT and renamed into place at the end,
+so a failure leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from moe.convert.checkpoint import Checkpoint
+from moe.errors import CheckpointError, ConfigError, MoeshardError
+from moe.kernels import quant
+from moe.model.config import read_json
+from moe.model.families import family_for, load_config
+from moe.storage.manifest import FORMAT_VERSION, TRUNK_FILE, write_manifest
+from moe.storage.shards import ShardWriter
+from moe.storage.trunk_file import TrunkWriter
+
+log = logging.getLogger(__name__)
+
+EXPERT_FORMATS = ("f32", "bf16", "q8_0", "q4_0")
+TRUNK_FORMATS = ("f32", "bf16", "q8_0")
+DEFAULT_EXPERT_FORMAT = "q4_0"
+DEFAULT_TRUNK_FORMAT = "bf16"
+SHARD_MAX_BYTES = 4 << 30  # a new expert shard file starts at the next layer past this size
+COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+
+_PER_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+    r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
+_STACKED = re.compile(
+    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\."
+    r"(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$"
+)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_ALWAYS_F32 = ("norm.weight", "layernorm.weight", ".bias", "mlp.gate.weight", "shared_expert_gate")
+
+
+@dataclass
+class Plan:
+    """What the converter found in the checkpoint, before writing anything."""
+
+    trunk: dict[str, str] = field(default_factory=dict)  # canonical name -> checkpoint name
+    fp8_block: tuple[int, int] = (128, 128)  # quantization_config.weight_block_size
+    per_expert: dict[tuple[int, int, str], str] = field(default_factory=dict)  # (L, E, proj)
+    stacked: dict[tuple[int, str], str] = field(default_factory=dict)  # (L, proj) -> name
+    skipped: dict[str, str] = field(default_factory=dict)  # name -> reason
+
+
+def plan_conversion(config, family, ckpt: Checkpoint, quantization: dict) -> Plan:
+    """Sort every checkpoint tensor into trunk / expert / skipped; check nothing is missing."""
+    block = quantization.get("weight_block_size") or (128, 128)
+    plan = Plan(fp8_block=(int(block[0]), int(block[1])))
+    wanted = config.trunk_shapes()
+    moe_layers = set(config.moe_layers)
+    for name in ckpt.names():
+        if name.endswith("_scale_inv"):
+            continue  # fp8 scales travel with their weight
+        m = _LAYER.match(name)
+        if m and int(m.group(1)) >= config.num_hidden_layers:
+            plan.skipped[name] = "layer beyond num_hidden_layers (e.g. multi-token prediction)"
+            continue
+        if (m := _PER_EXPERT.match(name)) is not None:
+            layer, expert, proj = int(m.group(1)), int(m.group(2)), _PROJ.get(m[3], m[3])
+            plan.per_expert[(layer, expert, proj)] = name
+            continue
+        if (m := _STACKED.match(name)) is not None:
+            plan.stacked[(int(m.group(1)), m.group(2))] = name
+            continue
+        canonical = family.canonical_name(name)
+        if canonical in wanted:
+            plan.trunk[canonical] = name
+        elif name == "lm_head.weight" and config.tie_word_embeddings:
+            plan.skipped[name] = "tied to the embeddings"
+        else:
+            plan.skipped[name] = "not used by inference"
+    source = ckpt.directory
+    for canonical, shape in wanted.items():
+        if canonical not in plan.trunk:
+            raise CheckpointError(f"{source}: missing tensor '{canonical}'")
+        got = ckpt.shape(plan.trunk[canonical])
+        if tuple(got) != tuple(shape):
+            raise CheckpointError(
+                f"{ckpt.describe(plan.trunk[canonical])}: shape {list(got)}, expected {list(shape)}"
+            )
+    for layer in moe_layers:
+        for expert in range(config.n_experts):
+            expert_shapes(config, plan, ckpt, layer, expert, check_only=True)
+    return plan
+
+
+def expert_shapes(config, plan: Plan, ckpt: Checkpoint, layer, expert, check_only=False):
+    """Check (or load) expert `expert` of `layer`: returns gate, up [I, H], down [H, I] float32."""
+    h, inter = config.hidden_size, config.expert_intermediate
+    want = {"gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
+    out = {}
+    for proj, shape in want.items():
+        name = plan.per_expert.get((layer, expert, proj))
+        if name is not None:
+            if tuple(ckpt.shape(name)) != shape:
+                raise CheckpointError(
+                    f"{ckpt.describe(name)}: shape {list(ckpt.shape(name))}, expected {list(shape)}"
+                )
+            out[proj] = None if check_only else ckpt.float32(name, plan.fp8_block)
+            continue
+        out[proj] = _from_stack(config, plan, ckpt, layer, expert, proj, shape, check_only)
+    if check_only:
+        return None
+    return out["gate_proj"], out["up_proj"], out["down_proj"]
+
+
+def _from_stack(config, plan, ckpt, layer, expert, proj, shape, check_only):
+    """One expert's matrix from a stacked [experts, out, in] tensor (or fused gate_up)."""
+    n = config.n_experts
+    fused = proj in ("gate_proj", "up_proj") and (layer, "gate_up_proj") in plan.stacked
+    key = (layer, "gate_up_proj") if fused else (layer, proj)
+    name = plan.stacked.get(key)
+    if name is None:
+        raise CheckpointError(
+            f"{ckpt.directory}: missing tensor for expert {expert} {proj} of layer {layer} "
+            f"(neither model.layers.{layer}.mlp.experts.{expert}.{proj}.weight nor a stacked "
+            f"experts tensor)"
+        )
+    rows, cols = (2 * shape[0], shape[1]) if fused else shape
+    got = tuple(ckpt.shape(name))
+    if got not in ((n, rows, cols), (n, cols, rows)):
+        raise CheckpointError(
+            f"{ckpt.describe(name)}: shape {list(got)}, expected {[n, rows, cols]} "
+            f"([experts, out, in])"
+        )
+    if check_only:
+        return None
+    matrix = _slice_expert(ckpt, name, expert)  # [out, in] or [in, out]
+    if got == (n, cols, rows) and rows != cols:
+        matrix = matrix.T  # stored [experts, in, out]
+    if fused:
+        half = shape[0]
+        matrix = matrix[:half] if proj == "gate_proj" else matrix[half:]
+    return np.ascontiguousarray(matrix, dtype=np.float32)
+
+
+def _slice_expert(ckpt: Checkpoint, name: str, expert: int) -> np.ndarray:
+    """Expert `expert` of a stacked tensor: only that slice is read and converted."""
+    f = ckpt.where[name]
+    if f.entries[name].dtype == "F8_E4M3":
+        raise CheckpointError(f"{ckpt.describe(name)}: stacked fp8 experts are not supported")
+    return f.float32(name, expert)
+
+
+def trunk_format(name: str, shape: tuple[int, ...], requested: str) -> str:
+    """Norms, biases and routers stay f32 (tiny, and routing decisions are sensitive);
+    matrices whose rows are not whole 32-weight blocks fall back to bf16/f32."""
+    if len(shape) == 1 or any(name.endswith(s) or s in name for s in _ALWAYS_F32):
+        return "f32"
+    if requested == "q8_0" and shape[-1] % 32:
+        return "bf16"
+    return requested
+
+
+class Progress:
+    """A one-line progress bar on stderr (redrawn on a terminal, every 10% otherwise)."""
+
+    def __init__(self, total_bytes: int, label: str):
+        self.total, self.done, self.label = max(total_bytes, 1), 0, label
+        self.start = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+        self.last_decile = -1
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        share = self.done / self.total
+        elapsed = time.perf_counter() - self.start
+        rate = self.done / max(elapsed, 1e-9) / 1e6
+        line = f"{self.label}: {share:6.1%}  {self.done / 1e6:9.1f} MB  {rate:7.1f} MB/s"
+        if self.tty:
+            bar = "#" * int(share * 30)
+            sys.stderr.write(f"\r[{bar:<30}] {line}")
+            sys.stderr.flush()
+        elif int(share * 10) > self.last_decile:
+            self.last_decile = int(share * 10)
+            sys.stderr.write(line + "\n")
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+@dataclass
+class ConvertSummary:
+    params: int
+    trunk_params: int
+    expert_params: int
+    bytes_written: int
+    seconds: float
+    skipped: dict[str, str]
+    model_id: str
+
+
+def convert(
+    src: str | Path,
+    out: str | Path,
+    expert_format: str = DEFAULT_EXPERT_FORMAT,
+    trunk_fmt: str = DEFAULT_TRUNK_FORMAT,
+    force: bool = False,
+    progress: bool = True,
+) -> ConvertSummary:
+    """Convert checkpoint directory `src` into model directory `out` (see module docstring)."""
+    started = time.perf_counter()
+    src, out = Path(src), Path(out)
+    if expert_format not in EXPERT_FORMATS:
+        raise ConfigError(f"--experts {expert_format}: choose one of {', '.join(EXPERT_FORMATS)}")
+    if trunk_fmt not in TRUNK_FORMATS:
+        raise ConfigError(f"--trunk {trunk_fmt}: choose one of {', '.join(TRUNK_FORMATS)}")
+    if not src.is_dir():
+        raise CheckpointError(f"{src}: no such checkpoint directory")
+    if out.exists() and not force:
+        raise MoeshardError(f"{out}: already exists (pass --force to replace it)")
+    raw = read_json(src / "config.json")
+    config = load_config(src)
+    family = family_for(config.model_type, str(src / "config.json"))
+    if expert_format in ("q8_0", "q4_0"):
+        for dim, what in ((config.hidden_size, "hidden_size"), (config.expert_intermediate, "moe")):
+            if dim % 32:
+                raise ConfigError(
+                    f"{src / 'config.json'}: {what} {dim} is not a multiple of 32, so experts "
+                    f"cannot be {expert_format}; use --experts bf16 or f32"
+                )
+    ckpt = Checkpoint(src)
+    tmp = out.parent / f".{out.name}.tmp-convert"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        plan = plan_conversion(config, family, ckpt, raw.get("quantization_config") or {})
+        summary = _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, progress)
+        summary.seconds = time.perf_counter() - started
+        _replace_dir(tmp, out)
+        return summary
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        ckpt.close()
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    if out.exists():
+        old = out.parent / f".{out.name}.old-convert"
+        shutil.rmtree(old, ignore_errors=True)
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
+
+
+def _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, progress) -> ConvertSummary:
+    shapes = config.trunk_shapes()
+    trunk = TrunkWriter(tmp / TRUNK_FILE, config.model_type)
+    trunk_names = sorted(shapes)
+    for name in trunk_names:
+        trunk.declare(name, trunk_format(name, shapes[name], trunk_fmt), shapes[name])
+
+    record_bytes = quant.expert_record_nbytes(
+        expert_format, config.hidden_size, config.expert_intermediate
+    )
+    shards: list[ShardWriter] = []
+    shard_files: list[str] = []
+    layer_records = config.n_experts * record_bytes
+    for layer in config.moe_layers:
+        if not shards or (len(shards[-1].index.layers) * record_bytes + layer_records) > (
+            SHARD_MAX_BYTES
+        ):
+            shard_files.append(f"experts-{len(shards):05d}.gguf")
+            shards.append(
+                ShardWriter(
+                    tmp / shard_files[-1],
+                    expert_format,
+                    config.hidden_size,
+                    config.expert_intermediate,
+                    config.model_type,
+                )
+            )
+        for expert in range(config.n_experts):
+            shards[-1].declare(layer, expert)
+
+    total = sum(int(np.prod(s)) * 4 for s in shapes.values()) + len(config.moe_layers) * (
+        config.n_experts * 3 * config.hidden_size * config.expert_intermediate * 4
+    )
+    bar = Progress(total, "convert") if progress else None
+    digest = hashlib.sha256()
+    digest.update(json.dumps(read_json(src / "config.json"), sort_keys=True).encode())
+    digest.update(f"experts={expert_format};v={FORMAT_VERSION}".encode())
+
+    trunk.begin()
+    trunk_params = 0
+    for name, (_, fmt, shape) in zip(trunk_names, trunk.entries, strict=True):
+        value = ckpt.float32(plan.trunk[name], plan.fp8_block).reshape(shape)
+        matrix = value.reshape(1, -1) if value.ndim == 1 else value
+        crc = trunk.write(quant.pack(np.ascontiguousarray(matrix), fmt))
+        digest.update(f"{name}:{fmt}:{crc};".encode())
+        trunk_params += value.size
+        if bar:
+            bar.advance(value.size * 4)
+    expert_params = 0
+    for shard in shards:
+        shard.begin()
+        for layer, expert in zip(shard.index.layers, shard.index.experts, strict=True):
+            gate, up, down = expert_shapes(config, plan, ckpt, layer, expert)
+            crc = shard.write(quant.pack_expert(gate, up, down, expert_format))
+            digest.update(f"{layer}.{expert}:{crc};".encode())
+            expert_params += gate.size + up.size + down.size
+            if bar:
+                bar.advance((gate.size + up.size + down.size) * 4)
+    if bar:
+        bar.close()
+    model_id = digest.hexdigest()
+    trunk.finish(model_id)
+    for shard in shards:
+        shard.finish(model_id)
+
+    for name in COPIED_FILES:
+        if (src / name).exists():
+            shutil.copyfile(src / name, tmp / name)
+    bytes_written = sum(p.stat().st_size for p in tmp.iterdir())
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "model_id": model_id,
+        "model_type": config.model_type,
+        "expert_format": expert_format,
+        "trunk_format": trunk_fmt,
+        "trunk_file": TRUNK_FILE,
+        "expert_files": shard_files,
+        "hidden_size": config.hidden_size,
+        "expert_intermediate": config.expert_intermediate,
+        "n_experts": config.n_experts,
+        "moe_layers": list(config.moe_layers),
+        "params": {"trunk": trunk_params, "experts": expert_params},
+        "converted_from": str(src),
+        "skipped_tensors": plan.skipped,
+    }
+    write_manifest(tmp, manifest)
+    return ConvertSummary(
+        params=trunk_params + expert_params,
+        trunk_params=trunk_params,
+        expert_params=expert_params,
+        bytes_written=bytes_written,
+        seconds=0.0,
+        skipped=plan.skipped,
+        model_id=model_id,
+    )

@@ -1,0 +1,168 @@
+"""`moeshard shard`: split a model's experts into per-node shard directories.
+
+Every (layer, expert) record goes to R distinct nodes. Experts are placed heaviest first, each
+on the R nodes with the least expected load so far (load = activation count from a trace when
+given, else 1 per expert), ties broken by fewest bytes then node index. Each node directory is
+a valid model directory without trunk: config.json (and the tokenizer/generation files), a
+manifest with the SAME model id, and shard files whose records are copied byte for byte (each
+record's checksum is verified on read and must come out equal on write).
+
+Trace format (JSON): {"layer:expert": count, ...}; experts not listed count 0, and every
+expert gets a floor of 1e-3 of the mean so unseen experts are still spread.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from moe.errors import MoeshardError, StoreError
+from moe.experts.usage import read_usage
+from moe.model.model_dir import ModelDir
+from moe.storage.manifest import FORMAT_VERSION, write_manifest
+from moe.storage.shards import ShardWriter
+
+COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+SHARD_MAX_BYTES = 2 << 30  # one shard file holds at most this many record bytes
+PLAN_FILE = "plan.json"
+
+
+def read_trace(path: str | Path, keys, model_id: str | None = None) -> dict[tuple[int, int], float]:
+    """Load per known (layer, expert) from any usage source (`moe.experts.usage.read_usage`:
+    a routing trace, a usage profile or a plain {"layer:expert": count} object)."""
+    return _smoothed(read_usage(path, model_id), keys, path)
+
+
+def _smoothed(counts, keys, path) -> dict[tuple[int, int], float]:
+    """Every known expert gets a small floor load, so unseen experts still spread evenly."""
+    unknown = [k for k in counts if k not in keys]
+    if unknown:
+        raise MoeshardError(f"{path}: expert {unknown[0][1]} of layer {unknown[0][0]} not in model")
+    mean = sum(counts.values()) / max(len(keys), 1) or 1.0
+    return {k: counts.get(k, 0.0) + 1e-3 * mean for k in keys}
+
+
+def plan_placement(
+    loads: dict[tuple[int, int], float], record_bytes: int, nodes: int, replicas: int
+) -> list[list[tuple[int, int]]]:
+    """Greedy: heaviest expert first onto the R least-loaded nodes. Returns keys per node."""
+    if nodes < 1 or not 1 <= replicas <= nodes:
+        raise MoeshardError(f"need 1 <= --replicas ({replicas}) <= --nodes ({nodes})")
+    load = [0.0] * nodes
+    nbytes = [0] * nodes
+    placed: list[list[tuple[int, int]]] = [[] for _ in range(nodes)]
+    for key in sorted(loads, key=lambda k: (-loads[k], k)):
+        best = sorted(range(nodes), key=lambda n: (load[n], nbytes[n], n))[:replicas]
+        for n in best:
+            load[n] += loads[key]
+            nbytes[n] += record_bytes
+            placed[n].append(key)
+    return [sorted(keys) for keys in placed]
+
+
+def _write_node_dir(model: ModelDir, keys, out: Path) -> int:
+    """One node directory holding `keys`; returns bytes of records written."""
+    out.mkdir(parents=True)
+    for name in COPIED_FILES:
+        if (model.path / name).exists():
+            shutil.copyfile(model.path / name, out / name)
+    c = model.config
+    files: list[str] = []
+    writers: list[tuple[ShardWriter, list[tuple[int, int]]]] = []
+    written = 0
+    for key in keys:
+        nbytes = model.locations[key][1].nbytes
+        if not writers or (len(writers[-1][1]) + 1) * nbytes > SHARD_MAX_BYTES:
+            files.append(f"experts-{len(files):05d}.gguf")
+            writers.append(
+                (
+                    ShardWriter(
+                        out / files[-1],
+                        model.expert_format,
+                        c.hidden_size,
+                        c.expert_intermediate,
+                        c.model_type,
+                    ),
+                    [],
+                )
+            )
+        writers[-1][0].declare(*key)
+        writers[-1][1].append(key)
+    for writer, mine in writers:
+        writer.begin()
+        for layer, expert in mine:
+            shard, loc = model.locations[(layer, expert)]
+            crc = writer.write(shard.read(layer, expert))  # verified against loc.crc32
+            if crc != loc.crc32:
+                raise StoreError(f"{out}: expert {expert} of layer {layer} changed on copy")
+            written += loc.nbytes
+        writer.finish(model.model_id)
+    manifest = dict(model.manifest)
+    manifest.update(
+        format_version=FORMAT_VERSION,
+        expert_files=files,
+        trunk_file=None,
+        shard_of=str(model.path),
+        shard_experts=len(keys),
+    )
+    write_manifest(out, manifest)
+    return written
+
+
+def shard_model(
+    model_path: str | Path,
+    nodes: int,
+    replicas: int,
+    out: str | Path,
+    trace: str | Path | None = None,
+    force: bool = False,
+) -> dict:
+    """Write OUT/node-00 ... node-(N-1) and OUT/plan.json; returns the plan."""
+    model = ModelDir(model_path)
+    out = Path(out)
+    if out.exists():
+        if not force:
+            raise MoeshardError(f"{out} exists (use --force to replace it)")
+        shutil.rmtree(out)
+    keys = sorted(model.locations)
+    if trace:
+        loads = read_trace(trace, set(keys), model.model_id)
+    else:
+        loads = dict.fromkeys(keys, 1.0)
+    record_bytes = max(loc.nbytes for _, loc in model.locations.values())
+    placed = plan_placement(loads, record_bytes, nodes, replicas)
+    tmp = out.with_name(out.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    node_plans = []
+    for n, mine in enumerate(placed):
+        name = f"node-{n:02d}"
+        written = _write_node_dir(model, mine, tmp / name)
+        node_plans.append(
+            {
+                "dir": str(out / name),
+                "experts": [[a, b] for a, b in mine],
+                "load": sum(loads[k] for k in mine),
+                "bytes": written,
+            }
+        )
+    holders: dict[str, list[int]] = {}
+    for n, mine in enumerate(placed):
+        for a, b in mine:
+            holders.setdefault(f"{a}:{b}", []).append(n)
+    plan = {
+        "model_id": model.model_id,
+        "source": str(model.path),
+        "nodes": node_plans,
+        "replicas": replicas,
+        "balanced_by": "trace" if trace else "count",
+        "trace": str(trace) if trace else None,
+        "holders": holders,
+        "plan_file": str(out / PLAN_FILE),
+    }
+    (tmp / PLAN_FILE).write_text(json.dumps(plan, indent=1) + "\n")
+    tmp.rename(out)
+    model.close()
+    return plan

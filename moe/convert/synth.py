@@ -1,0 +1,215 @@
+"""`moeshard synth OUT --preset NAME`: a large random-weight MoE model written straight into the
+shard format, at close to disk speed, for streaming benchmarks on models larger than RAM.
+
+The model is a valid qwen3_moe model directory (config.json, trunk.gguf, experts-*.gguf,
+moeshard.json; no tokenizer: use --prompt-ids). Expert records are random quantised codes with
+one constant scale per matrix (sized so activations stay O(1)); they are generated as bytes,
+never as float32 weights, so writing is bound by the disk and the checksum, not quantisation.
+
+Routing is skewed on purpose, as in trained models: router row e is a random direction times
+a per-expert gain drawn log-normally, so experts with a large gain win the top-k more often
+and caching has something to exploit. Trunk matrices are small random values, so the residual
+stream changes slowly from layer to layer and next-layer prediction is informative.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moe.convert.converter import trunk_format
+from moe.errors import MoeshardError
+from moe.kernels import quant
+from moe.model.families import load_config
+from moe.storage.manifest import FORMAT_VERSION, TRUNK_FILE, write_manifest
+from moe.storage.shards import ShardWriter
+from moe.storage.trunk_file import TrunkWriter
+
+log = logging.getLogger(__name__)
+
+SHARD_MAX_BYTES = 4 << 30
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden: int
+    inter: int  # expert intermediate size
+    n_experts: int
+    top_k: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    experts_fmt: str = "q4_0"
+    trunk_fmt: str = "q8_0"
+    router_skew: float = 0.6  # sigma of the log-normal per-expert router gain
+
+
+PRESETS = {
+    # A Kimi-K3-like geometry: 896 experts per layer, 16 active; 2.5 MiB q4_0 records, ~7 GB.
+    "k3-mini": Preset(2048, 768, 896, 16, 3, 16, 4, 128, 8192),
+    # Small enough for tests: 64 experts of 8 KiB per layer.
+    "tiny": Preset(64, 64, 64, 4, 3, 4, 2, 16, 256, trunk_fmt="f32"),
+}
+
+
+def hf_config(p: Preset) -> dict:
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": p.hidden,
+        "intermediate_size": p.inter * 4,
+        "moe_intermediate_size": p.inter,
+        "num_experts": p.n_experts,
+        "num_experts_per_tok": p.top_k,
+        "num_hidden_layers": p.layers,
+        "num_attention_heads": p.heads,
+        "num_key_value_heads": p.kv_heads,
+        "head_dim": p.head_dim,
+        "vocab_size": p.vocab,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 4096,
+        "use_sliding_window": False,
+        "torch_dtype": "float32",
+        "moeshard_synthetic": True,
+    }
+
+
+def _trunk_tensor(name: str, shape: tuple[int, ...], p: Preset, rng) -> np.ndarray:
+    """Random float32 values for one trunk tensor."""
+    if len(shape) == 1:
+        return np.ones(shape, np.float32)  # norms
+    if name.endswith("mlp.gate.weight"):  # router: random directions x log-normal gains
+        gains = np.exp(rng.normal(0.0, p.router_skew, shape[0])).astype(np.float32)  # [E]
+        dirs = rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[1])  # [E, H]
+        return dirs * gains[:, None] * np.float32(4.0)  # [E, H]
+    if "embed_tokens" in name:
+        return rng.standard_normal(shape, dtype=np.float32)  # [V, H]
+    scale = 0.2 / np.sqrt(shape[1])  # residual updates ~0.2 of the stream
+    return rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)
+
+
+class RecordMaker:
+    """Random expert records in the kernel layout: random codes, one scale per matrix."""
+
+    def __init__(self, p: Preset, seed: int):
+        self.fmt, self.rng = p.experts_fmt, np.random.default_rng(seed)
+        if self.fmt not in ("q4_0", "q8_0"):
+            raise MoeshardError("synth writes q4_0 or q8_0 experts")
+        self.nbytes = quant.expert_record_nbytes(self.fmt, p.hidden, p.inter)
+        spread = 4.6 if self.fmt == "q4_0" else 73.0  # std of the integer codes
+        mats = [(p.inter, p.hidden, 1.0), (p.inter, p.hidden, 1.0), (p.hidden, p.inter, 0.3)]
+        self.scales: list[tuple[int, np.ndarray]] = []  # (byte offset, uint8 scale bytes)
+        start = 0
+        for rows, cols, gain in mats:
+            payload, s_off, s_bytes = quant._sections(self.fmt, rows, cols)
+            d = np.float16(gain / (spread * np.sqrt(cols)))
+            self.scales.append((start + s_off, np.full(s_bytes // 2, d).view(np.uint8)))
+            start += quant.packed_nbytes(self.fmt, rows, cols)
+
+    def make(self) -> np.ndarray:
+        rec = self.rng.integers(0, 256, self.nbytes, dtype=np.uint8)  # [nbytes]
+        for off, scale in self.scales:
+            rec[off : off + scale.size] = scale
+        return rec
+
+
+def synth(out: str | Path, preset: str, force: bool = False, seed: int = 0) -> dict:
+    """Write the model directory; returns a summary (bytes, seconds, GB/s)."""
+    if preset not in PRESETS:
+        raise MoeshardError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    p = PRESETS[preset]
+    out = Path(out)
+    if out.exists():
+        if not force:
+            raise MoeshardError(f"{out} exists (use --force to replace it)")
+        shutil.rmtree(out)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    t0 = time.perf_counter()
+    raw = hf_config(p)
+    (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    config = load_config(tmp)
+    rng = np.random.default_rng(seed)
+    digest = hashlib.sha256()
+    digest.update(json.dumps(raw, sort_keys=True).encode())
+    digest.update(f"experts={p.experts_fmt};v={FORMAT_VERSION}".encode())
+
+    shapes = config.trunk_shapes()
+    trunk = TrunkWriter(tmp / TRUNK_FILE, config.model_type)
+    names = sorted(shapes)
+    fmts = {n: trunk_format(n, shapes[n], p.trunk_fmt) for n in names}
+    for n in names:
+        trunk.declare(n, fmts[n], shapes[n])
+    trunk.begin()
+    for n in names:
+        value = _trunk_tensor(n, shapes[n], p, rng)
+        matrix = value.reshape(1, -1) if value.ndim == 1 else value
+        crc = trunk.write(quant.pack(np.ascontiguousarray(matrix), fmts[n]))
+        digest.update(f"{n}:{fmts[n]}:{crc};".encode())
+
+    maker = RecordMaker(p, seed + 1)
+    per_layer = p.n_experts * maker.nbytes
+    shards: list[ShardWriter] = []
+    files: list[str] = []
+    for layer in config.moe_layers:
+        if not shards or len(shards[-1].index.layers) * maker.nbytes + per_layer > SHARD_MAX_BYTES:
+            files.append(f"experts-{len(shards):05d}.gguf")
+            shards.append(
+                ShardWriter(tmp / files[-1], p.experts_fmt, p.hidden, p.inter, config.model_type)
+            )
+        for expert in range(p.n_experts):
+            shards[-1].declare(layer, expert)
+    written = 0
+    for shard in shards:
+        shard.begin()
+        for layer, expert in zip(shard.index.layers, shard.index.experts, strict=True):
+            crc = shard.write(maker.make())
+            digest.update(f"{layer}.{expert}:{crc};".encode())
+            written += maker.nbytes
+        log.info("synth: %s written (%.1f GB so far)", shard.file.path.name, written / 1e9)
+    model_id = digest.hexdigest()
+    trunk.finish(model_id)
+    for shard in shards:
+        shard.finish(model_id)
+    n_params = sum(int(np.prod(s)) for s in shapes.values())
+    write_manifest(
+        tmp,
+        {
+            "format_version": FORMAT_VERSION,
+            "model_id": model_id,
+            "model_type": config.model_type,
+            "expert_format": p.experts_fmt,
+            "trunk_format": p.trunk_fmt,
+            "trunk_file": TRUNK_FILE,
+            "expert_files": files,
+            "hidden_size": p.hidden,
+            "expert_intermediate": p.inter,
+            "n_experts": p.n_experts,
+            "moe_layers": list(config.moe_layers),
+            "params": {
+                "trunk": n_params,
+                "experts": len(config.moe_layers) * p.n_experts * 3 * p.hidden * p.inter,
+            },
+            "converted_from": f"synth:{preset}",
+            "skipped_tensors": {},
+        },
+    )
+    tmp.rename(out)
+    seconds = time.perf_counter() - t0
+    total = sum(f.stat().st_size for f in out.iterdir())
+    return {"bytes": total, "seconds": seconds, "gb_per_s": total / seconds / 1e9, "id": model_id}

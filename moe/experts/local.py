@@ -1,0 +1,60 @@
+"""LocalExperts: routed experts computed in-process, every record kept in RAM once read.
+
+The unbounded backend: `moeshard generate` without `--ram`, and a node without `--ram`.
+Records are read whole on first use (one pread per expert, checksum-verified) into one arena
+per layer, page-aligned and committed only as records land, so a decode step runs its experts
+through the fused batch-1 kernel (`moe.experts.compute`) like the budgeted cache does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moe.experts.backend import ExpertsBase, PrefetchHint
+from moe.experts.compute import KERNELS, ExpertKernels, run_experts, weighted_sum
+from moe.storage.io import align_up, aligned_buffer
+from moe.storage.shards import ShardSet
+
+
+class LocalExperts(ExpertsBase):
+    def __init__(self, shards: ShardSet, kernels: ExpertKernels = KERNELS):
+        self.shards, self.kernels = shards, kernels
+        self.slot_bytes = align_up(shards.record_nbytes)
+        self.arenas: dict[int, np.ndarray] = {}  # layer -> uint8 [experts held * slot_bytes]
+        self.slot: dict[tuple[int, int], int] = {}  # (layer, expert) -> its slot in the arena
+        self.loaded: set[tuple[int, int]] = set()
+        self.bytes_read = 0
+
+    def _arena(self, layer: int) -> np.ndarray:
+        if layer not in self.arenas:
+            held = self.shards.keys_of_layer(layer)
+            self.slot.update(((layer, e), i) for i, e in enumerate(held))
+            self.arenas[layer] = aligned_buffer(max(len(held), 1) * self.slot_bytes)
+        return self.arenas[layer]
+
+    def offset(self, layer: int, expert: int) -> int:
+        """Byte offset of the record in its layer's arena, reading it on first use."""
+        arena = self._arena(layer)
+        key = (layer, expert)
+        if key not in self.loaded:
+            self.shards.location(layer, expert)  # a clear error if no shard holds it
+            record = self.shards.read(layer, expert)  # checksum-verified
+            start = self.slot[key] * self.slot_bytes
+            arena[start : start + record.size] = record
+            self.loaded.add(key)
+            self.bytes_read += record.size
+        return self.slot[key] * self.slot_bytes
+
+    def __call__(
+        self, layer, hidden, ids, weights, dtype=np.float32, hint: PrefetchHint | None = None
+    ) -> np.ndarray:
+        offsets = {int(e): self.offset(layer, int(e)) for e in np.unique(ids)}
+        s = self.shards
+        parts = run_experts(
+            self.arenas[layer], offsets, s.fmt, s.hidden, s.inter, hidden, ids, weights,
+            self.kernels,
+        )  # fmt: skip
+        return weighted_sum(parts, hidden.shape, dtype)
+
+    def stats(self) -> dict:
+        return {"expert_bytes_read": self.bytes_read, "records_loaded": len(self.loaded)}

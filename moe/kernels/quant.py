@@ -1,0 +1,376 @@
+"""Weight formats, the on-disk/kernel byte layout, and matmul / expert FFN on packed bytes.
+
+Formats: ``f32``, ``bf16``, ``q8_0``, ``q4_0``.  `quantize` / `dequantize` produce and read
+ggml's byte order and delegate to ``gguf.quants`` so they are bit-identical to it by
+construction.  `pack` writes the *kernel layout*, which is also the on-disk layout; it holds
+exactly the same bits as ggml (`unpack_to_ggml` proves it) but arranged for the kernels:
+
+Matrix layout (``rows x cols``; every section starts at a multiple of 64 bytes and the
+matrix is zero-padded to a multiple of 64 bytes):
+
+* ``f32``:  rows x cols little-endian float32, row-major.
+* ``bf16``: rows x cols uint16 (upper half of the float32), row-major.
+* ``q8_0``: ``qs`` int8 [rows, cols], then ``d`` float16 [rows, cols // 32].
+* ``q4_0``: ``qs`` uint8 [rows, cols // 2], then ``d`` float16 [rows, cols // 32].
+  Within a row, blocks are taken in pairs (2p, 2p+1) and stored as 32 bytes where byte j is
+  ``q[2p][j] | q[2p+1][j] << 4`` (q = the unsigned 4-bit codes 0..15, value = d * (q - 8)),
+  so one block unpacks with a single shift + mask over 32 contiguous bytes.  A trailing odd
+  block keeps ggml's 16-byte order (byte j = ``q[j] | q[j + 16] << 4``).
+
+Scales are separated from the payload so payload rows are contiguous and vector-friendly.
+Sizes per weight equal ggml's (4.5 bits for q4_0, 8.5 for q8_0) apart from section padding.
+
+Expert record (`pack_expert`): gate [inter, hidden], up [inter, hidden], down [hidden, inter],
+each a matrix in the layout above, back to back (each starts at a multiple of 64 bytes).
+"""
+
+import functools
+import time
+
+import numba
+import numpy as np
+from gguf import GGMLQuantizationType, quants
+
+from moe.kernels import dots, entry
+
+FORMATS = ("f32", "bf16", "q8_0", "q4_0")
+
+_QTYPE = {
+    "f32": GGMLQuantizationType.F32,
+    "bf16": GGMLQuantizationType.BF16,
+    "q8_0": GGMLQuantizationType.Q8_0,
+    "q4_0": GGMLQuantizationType.Q4_0,
+}
+_FMT_CODE = {
+    "f32": dots.FMT_F32,
+    "bf16": dots.FMT_BF16,
+    "q8_0": dots.FMT_Q8_0,
+    "q4_0": dots.FMT_Q4_0,
+}
+QK = dots.QK
+ALIGN = 64
+# Below this many weights a matrix is computed on one thread: waking the pool costs more.
+PARALLEL_MIN_WEIGHTS = 1 << 19
+
+
+def _run(kernel, n_weights: int, *args):
+    """Call a parallel kernel, on the calling thread alone for small matrices (numba's
+    thread count is thread-local, so this does not affect other threads)."""
+    if n_weights >= PARALLEL_MIN_WEIGHTS:
+        return kernel(*args)
+    prev = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        return kernel(*args)
+    finally:
+        numba.set_num_threads(prev)
+
+
+def _check_fmt(fmt: str) -> None:
+    if fmt not in _QTYPE:
+        raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
+
+
+def _check_dims(fmt: str, rows: int, cols: int) -> None:
+    _check_fmt(fmt)
+    if rows <= 0 or cols <= 0:
+        raise ValueError(f"matrix shape must be positive, got ({rows}, {cols})")
+    if fmt in ("q8_0", "q4_0") and cols % QK:
+        raise ValueError(f"{fmt} needs cols to be a multiple of {QK}, got cols={cols}")
+
+
+def _check_matrix(w: np.ndarray, fmt: str) -> np.ndarray:
+    w = np.asarray(w)
+    if w.ndim != 2:
+        raise ValueError(f"expected a 2-D weight matrix, got shape {w.shape}")
+    _check_dims(fmt, *w.shape)
+    return np.ascontiguousarray(w, dtype=np.float32)
+
+
+def _pad(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _payload_bytes(fmt: str, cols: int) -> int:
+    """Bytes per row of the payload section."""
+    return {"f32": 4 * cols, "bf16": 2 * cols, "q8_0": cols, "q4_0": cols // 2}[fmt]
+
+
+def _sections(fmt: str, rows: int, cols: int) -> tuple[int, int, int]:
+    """(payload bytes, scale section offset, scale bytes) of one packed matrix."""
+    payload = rows * _payload_bytes(fmt, cols)
+    scales = rows * (cols // QK) * 2 if fmt in ("q8_0", "q4_0") else 0
+    return payload, _pad(payload), scales
+
+
+def packed_nbytes(fmt: str, rows: int, cols: int) -> int:
+    """Bytes of one rows x cols matrix in the kernel/disk layout (a multiple of 64)."""
+    _check_dims(fmt, rows, cols)
+    _, s_off, s_bytes = _sections(fmt, rows, cols)
+    return _pad(s_off + s_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# ggml byte order (reference)
+
+
+def quantize(w: np.ndarray, fmt: str) -> np.ndarray:
+    """float32 [rows, cols] -> uint8 ggml bytes [rows, row_bytes], identical to gguf's."""
+    w = _check_matrix(w, fmt)
+    q = quants.quantize(w, _QTYPE[fmt])
+    return np.ascontiguousarray(q).view(np.uint8).reshape(w.shape[0], -1)  # [rows, row_bytes]
+
+
+def dequantize(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> np.ndarray:
+    """ggml bytes -> float32 [rows, cols], identical to gguf's."""
+    rows, cols = shape
+    _check_dims(fmt, rows, cols)
+    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
+    want = rows * _ggml_row_bytes(fmt, cols)
+    if raw.size != want:
+        raise ValueError(f"{fmt} {rows}x{cols} needs {want} ggml bytes, got {raw.size}")
+    if fmt == "f32":
+        return raw.view(np.float32).reshape(rows, cols).copy()
+    out = quants.dequantize(raw.reshape(rows, -1), _QTYPE[fmt])
+    return np.asarray(out, dtype=np.float32).reshape(rows, cols)
+
+
+def _ggml_row_bytes(fmt: str, cols: int) -> int:
+    return {"f32": 4 * cols, "bf16": 2 * cols, "q8_0": cols // QK * 34, "q4_0": cols // QK * 18}[
+        fmt
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel layout
+
+
+def _q4_codes_to_pairs(codes: np.ndarray) -> np.ndarray:
+    """Unsigned 4-bit codes [rows, nb, 32] -> pair-interleaved payload [rows, nb * 16]."""
+    rows, nb, _ = codes.shape
+    npair = nb // 2
+    out = np.empty((rows, nb * 16), dtype=np.uint8)  # [rows, cols // 2]
+    pairs = codes[:, : 2 * npair].reshape(rows, npair, 2, QK)  # [rows, npair, 2, 32]
+    out[:, : npair * 32] = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(rows, -1)
+    if nb & 1:
+        tail = codes[:, -1]  # [rows, 32]
+        out[:, npair * 32 :] = tail[:, :16] | (tail[:, 16:] << 4)
+    return out
+
+
+def _q4_pairs_to_codes(payload: np.ndarray, nb: int) -> np.ndarray:
+    """Inverse of `_q4_codes_to_pairs`: [rows, nb * 16] -> codes [rows, nb, 32]."""
+    rows = payload.shape[0]
+    npair = nb // 2
+    codes = np.empty((rows, nb, QK), dtype=np.uint8)  # [rows, nb, 32]
+    pairs = payload[:, : npair * 32].reshape(rows, npair, QK)  # [rows, npair, 32]
+    codes[:, 0 : 2 * npair : 2] = pairs & 15
+    codes[:, 1 : 2 * npair : 2] = pairs >> 4
+    if nb & 1:
+        tail = payload[:, npair * 32 :]  # [rows, 16]
+        codes[:, -1, :16] = tail & 15
+        codes[:, -1, 16:] = tail >> 4
+    return codes
+
+
+def pack(w: np.ndarray, fmt: str) -> np.ndarray:
+    """float32 [rows, cols] -> uint8 [packed_nbytes] in the kernel/disk layout."""
+    w = _check_matrix(w, fmt)
+    rows, cols = w.shape
+    return _ggml_to_packed(quantize(w, fmt), fmt, rows, cols)
+
+
+def _ggml_to_packed(g: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray:
+    out = np.zeros(packed_nbytes(fmt, rows, cols), dtype=np.uint8)
+    payload, s_off, s_bytes = _sections(fmt, rows, cols)
+    nb = cols // QK
+    if fmt in ("f32", "bf16"):
+        out[:payload] = g.reshape(-1)
+        return out
+    block_bytes = 34 if fmt == "q8_0" else 18
+    blocks = g.reshape(rows, nb, block_bytes)  # [rows, nb, block_bytes]
+    out[s_off : s_off + s_bytes] = blocks[:, :, :2].reshape(-1)
+    qs = blocks[:, :, 2:]  # [rows, nb, 32 or 16]
+    if fmt == "q8_0":
+        out[:payload] = qs.reshape(-1)
+    else:
+        codes = np.concatenate([qs & 15, qs >> 4], axis=2)  # [rows, nb, 32]
+        out[:payload] = _q4_codes_to_pairs(codes).reshape(-1)
+    return out
+
+
+def unpack_to_ggml(data: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray:
+    """Kernel layout -> ggml bytes [rows, row_bytes] (the inverse of the layout step of `pack`)."""
+    wq, ws = _views(data, fmt, rows, cols)
+    if fmt in ("f32", "bf16"):
+        return wq.copy()
+    nb = cols // QK
+    d = ws.view(np.uint8).reshape(rows, nb, 2)  # [rows, nb, 2]
+    if fmt == "q8_0":
+        qs = wq.reshape(rows, nb, QK)  # [rows, nb, 32]
+    else:
+        codes = _q4_pairs_to_codes(wq, nb)  # [rows, nb, 32]
+        qs = codes[:, :, :16] | (codes[:, :, 16:] << 4)  # [rows, nb, 16]
+    return np.concatenate([d, qs], axis=2).reshape(rows, -1)  # [rows, row_bytes]
+
+
+@functools.lru_cache(maxsize=4096)
+def _matrix_layout(fmt: str, rows: int, cols: int) -> tuple[int, int, int]:
+    """(packed bytes, payload bytes per row, scale section offset or -1), validated."""
+    _check_dims(fmt, rows, cols)
+    _, s_off, s_bytes = _sections(fmt, rows, cols)
+    return packed_nbytes(fmt, rows, cols), _payload_bytes(fmt, cols), s_off if s_bytes else -1
+
+
+def _check_buffer(data: np.ndarray, want: int, what: str) -> None:
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 1:
+        raise ValueError(f"{what} must be a 1-D uint8 numpy array")
+    if data.size != want:
+        raise ValueError(f"{what} needs {want} bytes, got a buffer of {data.size}")
+    if not data.flags.c_contiguous:
+        raise ValueError(f"{what} must be contiguous")
+
+
+def _views(data: np.ndarray, fmt: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """Validated numpy views: payload uint8 [rows, row_bytes], scales uint16 [rows, nb]."""
+    nbytes, row_bytes, s_off = _matrix_layout(fmt, rows, cols)
+    _check_buffer(data, nbytes, f"packed {fmt} {rows}x{cols} matrix")
+    wq = data[: rows * row_bytes].reshape(rows, row_bytes)  # [rows, row_bytes]
+    if s_off < 0:
+        return wq, np.empty((rows, 0), dtype=np.uint16)
+    nb = cols // QK
+    ws = data[s_off : s_off + rows * nb * 2].view(np.uint16).reshape(rows, nb)  # [rows, nb]
+    return wq, ws
+
+
+def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
+    x = np.asarray(x)
+    if x.ndim != 2 or x.shape[1] != cols or x.shape[0] == 0:
+        raise ValueError(f"x must have shape [b, {cols}] with b >= 1, got {x.shape}")
+    return _readonly(np.ascontiguousarray(x, dtype=np.float32))
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view of a.  Numba compiles writable and read-only arrays separately;
+    handing kernels only read-only inputs means one signature (the one `warmup` compiles)
+    serves mmap'd read-only weights and ordinary arrays alike."""
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
+# ---------------------------------------------------------------------------------------------
+# compute
+
+
+def matmul(data: np.ndarray, fmt: str, rows: int, cols: int, x: np.ndarray) -> np.ndarray:
+    """x float32 [b, cols] -> float32 [b, rows] = x @ W.T, computed on the packed bytes.
+
+    Activations stay float32 (no Q8 activation quantisation); q4_0/q8_0 blocks are dequantised
+    16-32 weights at a time in registers, f32/bf16 are accumulated in float64.
+    """
+    nbytes, row_bytes, s_off = _matrix_layout(fmt, rows, cols)
+    _check_buffer(data, nbytes, f"packed {fmt} {rows}x{cols} matrix")
+    x = _check_x(x, cols)
+    args = (_FMT_CODE[fmt], _readonly(data), rows, cols, row_bytes, s_off, dots.F16_LUT, x)
+    return _run(entry.matmul_kernel, rows * cols, *args)
+
+
+def expert_record_nbytes(fmt: str, hidden: int, inter: int) -> int:
+    """Bytes of one packed expert record: gate, up [inter, hidden] then down [hidden, inter]."""
+    return 2 * packed_nbytes(fmt, inter, hidden) + packed_nbytes(fmt, hidden, inter)
+
+
+def pack_expert(gate: np.ndarray, up: np.ndarray, down: np.ndarray, fmt: str) -> np.ndarray:
+    """gate, up float32 [inter, hidden], down [hidden, inter] -> uint8 [expert_record_nbytes]."""
+    gate, up, down = (_check_matrix(m, fmt) for m in (gate, up, down))
+    inter, hidden = gate.shape
+    if up.shape != (inter, hidden) or down.shape != (hidden, inter):
+        raise ValueError(
+            f"expert shapes disagree: gate {gate.shape}, up {up.shape}, down {down.shape}; "
+            f"want gate/up [inter, hidden] and down [hidden, inter]"
+        )
+    return np.concatenate([pack(gate, fmt), pack(up, fmt), pack(down, fmt)])
+
+
+@functools.lru_cache(maxsize=1024)
+def _expert_layout(fmt: str, hidden: int, inter: int) -> tuple[int, tuple[int, ...]]:
+    """(record bytes, kernel layout tuple) for one expert, validated."""
+    n_gu, rb_gu, s_gu = _matrix_layout(fmt, inter, hidden)
+    n_d, rb_d, s_d = _matrix_layout(fmt, hidden, inter)
+    return 2 * n_gu + n_d, (n_gu, rb_gu, s_gu, rb_d, s_d)
+
+
+def expert_ffn(record: np.ndarray, fmt: str, hidden: int, inter: int, x: np.ndarray) -> np.ndarray:
+    """x float32 [b, hidden] -> [b, hidden] = (silu(x@gate.T) * (x@up.T)) @ down.T.
+
+    One kernel call on the packed record; the intermediate [b, inter] stays float32.
+    """
+    nbytes, layout = _expert_layout(fmt, hidden, inter)
+    _check_buffer(record, nbytes, f"{fmt} expert record (hidden={hidden}, inter={inter})")
+    x = _check_x(x, hidden)
+    args = (_FMT_CODE[fmt], _readonly(record), hidden, inter, layout, dots.F16_LUT, x)
+    return _run(entry.expert_ffn_kernel, inter * hidden, *args)
+
+
+def experts_ffn_b1(
+    arena: np.ndarray, offsets, fmt: str, hidden: int, inter: int, x: np.ndarray
+) -> np.ndarray:
+    """`expert_ffn` for m experts at batch 1 in one kernel call: expert e is the record at
+    arena[offsets[e]:][:record bytes], applied to x[e] (float32 [m, hidden]) -> [m, hidden].
+    Same results as m calls of `expert_ffn` (bit for bit), faster: see the kernel."""
+    nbytes, layout = _expert_layout(fmt, hidden, inter)
+    if not isinstance(arena, np.ndarray) or arena.dtype != np.uint8 or arena.ndim != 1:
+        raise ValueError("arena must be a 1-D uint8 numpy array")
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)  # [m]
+    if offsets.ndim != 1 or ((offsets < 0) | (offsets + nbytes > arena.size)).any():
+        raise ValueError(f"expert records must lie inside the arena of {arena.size} bytes")
+    x = _check_x(x, hidden)
+    if x.shape[0] != offsets.shape[0]:
+        raise ValueError(f"x has {x.shape[0]} rows for {offsets.shape[0]} experts")
+    args = (_FMT_CODE[fmt], _readonly(arena), _readonly(offsets), nbytes, hidden, inter, layout)
+    return _run(entry.experts_b1_kernel, offsets.size * inter * hidden, *args, dots.F16_LUT, x)
+
+
+def warmup() -> float:
+    """Compile (or load from numba's cache) every kernel for every format; returns seconds.
+
+    Kernels take the format as a runtime int and see only read-only C-contiguous inputs, so
+    one call per entry point covers every format and batch size.
+    """
+    t0 = time.perf_counter()
+    hidden, inter = 64, 96
+    nbytes, layout = _expert_layout("q4_0", hidden, inter)
+    rec = _readonly(np.zeros(nbytes, dtype=np.uint8))
+    x = _readonly(np.zeros((2, hidden), dtype=np.float32))
+    n_gu, rb_gu, s_gu = layout[:3]
+    code, lut = dots.FMT_Q4_0, dots.F16_LUT
+    entry.matmul_kernel(code, rec[:n_gu], inter, hidden, rb_gu, s_gu, lut, x)
+    entry.expert_ffn_kernel(code, rec, hidden, inter, layout, lut, x)  # starts the pool
+    offsets = _readonly(np.zeros(2, dtype=np.int64))
+    entry.experts_b1_kernel(code, rec, offsets, nbytes, hidden, inter, layout, lut, x)
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------
+# numpy twins of the kernels (reference for tests; slow, float64)
+
+
+def matmul_reference(data: np.ndarray, fmt: str, rows: int, cols: int, x: np.ndarray) -> np.ndarray:
+    """x @ W.T in float64 with W dequantised by gguf's reference from `unpack_to_ggml(data)`."""
+    w = dequantize(unpack_to_ggml(data, fmt, rows, cols), fmt, (rows, cols))  # [rows, cols]
+    return np.asarray(x, dtype=np.float64) @ w.astype(np.float64).T  # [b, rows]
+
+
+def expert_ffn_reference(
+    record: np.ndarray, fmt: str, hidden: int, inter: int, x: np.ndarray
+) -> np.ndarray:
+    """Float64 twin of `expert_ffn`; the [b, inter] activation is rounded to float32 between
+    the two halves exactly like the kernel does."""
+    n_gu = packed_nbytes(fmt, inter, hidden)
+    g = matmul_reference(record[:n_gu], fmt, inter, hidden, x)  # [b, inter]
+    u = matmul_reference(record[n_gu : 2 * n_gu], fmt, inter, hidden, x)  # [b, inter]
+    with np.errstate(over="ignore"):  # exp(-g) -> inf for very negative g gives silu -> -0
+        h = (g / (1.0 + np.exp(-g)) * u).astype(np.float32)  # [b, inter]
+    return matmul_reference(record[2 * n_gu :], fmt, hidden, inter, h)  # [b, hidden]

@@ -1,0 +1,36 @@
+"""One module per model family: config dataclass (HF field names), forward pass, tensor names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+from moe.errors import ConfigError
+from moe.model import deepseek_v3, qwen_moe
+from moe.model.config import read_json
+
+FAMILIES: dict[str, ModuleType] = {
+    **{t: deepseek_v3 for t in deepseek_v3.MODEL_TYPES},
+    **{t: qwen_moe for t in qwen_moe.MODEL_TYPES},
+}
+
+
+def family_for(model_type: str, source: str) -> ModuleType:
+    """The family module for a config's model_type, or a ConfigError naming the supported ones."""
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        supported = ", ".join(sorted(FAMILIES))
+        raise ConfigError(
+            f"{source}: unsupported model_type '{model_type}' (supported: {supported})"
+        ) from None
+
+
+def load_config(model_dir: str | Path):
+    """The family config for a checkpoint or model directory (dispatches on model_type)."""
+    path = Path(model_dir) / "config.json"
+    raw = read_json(path)
+    model_type = raw.get("model_type")
+    if model_type is None:
+        raise ConfigError(f"{path}: missing required field 'model_type'")
+    return family_for(model_type, str(path)).Config.from_hf(raw, str(path))

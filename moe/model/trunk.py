@@ -1,0 +1,69 @@
+"""The dense trunk's weights in memory: linear layers on packed bytes, vectors in float32."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moe.kernels import quant
+from moe.storage.trunk_file import TrunkTensor
+
+
+class Linear:
+    """y = x @ W.T (+ b) with W [rows=out, cols=in] kept in its stored format."""
+
+    def __init__(self, weight: TrunkTensor, bias: np.ndarray | None = None):
+        self.rows, self.cols = weight.shape
+        self.fmt = weight.fmt
+        self.bias = bias
+        # f32 goes through numpy's BLAS; packed formats through our kernels, never dequantized.
+        self.dense = weight.to_f32() if weight.fmt == "f32" else None  # [rows, cols]
+        self.data = weight.data
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)  # [T, cols]
+        if self.dense is not None:
+            y = x @ self.dense.T  # [T, rows]
+        else:
+            y = quant.matmul(self.data, self.fmt, self.rows, self.cols, x)  # [T, rows]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.astype(np.float32, copy=False)
+
+
+class Trunk:
+    """Named access to trunk weights. Names are the checkpoint's HF names (see each family)."""
+
+    def __init__(self, tensors: dict[str, TrunkTensor]):
+        self.tensors = tensors
+        self._cache: dict[str, object] = {}
+
+    def enter_layer(self, layer: int) -> None:
+        """Called before layer `layer` runs; a fully resident trunk has nothing to do."""
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def vector(self, name: str) -> np.ndarray:
+        """A small tensor (norm weight, bias, router) as float32."""
+        if name not in self._cache:
+            self._cache[name] = np.ascontiguousarray(self.tensors[name].to_f32())
+        return self._cache[name]
+
+    def linear(self, prefix: str) -> Linear:
+        """The linear layer `prefix`.weight (+ `prefix`.bias when the checkpoint has one)."""
+        key = prefix + "#linear"
+        if key not in self._cache:
+            bias_name = prefix + ".bias"
+            bias = self.vector(bias_name) if bias_name in self.tensors else None
+            self._cache[key] = Linear(self.tensors[prefix + ".weight"], bias)
+        return self._cache[key]
+
+    def embed(self, name: str, ids: np.ndarray) -> np.ndarray:
+        """Rows `ids` of an embedding table, dequantized: ids [T] -> [T, H]."""
+        table = self.tensors[name]
+        if table.fmt == "f32":
+            return table.to_f32()[ids].copy()  # [T, H]
+        return self.vector(name)[ids].copy()  # [T, H]
+
+    def nbytes(self) -> int:
+        return sum(t.data.nbytes for t in self.tensors.values())

@@ -1,0 +1,129 @@
+"""moeshard's GGUF files: a streaming writer and the opener that checks a file is ours.
+
+All .gguf files are written with the `gguf` package, aligned to 4096 bytes (O_DIRECT reads
+need it), and read back with our own header reader (`moe.storage.gguf_header`), which never
+touches tensor data, so a truncated file still opens far enough for the error to name the
+record that is cut off. Records and trunk tensors are stored as opaque I8 tensors in the
+kernel layout of `moe.kernels.quant`; the metadata carries the format version, the file kind
+("trunk" or "experts"), the model id and the index of what is where.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+
+from moe.errors import StoreError
+from moe.storage.gguf_header import GGUFHeader, HeaderError, read_header
+from moe.storage.io import align_up
+from moe.storage.manifest import FORMAT_VERSION
+
+ALIGNMENT = 4096
+ARCH = "moeshard"
+
+
+class StreamingGGUF:
+    """Write a GGUF file whose tensors are produced one at a time, in declaration order.
+
+    GGUF puts metadata before the data, but checksums and the model id are known only after
+    the data is written. So the header is first written with fixed-size placeholders, and
+    `finish` rewrites it in place with the real values (same byte length, checked).
+    """
+
+    def __init__(self, path: Path, kind: str):
+        self.path = path
+        self.kind = kind
+        self.kv: dict[str, tuple[object, GGUFValueType, GGUFValueType | None]] = {}
+        self.tensors: list[tuple[str, int]] = []  # (name, nbytes) in write order
+        self.header_len = 0
+        self.writer: GGUFWriter | None = None
+        self.written = 0
+
+    def set(self, key: str, value, vtype: GGUFValueType, sub: GGUFValueType | None = None):
+        self.kv[key] = (value, vtype, sub)
+
+    def declare(self, name: str, nbytes: int) -> int:
+        """Reserve a tensor; returns its offset relative to the data section."""
+        offset = sum(align_up(n, ALIGNMENT) for _, n in self.tensors)
+        self.tensors.append((name, nbytes))
+        return offset
+
+    def _make_writer(self, path: Path) -> GGUFWriter:
+        w = GGUFWriter(path, ARCH)
+        w.add_custom_alignment(ALIGNMENT)
+        w.add_uint32("moeshard.format_version", FORMAT_VERSION)
+        w.add_string("moeshard.kind", self.kind)
+        for key, (value, vtype, sub) in self.kv.items():
+            w.add_key_value(key, value, vtype, sub)
+        for name, nbytes in self.tensors:
+            w.add_tensor_info(name, [nbytes], np.dtype(np.int8), nbytes, GGMLQuantizationType.I8)
+        return w
+
+    def begin(self) -> None:
+        self.writer = self._make_writer(self.path)
+        self.writer.write_header_to_file()
+        self.writer.write_kv_data_to_file()
+        self.writer.write_ti_data_to_file()
+        self.header_len = self.writer.fout[0].tell()
+
+    def write(self, data: np.ndarray) -> None:
+        name, nbytes = self.tensors[self.written]
+        if data.nbytes != nbytes:
+            raise StoreError(f"{self.path}: {name} has {data.nbytes} bytes, declared {nbytes}")
+        self.writer.write_tensor_data(data.view(np.int8))
+        self.written += 1
+
+    def finish(self) -> None:
+        """Close the file, then rewrite the header with the final metadata values."""
+        if self.written != len(self.tensors):
+            raise StoreError(f"{self.path}: {self.written} of {len(self.tensors)} tensors written")
+        self.writer.close()
+        scratch = self.path.with_suffix(".header")
+        w = self._make_writer(scratch)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        w.close()
+        header = scratch.read_bytes()
+        scratch.unlink()
+        if len(header) != self.header_len:
+            raise StoreError(f"{self.path}: header size changed on rewrite (internal error)")
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, header, 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def open_moeshard_gguf(path: Path, kind: str) -> GGUFHeader:
+    """The header of a moeshard GGUF file of `kind`, checked: magic, versions, kind.
+    Errors are StoreErrors naming the file."""
+    try:
+        header = read_header(path)
+    except HeaderError as exc:
+        raise StoreError(str(exc)) from None
+    except OSError as exc:
+        raise StoreError(f"{path}: cannot open ({exc.strerror})") from None
+    version = header.metadata.get("moeshard.format_version")
+    if version is None:
+        raise StoreError(f"{path}: GGUF file is not a moeshard file (no moeshard.format_version)")
+    if int(version) != FORMAT_VERSION:
+        raise StoreError(
+            f"{path}: moeshard format version {version} is not supported "
+            f"(this build reads version {FORMAT_VERSION})"
+        )
+    found = field(header, "moeshard.kind")
+    if found != kind:
+        raise StoreError(f"{path}: is a '{found}' file, expected '{kind}'")
+    return header
+
+
+def field(header: GGUFHeader, key: str):
+    """A metadata value, or a StoreError naming the file and the missing key."""
+    if key not in header.metadata:
+        raise StoreError(f"{header.path}: missing metadata '{key}'")
+    return header.metadata[key]

@@ -1,0 +1,56 @@
+"""The model directory's manifest (`moeshard.json`) and the names every directory shares.
+
+A model directory holds:
+  moeshard.json          manifest: format version, model id, formats, file list, geometry
+  config.json            the Hugging Face config it was converted from (and generation_config.json,
+                         tokenizer.json when the checkpoint had them)
+  trunk.gguf             every dense tensor (embeddings, attention, norms, routers, shared experts)
+  experts-NNNNN.gguf     expert shard files: one record per (layer, expert)
+
+A node's shard directory (`moeshard shard`) is the same without trunk.gguf. The model id is the
+sha256 of the config and of every tensor's and record's checksum, so two directories (or a
+node's shard directory and the coordinator's) agree on it only if they hold the same model in
+the same formats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from moe.errors import StoreError
+
+FORMAT_VERSION = 1
+MANIFEST = "moeshard.json"
+TRUNK_FILE = "trunk.gguf"
+PLACEHOLDER_ID = "0" * 64  # the model id written first and replaced once the data is hashed
+
+
+def write_manifest(directory: Path, manifest: dict) -> None:
+    """Write moeshard.json atomically (temporary name, then rename)."""
+    tmp = Path(directory) / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, Path(directory) / MANIFEST)
+
+
+def read_manifest(directory: Path) -> dict:
+    """The manifest of a model or shard directory, checked for version and required keys."""
+    path = Path(directory) / MANIFEST
+    if not path.exists():
+        raise StoreError(f"{directory}: not a moeshard model directory (no {MANIFEST})")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise StoreError(f"{path}: unreadable manifest ({exc})") from None
+    if not isinstance(manifest, dict):
+        raise StoreError(f"{path}: unreadable manifest (not a JSON object)")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise StoreError(
+            f"{path}: format version {version} not supported (this build reads {FORMAT_VERSION})"
+        )
+    for key in ("model_id", "expert_format", "expert_files"):
+        if key not in manifest:
+            raise StoreError(f"{path}: manifest lacks '{key}'")
+    return manifest
