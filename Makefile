@@ -24,6 +24,7 @@ venv: $(VENV)/.stamp
 lint: $(VENV)/.stamp
 	$(VENV)/bin/ruff check moe node coordinator tests tools
 	$(VENV)/bin/ruff format --check moe node coordinator tests tools
+	$(VENV)/bin/lint-imports  # the dependency rule: pyproject.toml [tool.importlinter]
 
 test: $(VENV)/.stamp lint
 	$(PY) -m pytest

@@ -22,7 +22,7 @@ from moe.errors import MoeshardError
 
 
 def _add_bench(sub) -> None:
-    from coordinator.bench import disk, kernels, rpc, stream
+    from coordinator.bench import disk, kernels, modes, rpc, stream
 
     p = sub.add_parser("bench", help="benchmarks that print ratios against same-run baselines")
     benches = p.add_subparsers(dest="bench", required=True)
@@ -32,6 +32,7 @@ def _add_bench(sub) -> None:
         ("cluster", rpc, "the same as `bench rpc` (the issue's name for it)"),
         ("disk", disk, "O_DIRECT read GB/s by read size and queue depth"),
         ("stream", stream, "streaming s/token per cache policy vs the disk floor"),
+        ("modes", modes, "in-RAM default vs --ram streaming, tok/s side by side"),
     ]:
         b = benches.add_parser(name, help=text)
         module.add_arguments(b)
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_generate(sub)
     models.add_inspect(sub)
     traces.add_coact(sub)
+    traces.add_merge_traces(sub)
     traces.add_pack(sub)
     traces.add_simulate(sub)
     models.add_quality(sub)

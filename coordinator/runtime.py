@@ -114,9 +114,7 @@ class Runtime:
         if self.watcher is not None:
             self.watcher.close()
         self.experts.close()
-        close_trunk = getattr(self.transformer.trunk, "close", None)
-        if close_trunk is not None:
-            close_trunk()
+        self.transformer.trunk.close()
         self.model.close()
 
 

@@ -19,10 +19,13 @@ def add_coact(sub) -> None:
         help="cache sizes in expert records for the hit-rate table (default: 2%%-50%% of all)",
     )
     p.set_defaults(func=cmd_coact)
-    m = sub.add_parser("merge-traces", help="merge traces of several runs into one file")
-    m.add_argument("out", help="merged trace file (.npz)")
-    m.add_argument("traces", nargs="+", help="trace files")
-    m.set_defaults(func=cmd_merge_traces)
+
+
+def add_merge_traces(sub) -> None:
+    p = sub.add_parser("merge-traces", help="merge traces of several runs into one file")
+    p.add_argument("out", help="merged trace file (.npz)")
+    p.add_argument("traces", nargs="+", help="trace files")
+    p.set_defaults(func=cmd_merge_traces)
 
 
 def cmd_coact(args) -> int:
@@ -107,7 +110,7 @@ def cmd_simulate(args) -> int:
     from moe.units import parse_size
 
     if args.validate:
-        from coordinator import sim_validate
+        from coordinator.bench import sim_validate
 
         if args.repeat < 1:
             raise MoeshardError("--repeat must be at least 1")

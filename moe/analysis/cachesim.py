@@ -30,8 +30,8 @@ def accesses(trace: Trace) -> np.ndarray:
 class ReplayCache:
     """`capacity` record slots under a store policy, chosen exactly as the store chooses them:
     free slots first, then the lowest score, ties to the lowest slot; the keys of the current
-    layer call are protected. (Where a call needs more records than there are slots, the
-    store computes in waves; here the records that find no slot are simply not kept.)"""
+    layer call are protected (`policy_hits` replays the store's waves when a call needs more
+    records than there are slots)."""
 
     def __init__(self, capacity: int, policy: str, pinned: set | frozenset = frozenset()):
         self.capacity, self.policy = max(capacity, 0), policy
@@ -49,21 +49,25 @@ class ReplayCache:
             live = self.score != -np.inf
             self.score[live] /= factor
 
-    def insert(self, key: int, protect: set | frozenset = frozenset()) -> None:
-        """Bring `key` in (a miss or a prefetch), evicting the lowest score not protected."""
-        if self.policy == "none" or self.capacity == 0 or key in self.slot_of:
-            return
+    def insert(self, key: int, protect: set | frozenset = frozenset()) -> bool:
+        """Bring `key` in (a miss or a prefetch), evicting the lowest score not protected;
+        False when every slot is protected (or the policy keeps nothing)."""
+        if key in self.slot_of:
+            return True
+        if self.policy == "none" or self.capacity == 0:
+            return False
         score = self.score.copy()  # [slots]
         for k in protect:
             if k in self.slot_of:
                 score[self.slot_of[k]] = np.inf
         slot = int(np.argmin(score))
         if score[slot] == np.inf:
-            return
+            return False
         if self.key[slot] is not None:
             del self.slot_of[self.key[slot]]
         self.key[slot], self.slot_of[key] = key, slot
         self.score[slot] = self.scores.fresh()
+        return True
 
     def touch(self, key: int) -> None:
         """`key`'s expert ran (a use)."""
@@ -79,19 +83,27 @@ def calls(trace: Trace) -> list[list[int]]:
 
 
 def policy_hits(calls: list[list[int]], capacity: int, policy: str, pinned=frozenset()) -> int:
-    """Hits of a store policy replayed on layer calls (lists of record keys)."""
+    """Hits of a store policy replayed on layer calls (lists of record keys, ascending), with
+    the store's decisions: a call's misses take slots in key order while unprotected slots
+    remain; what ran is then scored in key order; what found no slot runs in a next wave."""
     cache = ReplayCache(capacity, policy, pinned)
     hits = 0
     for keys in calls:
         cache.begin_call()
-        protect = set(keys)
-        for key in keys:
-            if key in cache:
-                hits += 1
-            else:
-                cache.insert(key, protect)
-        for key in keys:
-            cache.touch(key)
+        hits += sum(key in cache for key in keys)
+        remaining = list(keys)
+        while remaining:
+            wave = {key for key in remaining if key in cache}
+            for key in remaining:
+                if key not in cache:
+                    if not cache.insert(key, wave):
+                        break
+                    wave.add(key)
+            if not wave:  # no slot at all (capacity 0, or policy none): nothing is kept
+                wave = set(remaining)
+            for key in sorted(wave):
+                cache.touch(key)
+            remaining = [key for key in remaining if key not in wave]
     return hits
 
 

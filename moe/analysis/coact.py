@@ -67,6 +67,23 @@ def transitions(trace: Trace, layer: int, next_layer: int) -> np.ndarray:
     return matrix
 
 
+def seriate(coact: np.ndarray, freq: np.ndarray) -> list[int]:
+    """Order of experts: greedy nearest-neighbour chain on co-activation, hottest first."""
+    n = len(freq)
+    placed = np.zeros(n, dtype=bool)
+    order = [int(np.argmax(freq))]
+    placed[order[0]] = True
+    for _ in range(n - 1):
+        last = order[-1]
+        # co-activation with the last placed expert first, frequency breaks ties
+        score = coact[last].astype(np.float64) * (freq.max() + 1) + freq
+        score[placed] = -1
+        nxt = int(np.argmax(score))
+        order.append(nxt)
+        placed[nxt] = True
+    return order
+
+
 def reuse_distances(trace: Trace) -> np.ndarray:
     """For every activation after the first of its (layer, expert): tokens since its last one."""
     key = trace.run.astype(np.int64) << 32 | trace.position.astype(np.int64)

@@ -128,7 +128,7 @@ def prefill_sets(trace: Trace, geometry: Geometry) -> list[np.ndarray]:
 
 def packed_slots(tokens: list[np.ndarray], g: Geometry) -> np.ndarray:
     """File slot of every record after `moeshard pack` (co-activation seriation per layer)."""
-    from moe.convert.pack import seriate
+    from moe.analysis.coact import seriate
 
     slot = np.arange(g.layers * g.n_experts, dtype=np.int64)
     stacked = np.stack(tokens)  # [tokens, layers, k]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moe.analysis.coact import coactivation, frequencies
+from moe.analysis.coact import coactivation, frequencies, seriate
 from moe.errors import MoeshardError
 from moe.model.model_dir import ModelDir
 from moe.storage.manifest import MANIFEST, read_manifest, write_manifest
@@ -27,23 +27,6 @@ from moe.storage.shards import ShardWriter
 from moe.storage.traces import Trace
 
 PACKED_SHARD = "experts-packed-00000.gguf"
-
-
-def seriate(coact: np.ndarray, freq: np.ndarray) -> list[int]:
-    """Order of experts: greedy nearest-neighbour chain on co-activation, hottest first."""
-    n = len(freq)
-    placed = np.zeros(n, dtype=bool)
-    order = [int(np.argmax(freq))]
-    placed[order[0]] = True
-    for _ in range(n - 1):
-        last = order[-1]
-        # co-activation with the last placed expert first, frequency breaks ties
-        score = coact[last].astype(np.float64) * (freq.max() + 1) + freq
-        score[placed] = -1
-        nxt = int(np.argmax(score))
-        order.append(nxt)
-        placed[nxt] = True
-    return order
 
 
 def layout(trace: Trace, model: ModelDir) -> dict[int, list[int]]:

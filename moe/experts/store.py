@@ -232,13 +232,15 @@ class ExpertStore(ExpertsBase):
             wave = ready + [k for k in resident if k not in ready] + [r.key for r in requests]
             if not wave:
                 raise StoreError("expert cache has no free slot (internal error: all protected)")
-            while wave:  # store order; whatever has landed by then goes along in one call
-                self._wait(self.slot_of[wave[0]])
-                group = [wave[0]] + [k for k in wave[1:] if self._landed(self.slot_of[k])]
+            todo = wave
+            while todo:  # store order; whatever has landed by then goes along in one call
+                self._wait(self.slot_of[todo[0]])
+                group = [todo[0]] + [k for k in todo[1:] if self._landed(self.slot_of[k])]
                 for key in group[1:]:
                     self._wait(self.slot_of[key])  # does not block: raises a failed read
                 self._compute(group, hidden, ids, weights, partial)
-                wave = [k for k in wave if k[1] not in partial]
+                todo = [k for k in todo if k[1] not in partial]
+            self._used(wave)
             remaining = [k for k in remaining if k[1] not in partial]
         self._release_prefetched(layer)
         out = weighted_sum(partial, hidden.shape, dtype)  # [T, H]
@@ -290,7 +292,12 @@ class ExpertStore(ExpertsBase):
             )
         )
         self.stats_.compute_s += time.perf_counter() - t0
-        for key in group:
+
+    def _used(self, wave: list[Key]) -> None:
+        """A wave of experts has run: score the uses in key order (not in the order the reads
+        happened to land, so the cache's decisions do not depend on I/O timing, and a replay
+        of the routing makes the same ones) and let the slots go."""
+        for key in sorted(wave):
             slot = self.slot_of[key]
             self.score[slot] = self.scores.touch(key)
             self.protect[slot] = False

@@ -40,6 +40,9 @@ class Trunk:
     def enter_layer(self, layer: int) -> None:
         """Called before layer `layer` runs; a fully resident trunk has nothing to do."""
 
+    def close(self) -> None:
+        """Stop any reader threads (a streamed trunk); a resident trunk holds none."""
+
     def has(self, name: str) -> bool:
         return name in self.tensors
 

@@ -45,7 +45,7 @@ def measure_overhead() -> int:
 def scratch_bytes(config, tokens: int, context: int) -> int:
     """Activations of one forward pass over `tokens` tokens with `context` keys (generous)."""
     h = config.hidden_size
-    heads = getattr(config, "num_attention_heads", 1)
+    heads = config.num_attention_heads
     per_token = (config.vocab_size + 12 * h + 2 * config.n_experts + config.top_k * h) * 4
     attention = heads * tokens * context * 4 * 2  # scores and probabilities [heads, T, S]
     return SCRATCH_FIXED + tokens * per_token + attention
