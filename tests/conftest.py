@@ -1,42 +1,17 @@
-"""Shared fixtures: the committed Hugging Face reference checkpoints and their conversions."""
+"""Shared fixtures: the committed Hugging Face reference checkpoints and their conversions, and
+a cluster of node daemons on loopback. Plain helpers and constants are in helpers.py."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
+from helpers import PROMPT, TOKENS, checkpoint_in_dialect, start_nodes
 
+from coordinator.generate import SamplingOptions, generate
+from coordinator.runtime import open_local
 from moe.convert.converter import convert
-
-FIXTURES = Path(__file__).parent / "fixtures"
-FAMILY_FIXTURES = (
-    sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.npz").exists())
-    if FIXTURES.exists()
-    else []
-)
-DIALECTS = ("rope_theta", "rope_parameters")
-
-
-def checkpoint_in_dialect(name: str, dialect: str, tmp: Path) -> Path:
-    """The fixture checkpoint with config.json in the requested dialect.
-
-    The committed config.json is the older dialect (rope_theta + rope_scaling, as published
-    checkpoints have it); config.rope_parameters.json is the same model as transformers 5
-    writes it. For the latter, a copy of the checkpoint gets it as its config.json.
-    """
-    src = FIXTURES / name
-    if dialect == "rope_theta":
-        return src
-    dst = tmp / f"{name}-{dialect}"
-    if not dst.exists():
-        dst.mkdir(parents=True)
-        for f in src.iterdir():
-            if f.name not in ("config.json", "config.rope_parameters.json", "reference.npz"):
-                (dst / f.name).symlink_to(f.resolve())
-        shutil.copyfile(src / "config.rope_parameters.json", dst / "config.json")
-    return dst
+from moe.convert.placement import shard_model
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +32,33 @@ def converted(tmp_path_factory):
     return get
 
 
-def reference(name: str) -> dict[str, np.ndarray]:
-    with np.load(FIXTURES / name / "reference.npz") as ref:
-        return {k: ref[k] for k in ref.files}
+# -- a cluster on loopback (test_cluster.py, test_discovery.py) -------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster_model(converted):
+    """The model the cluster serves: qwen3_moe with f32 experts."""
+    return converted("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def cluster_plan(cluster_model, tmp_path_factory):
+    """The model's experts placed on three nodes, two replicas each."""
+    return shard_model(cluster_model, 3, 2, tmp_path_factory.mktemp("shard") / "cluster")
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_plan):
+    """Three `moeshard node` processes serving the plan's shards (advertised with zeroconf).
+    A test that kills or restarts one puts a live one back in the list before it returns."""
+    nodes = start_nodes([n["dir"] for n in cluster_plan["nodes"]])
+    yield nodes
+    for n in nodes:
+        n.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster_reference(cluster_model):
+    """PROMPT continued for TOKENS tokens on one machine, logits kept."""
+    rt = open_local(cluster_model)
+    return generate(rt.transformer, PROMPT, SamplingOptions(max_tokens=TOKENS, keep_logits=True))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FIXTURES
+from helpers import FIXTURES
 from safetensors.numpy import load_file, save_file
 
 from coordinator.cli import main

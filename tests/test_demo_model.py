@@ -4,14 +4,14 @@ sample that transformers generated from it at the end of training (train_log.jso
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from coordinator.generate import SamplingOptions, generate
 from coordinator.runtime import open_local
 
-DEMO = Path(__file__).resolve().parents[1] / "models" / "demo-hf"
+DEMO = ROOT / "models" / "demo-hf"
 
 
 @pytest.fixture(scope="module")

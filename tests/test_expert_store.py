@@ -50,6 +50,7 @@ def test_identical_across_policies_sizes_and_prefetch(model, baseline):
                     policy,
                     prefetch=prefetch,
                     profile=profile,
+                    record_accesses=True,
                 )
                 result = run(model, store)
                 store.close()
@@ -57,9 +58,18 @@ def test_identical_across_policies_sizes_and_prefetch(model, baseline):
                 for a, b in zip(result.logits, baseline.logits, strict=True):
                     np.testing.assert_array_equal(a, b, err_msg=str((policy, prefetch, slots)))
                 s = store.snapshot()
-                assert s.hits + s.misses == s.accesses
+                # the routing the run recorded: every (layer, expert) use of every layer call
+                used = [(layer, e) for layer, experts in store.accesses for e in experts]
+                distinct = len(set(used))
+                reads = s.bytes_read // store.record_nbytes  # records read
+                assert s.hits + s.misses == len(used), (policy, prefetch, slots)
+                if not prefetch:  # a record's first use is a miss, and a miss is a read
+                    assert s.misses >= distinct and reads == s.misses, (policy, slots)
                 if slots >= n_all + c.top_k and policy != "none":
-                    assert s.misses <= n_all  # everything cached: each expert read once
+                    # everything fits: each record read once, when first needed or predicted
+                    assert distinct <= reads <= n_all, (policy, prefetch, slots)
+                    if not prefetch:
+                        assert (s.misses, s.hits) == (distinct, len(used) - distinct), policy
 
 
 def read_profile_from(model):
@@ -161,3 +171,31 @@ def test_corrupted_record_names_expert(converted, tmp_path):
     with pytest.raises(StoreError, match=r"experts-00000.gguf.*expert 5 of layer 1"):
         store(layer, hidden, ids, weights)
     store.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "pin", "none"])
+def test_a_replay_of_the_run_has_the_store_hits(model, policy):
+    """The replays (`coact`, `simulate`) score records with the store's own policy module:
+    replaying the layer calls of a real run gives exactly the store's hits, at several sizes."""
+    from moe.analysis.cachesim import policy_hits
+
+    c = model.config
+    counts = None
+    if policy == "pin":  # a profile of the same prompt, from a first run
+        first = ExpertStore(model.shard_set, 64, c.top_k, "lru", prefetch=False)
+        run(model, first)
+        counts = first.counts
+        first.close()
+    hits = {}
+    for slots in (3, 6, 11):
+        store = ExpertStore(
+            model.shard_set, slots, c.top_k, policy, prefetch=False, profile=counts,
+            record_accesses=True,
+        )  # fmt: skip
+        run(model, store)
+        calls = [[layer * c.n_experts + e for e in experts] for layer, experts in store.accesses]
+        pinned = {layer * c.n_experts + e for layer, e in store.scores.pinned}
+        hits[slots] = store.snapshot().hits
+        assert policy_hits(calls, slots, policy, pinned) == hits[slots], slots
+        store.close()
+    assert hits[11] > 0 or policy == "none"  # the comparison was not of empty runs

@@ -7,6 +7,7 @@ import shutil
 import grpc
 import numpy as np
 import pytest
+from helpers import wait_until
 
 from moe.convert.placement import shard_model
 from moe.experts.local import LocalExperts
@@ -253,3 +254,33 @@ def test_checksum_failure_is_data_loss_and_expert_marked_bad(model_dir, tmp_path
     n = Node(NodeConfig(path=str(copy), advertise=False))
     assert n.servicer.bad == {(1, 3)}
     n.model.close()
+
+
+def test_prefetch_hint_reads_at_once_and_the_forward_hits(model_dir):
+    """A Prefetch RPC starts its reads at once, before any Forward (within the node's --ram
+    cache); the Forward for those experts that follows finds them resident: prefetch hits."""
+    n = Node(NodeConfig(path=str(model_dir), advertise=False, node_id="pf", ram=8 * 24 << 10))
+    port = n.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.ExpertNodeStub(channel)
+    try:
+        model_id = n.identity.model_id
+        reply = stub.Prefetch(pb.PrefetchRequest(model_id=model_id, layer=1, experts=[3, 5]))
+        assert reply.accepted == 2
+        record = ModelDir(model_dir).shard_set.record_nbytes
+        wait_until(
+            lambda: stub.Info(pb.InfoRequest()).stats["bytes_read"] >= 2 * record,
+            10,
+            what="the prefetched records to be read, with no Forward",
+        )
+        before = stub.Info(pb.InfoRequest()).stats
+        assert before["calls"] == 0  # read with no Forward at all
+        hidden = np.random.default_rng(2).standard_normal((1, H), dtype=np.float32)  # [1, H]
+        ids, weights = np.array([[3, 5]]), np.array([[0.25, 0.75]], np.float32)  # [1, 2]
+        stub.Forward(request(model_id, 1, hidden, ids, weights))
+        after = stub.Info(pb.InfoRequest()).stats
+        assert after["prefetch_hits"] == 2 and after["misses"] == 0
+        assert after["bytes_read"] == before["bytes_read"]  # nothing read again
+    finally:
+        channel.close()
+        n.stop()

@@ -24,7 +24,7 @@ def test_log_softmax_is_normalised():
 
 
 def test_quality_command_reports_agreement(capsys):
-    from conftest import FIXTURES
+    from helpers import FIXTURES
 
     from coordinator.cli import main
 

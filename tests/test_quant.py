@@ -1,8 +1,13 @@
 """moe.quant: ggml bit-exactness, the packed layout, and the kernels against numpy twins."""
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
+from helpers import ROOT, positive
 
 from moe.kernels import quant
 
@@ -225,9 +230,49 @@ def test_expert_record_layout():
         )
 
 
-def test_warmup_returns_seconds():
-    t = quant.warmup()
-    assert isinstance(t, float) and t >= 0.0
+WARMUP_THEN_EVERY_FORMAT = """
+import json
+import numpy as np
+from moe.kernels import entry, quant
+names = ("matmul_kernel", "expert_ffn_kernel", "experts_b1_kernel")  # every entry point
+kernels = {name: getattr(entry, name) for name in names}
+def signatures():
+    return {name: [str(s) for s in k.signatures] for name, k in kernels.items()}
+before = signatures()
+seconds = quant.warmup()
+warm = signatures()
+hidden, inter = 64, 96
+rng = np.random.default_rng(0)
+for fmt in ("f32", "bf16", "q8_0", "q4_0"):
+    w = rng.standard_normal((inter, hidden)).astype(np.float32)
+    record = quant.pack_expert(w, w, np.ascontiguousarray(w.T), fmt)
+    for b in (1, 3):
+        x = rng.standard_normal((b, hidden)).astype(np.float32)
+        quant.matmul(quant.pack(w, fmt), fmt, inter, hidden, x)
+        quant.expert_ffn(record, fmt, hidden, inter, x)
+        arena = np.concatenate([record] * b)
+        arena.flags.writeable = False  # as mmap'd weights are
+        quant.experts_ffn_b1(arena, np.arange(b) * record.size, fmt, hidden, inter, x)
+print(json.dumps({"seconds": seconds, "before": before, "warm": warm, "after": signatures()}))
+"""
+
+
+def test_warmup_compiles_the_one_signature_every_call_uses():
+    """In a fresh interpreter, warmup() returns its duration and leaves each kernel entry point
+    with one compiled signature; calls of every format, batch size and writability then run on
+    it (a second signature would be a compile in the middle of a generation)."""
+    out = subprocess.run(
+        [sys.executable, "-c", WARMUP_THEN_EVERY_FORMAT],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    got = json.loads(out.splitlines()[-1])
+    assert isinstance(got["seconds"], float) and positive(got["seconds"])
+    assert all(not sigs for sigs in got["before"].values())  # nothing compiled before warmup
+    assert all(len(sigs) == 1 for sigs in got["warm"].values()), got["warm"]
+    assert got["after"] == got["warm"], "a kernel compiled another signature after warmup"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import DIALECTS, FAMILY_FIXTURES, reference
+from helpers import DIALECTS, FAMILY_FIXTURES, reference
 
 from coordinator.cli import main
 from coordinator.generate import SamplingOptions, generate

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import parse_bench_disk, positive
 
 from moe.analysis import simulate
 from moe.analysis.disk import DISK_PROFILES, Disk
@@ -82,7 +84,7 @@ def test_every_effect_points_the_right_way():
 
 def test_validation_replays_a_real_streaming_run(tmp_path):
     """The side-by-side command runs a real budgeted generation and its simulation."""
-    from coordinator import sim_validate
+    from coordinator.bench import sim_validate
     from moe.convert.synth import synth
 
     model = tmp_path / "tiny"
@@ -113,6 +115,23 @@ def test_validation_replays_a_real_streaming_run(tmp_path):
     assert "measured" in text and "hit rate" in text and "while reading" in text
 
 
+def simulate_table(out: str, disk: Path) -> dict[tuple[str, bool, bool], dict[str, float]]:
+    """`moeshard simulate`'s rows by (policy, prefetch, packed); percentages in %."""
+    lines = out.splitlines()
+    assert lines[0].startswith("geometry ") and f"; disk {disk};" in lines[0], lines[0]
+    columns = ["s/token", "GB/token", "hit rate", "stall"]
+    assert lines[1].split() == "policy prefetch layout s/token GB/token hit rate stall".split()
+    rows = {}
+    for line in lines[2:]:
+        policy, prefetch, layout, *values = line.split()
+        assert prefetch in ("on", "off") and layout in ("file", "packed"), line
+        figures = [float(v.rstrip("%")) for v in values]
+        rows[(policy, prefetch == "on", layout == "packed")] = dict(
+            zip(columns, figures, strict=True)
+        )
+    return rows
+
+
 def test_bench_disk_writes_a_profile_that_simulate_reads(tmp_path, capsys):
     """`bench disk --profile-out` measures this disk and writes the points `simulate --disk`
     takes; a malformed profile is refused with exit code 2 and a message."""
@@ -122,9 +141,12 @@ def test_bench_disk_writes_a_profile_that_simulate_reads(tmp_path, capsys):
     argv = ["bench", "disk", "--dir", str(tmp_path), "--file-size", "32M", "--sizes", "1M"]
     argv += ["--depths", "1,2", "--seconds", "0.05", "--reps", "1", "--profile-out", str(profile)]
     assert main(argv) == 0
+    printed = parse_bench_disk(capsys.readouterr().out)
     points = json.loads(profile.read_text())["points"]
     assert [p[:2] for p in points] == [[1 << 20, 1], [1 << 20, 2]]
-    assert all(p[2] > 0 for p in points)
+    assert [r.size for r in printed] == ["1.00 MiB"]
+    for _, depth, gbps in points:  # what the table printed (to its 3 decimals), measured > 0
+        assert positive(gbps) and abs(gbps - printed[0].gbps[depth]) <= 0.0005 + 1e-9
     assert not (tmp_path / "moeshard-bench-disk.bin").exists()  # scratch file removed
     nowhere = argv[:-1] + [str(tmp_path / "missing" / "disk.json")]
     assert main(nowhere) == 2  # refused before measuring, nothing written
@@ -132,10 +154,26 @@ def test_bench_disk_writes_a_profile_that_simulate_reads(tmp_path, capsys):
     assert not (tmp_path / "missing").exists()
 
     trace_path = tmp_path / "t.npz"
-    synthetic_trace().save(trace_path)
+    synthetic_trace(tokens=15).save(trace_path)  # a short one: simulate runs it twice
     capsys.readouterr()
     assert main(["simulate", str(trace_path), "--geometry", "k2", "--disk", str(profile)]) == 0
-    assert "s/token" in capsys.readouterr().out
+    measured = simulate_table(capsys.readouterr().out, profile)
+    half = tmp_path / "half.json"  # the same disk at half the bandwidth
+    half.write_text(json.dumps({"points": [[size, d, g / 2] for size, d, g in points]}))
+    assert main(["simulate", str(trace_path), "--geometry", "k2", "--disk", str(half)]) == 0
+    slower = simulate_table(capsys.readouterr().out, half)
+    configs = {(c.policy, c.prefetch, c.packed) for c in simulate.CONFIGS}
+    assert set(measured) == set(slower) == configs  # a row for every configuration
+    for config, row in measured.items():
+        assert positive(row["s/token"]) and positive(row["GB/token"]), config
+        assert 0 <= row["hit rate"] <= 100 and 0 <= row["stall"] <= 100, config
+        # the disk's speed changes when records land, not which ones are read
+        assert slower[config]["GB/token"] == row["GB/token"], config
+        assert slower[config]["hit rate"] == row["hit rate"], config
+        assert slower[config]["s/token"] >= row["s/token"], config
+    every_use_read = ("none", False, False)
+    assert measured[every_use_read]["hit rate"] == 0
+    assert slower[every_use_read]["s/token"] > measured[every_use_read]["s/token"]
 
     for bad in ('{"points": []}', '{"points": [[1048576, 0, 1.0]]}', "[1, 2]", "not json"):
         profile.write_text(bad)

@@ -8,6 +8,7 @@ import shutil
 import numpy as np
 import pytest
 from gguf import GGUFReader
+from helpers import flip_byte
 
 from coordinator.cli import main
 from moe.errors import StoreError
@@ -87,11 +88,7 @@ def test_checksum_mismatch_names_the_expert(model, capsys):
     opened = ModelDir(model)
     loc = opened.shards[0].records[(1, 5)]
     opened.close()
-    with open(path, "r+b") as f:
-        f.seek(loc.offset + 100)
-        byte = f.read(1)
-        f.seek(loc.offset + 100)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_byte(path, loc.offset + 100)
     experts = LocalExperts(ModelDir(model).shard_set)
     experts.offset(1, 4)  # the neighbour is fine
     with pytest.raises(StoreError, match=f"{path.name}: checksum mismatch in expert 5 of layer 1"):

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import math
+import re
+
 import numpy as np
 import pytest
+from helpers import parse_bench_disk, positive
 
 from coordinator.generate import SamplingOptions, generate
 from coordinator.runtime import open_local, open_streaming
@@ -164,15 +169,80 @@ def test_cli_generate_ram_matches_unbudgeted(tiny, tmp_path, capsys):
     assert "prefetch top must be" in capsys.readouterr().err
 
 
+COLUMNS = ["s/token", "GB/token", "hit rate", "Belady", "stall", "recall", "prec."]
+COLUMNS += ["x I/O floor", "x bound", "reads/tok", "KiB/read"]
+RATIOS = ("x I/O floor", "x bound")  # s/token over the floors
+
+
+def bench_stream_table(out: str) -> tuple[dict, dict[str, dict[str, float | None]]]:
+    """`moeshard bench stream`'s figures: the trace line's, and the table's by row name
+    (percentages in %, None for '-')."""
+    trace = re.search(
+        r"^trace: (\d+) decode tokens after a (\d+)-token prefill, ([\d.]+) expert uses/token; "
+        r"(\d+) cache slots; Belady hit rate ([\d.]+)%",
+        out,
+        re.MULTILINE,
+    )
+    assert trace, f"no trace line in:\n{out}"
+    keys = ("decode_tokens", "prefill_tokens", "uses_per_token", "slots", "belady")
+    figures = dict(zip(keys, map(float, trace.groups()), strict=True))
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("config "))
+    assert lines[head].split()[1:] == " ".join(COLUMNS).split()
+    assert set(lines[head + 1]) == {"-"}
+    rows = {}
+    for line in lines[head + 2 :]:
+        if line.startswith("peak RSS"):
+            break
+        words = line.split()
+        name, values = " ".join(words[: -len(COLUMNS)]), words[-len(COLUMNS) :]
+        rows[name] = {
+            column: None if v == "-" else float(v.rstrip("%"))
+            for column, v in zip(COLUMNS, values, strict=True)
+        }
+    return figures, rows
+
+
+def check_bench_stream(out: str, err: str, names: list[str], record_kib: float) -> dict:
+    """The figures of one `bench stream` run are there for every row, and hang together."""
+    assert "routing differs" not in out  # every row saw the same routing
+    trace, rows = bench_stream_table(out)
+    assert list(rows) == names
+    uses = trace["uses_per_token"]
+    assert trace["decode_tokens"] == 4 and positive(uses) and 0 <= trace["belady"] <= 100
+    for name, row in rows.items():
+        # the table reports the runs the progress lines (stderr) timed: one round, same value
+        assert f"[{name}: {row['s/token']:.4f} s/token]" in err, name
+        assert positive(row["s/token"]), row
+        # ratios and means printed to 2-3 decimals: a slow disk may round them to 0
+        assert all(math.isfinite(row[k]) and row[k] >= 0 for k in ("GB/token", *RATIOS)), row
+        assert 0 <= row["hit rate"] <= 100 and 0 <= row["stall"] <= 100, row
+        assert row["Belady"] == trace["belady"], row  # one trace, one Belady figure
+        if "prefetch" in name:
+            assert 0 < row["recall"] <= 100 and 0 < row["prec."] <= 100, row
+        else:
+            assert row["recall"] is None and row["prec."] is None, row
+            # without prefetch only misses are read (adjacent ones may share a read)
+            misses = uses * (1 - row["hit rate"] / 100)
+            assert row["reads/tok"] <= misses + 0.1, row
+        assert row["KiB/read"] >= round(record_kib), row  # whole records, perhaps merged
+    naive = rows[names[0]]
+    assert naive["hit rate"] == 0 and naive["reads/tok"] == uses  # every use is a read
+    return rows
+
+
 def test_bench_commands_run(tiny, tmp_path, capsys):
     from coordinator.cli import main
 
+    record_kib = ModelDir(tiny).shard_set.record_nbytes / 1024
     argv = ["bench", "stream", str(tiny), "--ram", "49M", "--tokens", "4"]
     fast = ["--disk-seconds", "0.05", "--reps", "1", "--policies", "lru", "--prefetch-top", "1"]
     assert main([*argv, *fast]) == 0
-    out = capsys.readouterr().out
-    assert "naive" in out and "lru +prefetch" in out and "Belady" in out
-    assert "lru +prefetch top1" in out
+    out, err = capsys.readouterr()
+    names = ["naive", "lru", "lru +prefetch", "lru +prefetch top1"]
+    rows = check_bench_stream(out, err, names, record_kib)
+    assert rows["naive"]["KiB/read"] == round(record_kib)  # one record per read
+
     trace = tmp_path / "trace.npz"
     gen = ["generate", str(tiny), "--prompt-ids", "1,2,3", "--max-tokens", "6", "--json"]
     assert main([*gen, "--trace", str(trace)]) == 0
@@ -180,12 +250,27 @@ def test_bench_commands_run(tiny, tmp_path, capsys):
     capsys.readouterr()
     packed = ["--packed", str(tmp_path / "packed"), "--policies", "lru"]
     assert main([*argv, "--disk-seconds", "0.05", "--reps", "1", *packed]) == 0
-    out = capsys.readouterr().out
-    assert "lru [packed]" in out and "naive [packed]" in out and "reads/tok" in out
-    assert "routing differs" not in out
+    out, err = capsys.readouterr()
+    names = ["naive", "lru", "lru +prefetch"]
+    rows = check_bench_stream(out, err, names + [f"{n} [packed]" for n in names], record_kib)
+    for name in ("naive", "lru"):  # the same records are resident whatever the file order
+        assert rows[f"{name} [packed]"]["hit rate"] == rows[name]["hit rate"]
+
+    profile = tmp_path / "disk.json"  # the measured figures unrounded
     argv = ["bench", "disk", "--dir", str(tmp_path), "--file-size", "8M", "--sizes", "4K,1M"]
-    assert main([*argv, "--depths", "1,2", "--seconds", "0.05", "--reps", "1"]) == 0
-    assert "1.00 MiB" in capsys.readouterr().out
+    argv += ["--depths", "1,2", "--seconds", "0.05", "--reps", "1", "--profile-out", str(profile)]
+    assert main(argv) == 0
+    rows = parse_bench_disk(capsys.readouterr().out)
+    assert [r.size for r in rows] == ["4.00 KiB", "1.00 MiB"]
+    points = json.loads(profile.read_text())["points"]
+    assert [p[:2] for p in points] == [[4 << 10, 1], [4 << 10, 2], [1 << 20, 1], [1 << 20, 2]]
+    printed = {}  # (read size, depth) -> GB/s as printed
+    for size, r in zip((4 << 10, 1 << 20), rows, strict=True):
+        assert list(r.gbps) == [1, 2], r
+        assert all(math.isfinite(v) and v >= 0 for v in (r.raw, r.reader, r.ratio)), r
+        printed.update({(size, depth): gbps for depth, gbps in r.gbps.items()})
+    for size, depth, gbps in points:  # measured > 0; printed to 3 decimals (a slow disk: 0.000)
+        assert positive(gbps) and abs(printed[size, depth] - gbps) <= 0.0005 + 1e-9, printed
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])

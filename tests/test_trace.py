@@ -144,7 +144,7 @@ def test_pack_moves_records_and_keeps_output(traces, converted, tmp_path, capsys
 
 
 def test_seriation_puts_coactivated_experts_next_to_each_other():
-    from moe.convert.pack import seriate
+    from moe.analysis.coact import seriate
 
     coact_matrix = np.zeros((6, 6), dtype=np.int64)
     for i, j in ((0, 4), (4, 2), (2, 5), (5, 1), (1, 3)):

@@ -1,0 +1,228 @@
+"""Plain helpers and constants shared by the tests (pytest fixtures live in conftest.py).
+
+Test modules import them as `from helpers import ...` (pyproject puts tests/ on sys.path).
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+
+from coordinator.remote.config import RemoteConfig
+from coordinator.remote.experts import RemoteExperts
+from moe.kernels import quant
+from moe.model.model_dir import ModelDir
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).parent / "fixtures"
+FAMILY_FIXTURES = (
+    sorted(p.name for p in FIXTURES.iterdir() if (p / "reference.npz").exists())
+    if FIXTURES.exists()
+    else []
+)
+DIALECTS = ("rope_theta", "rope_parameters")
+
+T = TypeVar("T")
+
+
+# -- the committed reference checkpoints ------------------------------------------------------
+
+
+def checkpoint_in_dialect(name: str, dialect: str, tmp: Path) -> Path:
+    """The fixture checkpoint with config.json in the requested dialect.
+
+    The committed config.json is the older dialect (rope_theta + rope_scaling, as published
+    checkpoints have it); config.rope_parameters.json is the same model as transformers 5
+    writes it. For the latter, a copy of the checkpoint gets it as its config.json.
+    """
+    src = FIXTURES / name
+    if dialect == "rope_theta":
+        return src
+    dst = tmp / f"{name}-{dialect}"
+    if not dst.exists():
+        dst.mkdir(parents=True)
+        for f in src.iterdir():
+            if f.name not in ("config.json", "config.rope_parameters.json", "reference.npz"):
+                (dst / f.name).symlink_to(f.resolve())
+        shutil.copyfile(src / "config.rope_parameters.json", dst / "config.json")
+    return dst
+
+
+def reference(name: str) -> dict[str, np.ndarray]:
+    """The outputs transformers computed for fixture `name` (tools/make_fixtures.py)."""
+    with np.load(FIXTURES / name / "reference.npz") as ref:
+        return {k: ref[k] for k in ref.files}
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    """Corrupt one byte of a file in place (every bit of it inverted)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+# -- waiting ----------------------------------------------------------------------------------
+
+
+def wait_until(
+    predicate: Callable[[], T], timeout: float, interval: float = 0.05, *, what: str
+) -> T:
+    """Poll `predicate` every `interval` s until it returns something truthy, and return that.
+
+    After `timeout` s (the predicate is asked one last time at the deadline) the test fails
+    with a message naming `what` it waited for.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError(f"gave up after {timeout:g} s waiting for {what}")
+        time.sleep(min(interval, left))
+
+
+# -- printed figures --------------------------------------------------------------------------
+
+
+@dataclass
+class DiskRow:
+    """One read size of `moeshard bench disk`'s table."""
+
+    size: str  # as printed, e.g. "1.00 MiB"
+    gbps: dict[int, float]  # queue depth -> GB/s of raw O_DIRECT reads
+    raw: float  # the alternated windows: raw GB/s ...
+    reader: float  # ... and GB/s through the reader pool (checksums verified)
+    ratio: float  # median over the window pairs of reader / raw
+
+
+def parse_bench_disk(out: str) -> list[DiskRow]:
+    """The rows of the table `moeshard bench disk` prints, in the order printed.
+
+    A row is `SIZE UNIT  GB/s per depth ...  RAW vs READER (RATIO)`."""
+    lines = out.splitlines()
+    head = next((i for i, line in enumerate(lines) if line.startswith("read size")), None)
+    assert head is not None, f"no bench disk table in:\n{out}"
+    depths = [int(d) for d in re.findall(r"QD(\d+) +GB/s", lines[head])]
+    rows = []
+    for line in lines[head + 1 :]:
+        tokens = line.split()
+        if len(tokens) < 6 or tokens[-3] != "vs":
+            break
+        figures = tokens[2:-4]
+        assert len(figures) == len(depths), f"{len(depths)} depths, row {line!r}"
+        rows.append(
+            DiskRow(
+                size=" ".join(tokens[:2]),
+                gbps={d: float(g) for d, g in zip(depths, figures, strict=True)},
+                raw=float(tokens[-4]),
+                reader=float(tokens[-2]),
+                ratio=float(tokens[-1].strip("()")),
+            )
+        )
+    return rows
+
+
+def positive(x: float | None) -> bool:
+    """A finite number > 0."""
+    return x is not None and math.isfinite(x) and x > 0
+
+
+# -- node daemons as real processes on loopback -----------------------------------------------
+
+PROMPT = [1, 5, 9, 2, 7]  # what the cluster tests generate from
+TOKENS = 12
+
+
+class NodeProcess:
+    """`moeshard node DIR` as a real subprocess; the port is read from its first line.
+
+    A thread drains its output (so the pipe never fills) into `lines`; `eof` is set once the
+    process has closed its output.
+    """
+
+    def __init__(self, path, port: int = 0, advertise: bool = True, node_id: str = ""):
+        cmd = [sys.executable, "-X", "faulthandler", "-m", "coordinator.cli", "node", str(path)]
+        cmd += ["--port", str(port)] + ([] if advertise else ["--no-advertise"])
+        cmd += ["--node-id", node_id] if node_id else []
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.path, self.port = path, 0
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.output: list[str] = []
+        self.eof = threading.Event()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            self.output.append(line)
+            self.lines.put(line)
+        self.lines.put("")
+        self.eof.set()
+
+    def wait_ready(self, timeout: float = 90.0) -> NodeProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                break
+            if " serving " in line:
+                self.port = int(line.split(" on ")[1].split()[0].rsplit(":", 1)[1])
+                return self
+            if not line:
+                break
+        self.proc.kill()
+        self.proc.wait()
+        raise RuntimeError(
+            f"node {self.path} did not start (exit {self.proc.returncode}): {''.join(self.output)}"
+        )
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def text(self) -> str:
+        return "".join(self.output)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def start_nodes(paths, **kw) -> list[NodeProcess]:
+    quant.warmup()  # compile once here into numba's disk cache; the nodes then just load it
+    procs = [NodeProcess(p, **kw) for p in paths]
+    try:
+        with ThreadPoolExecutor(len(procs)) as pool:
+            return list(pool.map(lambda n: n.wait_ready(), procs))
+    except RuntimeError:
+        for n in procs:
+            n.stop()
+        raise
+
+
+def remote_runtime(model_dir, addrs, **config):
+    """(transformer, RemoteExperts): the model's trunk here, its experts on the nodes."""
+    model = ModelDir(model_dir)
+    remote = RemoteExperts(model.model_id, model.config.hidden_size, addrs, RemoteConfig(**config))
+    transformer = model.family.Transformer(model.config, model.load_trunk(), remote)
+    return transformer, remote

@@ -1,0 +1,139 @@
+"""Zeroconf discovery on loopback: nodes of another model are ignored, a node bound to every
+interface is found at a real address, and a node started later joins a running generation.
+The cluster fixtures are in conftest.py."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+import pytest
+from helpers import PROMPT, TOKENS, wait_until
+
+from coordinator.generate import SamplingOptions, generate
+from coordinator.remote.config import RemoteConfig
+from coordinator.remote.discovery import browse
+from coordinator.remote.experts import RemoteExperts
+from coordinator.runtime import open_local
+from moe.model.model_dir import ModelDir
+from moe.wire import moeshard_pb2 as pb
+from moe.wire import moeshard_pb2_grpc as pb_grpc
+from node.announce import advertised_addresses
+from node.daemon import Node, NodeConfig
+
+BROWSE_S = 1.5  # one zeroconf browse; a wait repeats it (mDNS answers can be late)
+
+
+def test_foreign_model_node_is_ignored(cluster_model, converted, cluster, caplog):
+    other = Node(NodeConfig(path=str(converted("qwen3_moe", experts="bf16")), node_id="foreign"))
+    port = other.start()  # advertised too
+    try:
+        model = ModelDir(cluster_model)
+        with caplog.at_level(logging.WARNING):
+            remote = RemoteExperts(
+                model.model_id, 64, [f"127.0.0.1:{port}", cluster[0].addr], RemoteConfig()
+            )
+        try:
+            assert [p.addr for p in remote.peers.peers] == [cluster[0].addr]
+            assert "differs" in remote.peers.ignored[f"127.0.0.1:{port}"]
+        finally:
+            remote.close()
+        # Discovery sees every node, keeps the three of this model, warns about the other.
+        found: set[str] = set()
+
+        def cluster_found_and_foreign_warned() -> bool:
+            found.update(n.addr for n in browse(model.model_id, timeout=BROWSE_S))
+            warned = any("foreign" in r.getMessage() for r in caplog.records)
+            return warned and found >= {n.addr for n in cluster}
+
+        with caplog.at_level(logging.WARNING):
+            wait_until(
+                cluster_found_and_foreign_warned,
+                10,
+                0.0,
+                what="a browse to find the cluster's three nodes and warn about 'foreign'",
+            )
+        assert f"127.0.0.1:{port}" not in found
+        assert any(
+            "foreign" in r.getMessage() and "model id" in r.getMessage() for r in caplog.records
+        )
+        all_nodes: set[str] = set()
+
+        def foreign_listed() -> bool:
+            all_nodes.update(n.node_id for n in browse(None, timeout=BROWSE_S))
+            return "foreign" in all_nodes
+
+        wait_until(foreign_listed, 10, 0.0, what="a browse of every model to list 'foreign'")
+        # A request carrying the wrong model id is refused by the node itself.
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                pb_grpc.ExpertNodeStub(ch).Forward(
+                    pb.ForwardRequest(model_id=model.model_id, layer=0), timeout=5
+                )
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        other.stop()
+
+
+def test_node_on_all_interfaces_is_discovered_at_a_real_address(cluster_model):
+    node = Node(NodeConfig(path=str(cluster_model), host="0.0.0.0", node_id="all-interfaces"))
+    port = node.start()
+    try:
+        found = wait_until(
+            lambda: [
+                n for n in browse(node.identity.model_id, BROWSE_S) if n.node_id == "all-interfaces"
+            ],
+            10,
+            0.0,
+            what="zeroconf to find the node 'all-interfaces'",
+        )
+        host, _, got_port = found[0].addr.rpartition(":")
+        assert int(got_port) == port
+        assert host == advertised_addresses("0.0.0.0")[0]  # a real interface when there is one
+        with grpc.insecure_channel(found[0].addr) as ch:
+            info = pb_grpc.ExpertNodeStub(ch).Info(pb.InfoRequest(), timeout=5)
+        assert info.node_id == "all-interfaces"
+    finally:
+        node.stop()
+    # Unregistered on stop: a fresh browse no longer sees it.
+    assert "all-interfaces" not in {n.node_id for n in browse(None, 1.0)}
+
+
+def test_node_started_later_joins_a_running_generation(converted):
+    """With --discover the coordinator keeps browsing: a node announced after start-up is
+    admitted (its id not doubled), and once the first node dies the late one carries the
+    generation to the same tokens as one machine. A model id of its own keeps other tests'
+    nodes out of the picture."""
+    from coordinator.runtime import open_remote
+
+    path = converted("qwen3_moe", experts="q8_0")
+    local = open_local(path)
+    want = generate(local.transformer, PROMPT, SamplingOptions(max_tokens=TOKENS)).tokens
+    early = Node(NodeConfig(path=str(path), node_id="early"))
+    early.start()
+    late = None
+    rt = None
+    try:
+        rt = open_remote(path, discover=True, discover_timeout=BROWSE_S)
+        remote = rt.experts
+        assert [p.node_id for p in remote.live_peers()] == ["early"]
+        late = Node(NodeConfig(path=str(path), node_id="late"))
+        late.start()
+        wait_until(  # mDNS announcements can be slow on a loaded box
+            lambda: "late" in {p.node_id for p in remote.live_peers()},
+            20,
+            0.1,
+            what="the browsing coordinator to admit the node 'late'",
+        )
+        assert sorted(p.node_id for p in remote.live_peers()) == ["early", "late"]
+        assert not remote.add_peer(f"127.0.0.1:{late.port}")  # known: not added twice
+        early.stop()
+        got = generate(rt.transformer, PROMPT, SamplingOptions(max_tokens=TOKENS)).tokens
+        assert got == want
+        assert next(p for p in remote.peers.peers if p.node_id == "late").calls > 0
+    finally:
+        if rt is not None:
+            rt.experts.close()
+        if late is not None:
+            late.stop()
+        early.stop()
