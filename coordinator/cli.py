@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     models.add_synth(sub)
     network.add_node(sub)
+    network.add_keys(sub)
     network.add_shard(sub)
     network.add_health(sub)
     network.add_cluster(sub)

@@ -192,10 +192,11 @@ def open_remote(
     warmup_s = quant.warmup()  # the trunk's kernels run here
     model = ModelDir(path)
     model.require_trunk()
-    addrs = resolve_peers(model.model_id, peers, discover, discover_timeout)
-    experts = RemoteExperts(model.model_id, model.config.hidden_size, addrs, remote_config)
+    insecure = remote_config is not None and remote_config.identity is None
+    specs = resolve_peers(model.model_id, peers, discover, discover_timeout, insecure)
+    experts = RemoteExperts(model.model_id, model.config.hidden_size, specs, remote_config)
     watcher = None
     if discover and not peers:  # keep browsing: nodes that start later join the generation
-        watcher = Watcher(model.model_id, lambda node: experts.add_peer(node.addr))
+        watcher = Watcher(model.model_id, lambda node: experts.add_peer(node.spec))
     transformer = model.family.Transformer(model.config, model.load_trunk(), experts)
     return _finish(model, transformer, experts, warmup_s, started, watcher=watcher)

@@ -26,5 +26,7 @@ if [ -z "$dir" ]; then
     exit 1
 fi
 echo "node: container $me serves $dir"
-exec moeshard node "$dir" --host "${NODE_HOST:-0.0.0.0}" --port "${NODE_PORT:-50051}" --node-id "$(basename "$dir")" \
-    --ram "${NODE_CACHE:-0}" "$@"
+# The shard set is read-only here: the node's key lives with its claim (kept across restarts).
+exec moeshard node "$dir" --host "${NODE_HOST:-0.0.0.0}" --port "${NODE_PORT:-50051}" \
+    --name "$(basename "$dir")" --key "$CLAIMS/$(basename "$dir")/node-key.pem" \
+    --allow "$SHARDS/client.id" --ram "${NODE_CACHE:-0}" "$@"

@@ -51,4 +51,10 @@ if [ "$(cat "$SHARDS/plan.stamp" 2>/dev/null)" != "$plan" ]; then
 else
     echo "prep: $SHARDS/current is current ($NODES nodes, $REPLICAS replicas)"
 fi
+# The coordinator's identity (mutual TLS): its key stays in the model volume, which only prep
+# and the coordinator mount; the nodes read just its id, the one client they allow.
+mkdir -p "$DATA/client"
+[ -f "$DATA/client/key.pem" ] || moeshard keygen "$DATA/client/key.pem" >/dev/null
+moeshard id "$DATA/client/key.pem" > "$SHARDS/client.id"
+echo "prep: coordinator id $(cat "$SHARDS/client.id")"
 moeshard inspect "$DATA/model" | head -4

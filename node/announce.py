@@ -1,7 +1,8 @@
 """Advertise a node on the local network with zeroconf (mDNS/DNS-SD).
 
-Service type `_moeshard._tcp.local.`; the instance name is the node id. TXT records:
-  node_id   the node's id
+Service type `_moeshard._tcp.local.`; the instance name is the node's name. TXT records:
+  node_id   the id of the node's key (clients pin it: the TLS handshake must present that key)
+  name      the node's display name
   model_id  sha256 hex of the model its records belong to
   fmt       shard format version (moe.store.FORMAT_VERSION)
   wire      wire contract version
@@ -59,6 +60,7 @@ class Announcer:
     def __init__(
         self,
         node_id: str,
+        name: str,
         model_id: str,
         format_version: int,
         wire_version: int,
@@ -68,6 +70,7 @@ class Announcer:
     ):
         properties = {
             "node_id": node_id,
+            "name": name,
             "model_id": model_id,
             "fmt": str(format_version),
             "wire": str(wire_version),
@@ -75,11 +78,11 @@ class Announcer:
         }
         self.info = ServiceInfo(
             SERVICE_TYPE,
-            f"{node_id}.{SERVICE_TYPE}",
+            f"{name}.{SERVICE_TYPE}",
             addresses=[socket.inet_aton(a) for a in advertised_addresses(host)],
             port=port,
             properties=properties,
-            server=f"{node_id}.local.",
+            server=f"{name}.local.",
         )
         self.zeroconf: Zeroconf | None = None
 

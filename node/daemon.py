@@ -8,6 +8,7 @@ SIGTERM / SIGINT: stop advertising, report NOT_SERVING, finish in-flight calls, 
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import signal
 import socket
@@ -21,6 +22,8 @@ from moe.errors import MoeshardError
 from moe.experts.backend import ExpertsBackend
 from moe.experts.local import LocalExperts
 from moe.experts.store import ExpertStore
+from moe.identity.keys import NODE_KEY, load_or_create
+from moe.identity.tls import TLSMaterial, node_tls
 from moe.kernels import quant
 from moe.model.model_dir import ModelDir
 from moe.storage.budget import expert_slots
@@ -29,6 +32,7 @@ from moe.storage.manifest import FORMAT_VERSION
 from moe.wire import health_pb2_grpc
 from moe.wire import moeshard_pb2_grpc as pb_grpc
 from moe.wire.constants import MAX_MESSAGE_BYTES, WIRE_VERSION
+from node.access import AccessPolicy
 from node.servicer import ExpertNodeServicer, HealthServicer, NodeIdentity
 
 log = logging.getLogger(__name__)
@@ -41,7 +45,11 @@ class NodeConfig:
     port: int = 0  # port to bind (0 = any free port, printed on start)
     ram: int = 0  # expert cache budget in bytes (0 = unbounded)
     advertise: bool = True  # register the service with zeroconf
-    node_id: str = ""  # unique node name ("" = hostname-port)
+    name: str = ""  # a display name ("" = hostname-port); the node's id is its key's
+    key: str = ""  # identity key file ("" = node-key.pem in the served directory)
+    allow: frozenset[str] = frozenset()  # client ids allowed to call (with TLS)
+    allow_any: bool = False  # any authenticated client may call (public compute)
+    insecure: bool = False  # plaintext, no identities: loopback only, for debugging
     verify: bool = True  # recompute every record checksum at start
     workers: int = 8  # gRPC server threads
     grace_s: float = 10.0  # on SIGTERM, how long in-flight calls may take to finish
@@ -61,9 +69,14 @@ def make_backend(model: ModelDir, ram: int) -> ExpertsBackend:
 
 
 def create_server(
-    addr: str, servicer: ExpertNodeServicer, health: HealthServicer, workers: int = 8
+    addr: str,
+    servicer: ExpertNodeServicer,
+    health: HealthServicer,
+    workers: int = 8,
+    tls: TLSMaterial | None = None,
 ) -> tuple[grpc.Server, int]:
-    """A started-ready (not started) gRPC server on `addr` ('host:port', port 0 = any)."""
+    """A ready (not started) gRPC server on `addr` ('host:port', port 0 = any): mutual TLS
+    with `tls` (clients must present a certificate), plaintext without."""
     options = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -72,7 +85,13 @@ def create_server(
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options)
     pb_grpc.add_ExpertNodeServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    port = server.add_insecure_port(addr)
+    if tls is None:
+        port = server.add_insecure_port(addr)
+    else:
+        credentials = grpc.ssl_server_credentials(
+            [(tls.key, tls.chain)], root_certificates=tls.client_root, require_client_auth=True
+        )
+        port = server.add_secure_port(addr, credentials)
     if port == 0:
         raise MoeshardError(f"cannot bind {addr}")
     return server, port
@@ -83,7 +102,17 @@ class Node:
 
     def __init__(self, config: NodeConfig):
         self.config = config
+        if config.insecure and not is_loopback(config.host):
+            raise MoeshardError(f"--insecure serves plaintext: only on loopback, not {config.host}")
+        if not config.insecure and not config.allow and not config.allow_any:
+            raise MoeshardError(
+                "say who may call this node: --allow ID[,ID...] or FILE, or --allow-any "
+                "(or --insecure on loopback)"
+            )
         self.model = ModelDir(config.path)
+        self.key = load_or_create(config.key or self.model.path / NODE_KEY)
+        self.tls = None if config.insecure else node_tls(self.key)
+        access = AccessPolicy(not config.insecure, config.allow, config.allow_any)
         held = set(self.model.locations)
         bad: set[tuple[int, int]] = set()
         if config.verify:
@@ -95,7 +124,8 @@ class Node:
                     bad.add(key)
         c = self.model.config
         self.identity = NodeIdentity(
-            node_id=config.node_id,
+            node_id=self.key.id,
+            name=config.name,
             model_id=self.model.model_id,
             format_version=FORMAT_VERSION,
             model_type=c.model_type,
@@ -106,7 +136,7 @@ class Node:
             ram_budget=config.ram,
         )
         self.servicer = ExpertNodeServicer(
-            self.identity, held, make_backend(self.model, config.ram)
+            self.identity, held, make_backend(self.model, config.ram), access
         )
         self.servicer.bad.update(bad)
         self.health = HealthServicer()
@@ -119,10 +149,10 @@ class Node:
         quant.warmup()  # compile (or load) the kernels before the first request
         host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
         self.server, self.port = create_server(
-            f"{host}:{cfg.port}", self.servicer, self.health, cfg.workers
+            f"{host}:{cfg.port}", self.servicer, self.health, cfg.workers, self.tls
         )
-        if not self.identity.node_id:
-            self.identity.node_id = f"{socket.gethostname()}-{self.port}"[:60]
+        if not self.identity.name:
+            self.identity.name = f"{socket.gethostname()}-{self.port}"[:60]
         self.server.start()
         self.health.set_serving(True)
         if cfg.advertise:
@@ -130,6 +160,7 @@ class Node:
 
             self.announcer = Announcer(
                 self.identity.node_id,
+                self.identity.name,
                 self.identity.model_id,
                 FORMAT_VERSION,
                 WIRE_VERSION,
@@ -159,9 +190,11 @@ def run(config: NodeConfig, out) -> int:
         signal.signal(sig, lambda *_: stop.set())
     port = node.start()
     held = node.servicer.held - node.servicer.bad
+    ident = node.identity
     print(
-        f"node {node.identity.node_id} serving {len(held)} experts of model "
-        f"{node.identity.model_id[:16]} on {config.host}:{port}"
+        f"node {ident.name} id {ident.node_id} serving {len(held)} experts of model "
+        f"{ident.model_id[:16]} on {config.host}:{port}"
+        + (" (plaintext, --insecure)" if config.insecure else " (TLS)")
         + ("" if config.advertise else " (not advertised)"),
         file=out,
         flush=True,
@@ -171,5 +204,13 @@ def run(config: NodeConfig, out) -> int:
     stop.wait()
     log.info("shutting down: draining in-flight calls")
     node.stop()
-    print(f"node {node.identity.node_id} stopped", file=out, flush=True)
+    print(f"node {ident.name} stopped", file=out, flush=True)
     return 0
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address) is this machine's loopback."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False

@@ -23,6 +23,7 @@ from moe.wire import codec, health_pb2, health_pb2_grpc
 from moe.wire import moeshard_pb2 as pb
 from moe.wire import moeshard_pb2_grpc as pb_grpc
 from moe.wire.constants import MAX_ROWS, MAX_SLOTS, WIRE_VERSION
+from node.access import AccessDenied, AccessPolicy
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,8 @@ class RequestError(Exception):
 
 @dataclass
 class NodeIdentity:
-    node_id: str  # unique name of this node (zeroconf instance name, logs)
+    node_id: str  # the id of the node's key (moe.identity.keys.key_id)
+    name: str  # a display name (zeroconf instance name, logs)
     model_id: str  # sha256 hex of the model the records belong to
     format_version: int  # moe.storage.manifest.FORMAT_VERSION of the shard files
     model_type: str  # HF model_type of the model
@@ -58,7 +60,14 @@ def _holdings(keys) -> list[pb.LayerExperts]:
 class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
     """Validate -> experts backend -> reply. Thread-safe; compute is serialised by a lock."""
 
-    def __init__(self, identity: NodeIdentity, held: set[tuple[int, int]], backend: ExpertsBackend):
+    def __init__(
+        self,
+        identity: NodeIdentity,
+        held: set[tuple[int, int]],
+        backend: ExpertsBackend,
+        access: AccessPolicy | None = None,
+    ):
+        self.access = access or AccessPolicy(tls=False)
         self.identity = identity
         self.held = set(held)  # (layer, expert) records this node can compute
         self.bad: set[tuple[int, int]] = set()  # records that failed their checksum
@@ -70,7 +79,15 @@ class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
 
     # -- RPCs ------------------------------------------------------------------------------
 
+    def _authorize(self, context) -> str:
+        """The caller's client id; aborts the call if it may not call this node."""
+        try:
+            return self.access.caller(context)
+        except AccessDenied as exc:
+            context.abort(exc.code, str(exc))
+
     def Info(self, request, context):
+        self._authorize(context)
         ident = self.identity
         with self.state_lock:
             good, bad = self.held - self.bad, set(self.bad)
@@ -91,15 +108,18 @@ class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
             served=served,
             wire_version=WIRE_VERSION,
             stats=stats,
+            name=ident.name,
         )
 
     def Forward(self, request, context):
+        self._authorize(context)
         try:
             return self._forward(request)
         except RequestError as exc:
             context.abort(exc.code, str(exc))
 
     def ForwardStream(self, request_iterator, context):
+        self._authorize(context)
         for request in request_iterator:
             try:
                 yield self._forward(request)
@@ -107,6 +127,7 @@ class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
                 context.abort(exc.code, str(exc))
 
     def Prefetch(self, request, context):
+        self._authorize(context)
         try:
             self._check_model(request.model_id)
         except RequestError as exc:

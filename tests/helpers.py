@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +24,8 @@ import numpy as np
 
 from coordinator.remote.config import RemoteConfig
 from coordinator.remote.experts import RemoteExperts
+from coordinator.remote.transport import PeerSpec
+from moe.identity.keys import Identity, generate
 from moe.kernels import quant
 from moe.model.model_dir import ModelDir
 
@@ -157,14 +160,26 @@ class NodeProcess:
     process has closed its output.
     """
 
-    def __init__(self, path, port: int = 0, advertise: bool = True, node_id: str = ""):
+    def __init__(
+        self,
+        path,
+        port: int = 0,
+        advertise: bool = True,
+        name: str = "",
+        allow: str | None = None,
+        insecure: bool = False,
+    ):
         cmd = [sys.executable, "-X", "faulthandler", "-m", "coordinator.cli", "node", str(path)]
         cmd += ["--port", str(port)] + ([] if advertise else ["--no-advertise"])
-        cmd += ["--node-id", node_id] if node_id else []
+        cmd += ["--name", name] if name else []
+        if insecure:
+            cmd += ["--insecure"]
+        else:  # mutual TLS; the tests' client (or `allow`) may call
+            cmd += ["--allow", allow or client_key().id]
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        self.path, self.port = path, 0
+        self.path, self.port, self.node_id = path, 0, ""
         self.lines: queue.Queue[str] = queue.Queue()
         self.output: list[str] = []
         self.eof = threading.Event()
@@ -186,6 +201,7 @@ class NodeProcess:
                 break
             if " serving " in line:
                 self.port = int(line.split(" on ")[1].split()[0].rsplit(":", 1)[1])
+                self.node_id = line.split(" id ")[1].split()[0]
                 return self
             if not line:
                 break
@@ -198,6 +214,11 @@ class NodeProcess:
     @property
     def addr(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def spec(self) -> PeerSpec:
+        """The node pinned by the key it printed."""
+        return PeerSpec(self.addr, self.node_id)
 
     def text(self) -> str:
         return "".join(self.output)
@@ -220,9 +241,24 @@ def start_nodes(paths, **kw) -> list[NodeProcess]:
         raise
 
 
-def remote_runtime(model_dir, addrs, **config):
-    """(transformer, RemoteExperts): the model's trunk here, its experts on the nodes."""
+_CLIENT: list[Identity] = []
+
+
+def client_key() -> Identity:
+    """The tests' client key (made once per session, in a private temporary directory)."""
+    if not _CLIENT:
+        home = Path(tempfile.mkdtemp(prefix="moeshard-test-client-"))
+        _CLIENT.append(generate(home / "key.pem"))
+    return _CLIENT[0]
+
+
+def remote_runtime(model_dir, specs, insecure: bool = False, **config):
+    """(transformer, RemoteExperts): the model's trunk here, its experts on the nodes (mutual
+    TLS as the tests' client, each node pinned by its key; plaintext with insecure=True)."""
     model = ModelDir(model_dir)
-    remote = RemoteExperts(model.model_id, model.config.hidden_size, addrs, RemoteConfig(**config))
+    identity = None if insecure else client_key()
+    remote = RemoteExperts(
+        model.model_id, model.config.hidden_size, specs, RemoteConfig(identity=identity, **config)
+    )
     transformer = model.family.Transformer(model.config, model.load_trunk(), remote)
     return transformer, remote

@@ -4,6 +4,7 @@ Zeroconf discovery and late joins are in test_discovery.py; the fixtures in conf
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -71,7 +72,7 @@ def test_placement_balances_trace_load(cluster_model, tmp_path):
 def test_generation_through_three_nodes_equals_single_node(
     cluster_model, cluster, cluster_reference
 ):
-    transformer, remote = remote_runtime(cluster_model, [n.addr for n in cluster])
+    transformer, remote = remote_runtime(cluster_model, [n.spec for n in cluster])
     try:
         result = generate(transformer, PROMPT, SamplingOptions(max_tokens=TOKENS, keep_logits=True))
         assert result.tokens == cluster_reference.tokens
@@ -98,7 +99,7 @@ def test_many_experts_per_token_give_the_same_bits_as_one_machine(cluster_model,
     (wide / "config.json").write_text(json.dumps(config))
     opts = SamplingOptions(max_tokens=TOKENS, keep_logits=True)
     local = generate(open_local(wide).transformer, PROMPT, opts)
-    transformer, remote = remote_runtime(wide, [n.addr for n in cluster])
+    transformer, remote = remote_runtime(wide, [n.spec for n in cluster])
     try:
         result = generate(transformer, PROMPT, opts)
         assert result.tokens == local.tokens
@@ -110,7 +111,7 @@ def test_many_experts_per_token_give_the_same_bits_as_one_machine(cluster_model,
 
 def test_bf16_wire_is_close(cluster_model, cluster, cluster_reference):
     transformer, remote = remote_runtime(
-        cluster_model, [n.addr for n in cluster], wire_dtype="bf16"
+        cluster_model, [n.spec for n in cluster], wire_dtype="bf16"
     )
     try:
         result = generate(transformer, PROMPT, SamplingOptions(max_tokens=2, keep_logits=True))
@@ -123,7 +124,7 @@ def test_bf16_wire_is_close(cluster_model, cluster, cluster_reference):
 def test_missing_expert_is_a_clear_error_or_dropped_with_degrade(
     cluster_model, cluster, cluster_plan
 ):
-    one = [cluster[0].addr]  # node-00 holds 16 of the 24 experts
+    one = [cluster[0].spec]  # node-00 holds 16 of the 24 experts
     transformer, remote = remote_runtime(cluster_model, one)
     try:
         with pytest.raises(RemoteError, match=r"no live node holds expert \d+ of layer \d+"):
@@ -145,7 +146,8 @@ def test_node_killed_mid_generation_then_readmitted(
     cluster_model, cluster, cluster_plan, cluster_reference, transport
 ):
     addrs = [n.addr for n in cluster]
-    transformer, remote = remote_runtime(cluster_model, addrs, backoff_s=0.2, transport=transport)
+    specs = [n.spec for n in cluster]
+    transformer, remote = remote_runtime(cluster_model, specs, backoff_s=0.2, transport=transport)
     killed: list[int] = []
     send = remote._send
 
@@ -183,7 +185,7 @@ def test_node_killed_mid_generation_then_readmitted(
 
 def test_sigterm_finishes_in_flight_calls_and_exits_0(cluster_model):
     quant.warmup()
-    node = NodeProcess(cluster_model, advertise=False).wait_ready()
+    node = NodeProcess(cluster_model, advertise=False, insecure=True).wait_ready()
     try:
         model = ModelDir(cluster_model)
         with grpc.insecure_channel(node.addr) as ch:
@@ -215,13 +217,17 @@ def test_sigterm_finishes_in_flight_calls_and_exits_0(cluster_model):
         node.stop()
 
 
-def test_health_command(cluster):
+def test_health_command(cluster, tmp_path):
+    """Over TLS with a client key of its own (not on the node's allow list: health is
+    answered to every authenticated client); the node's id is shown and can be pinned."""
     cli = [sys.executable, "-m", "coordinator.cli", "health"]
-    ok = subprocess.run([*cli, cluster[0].addr], capture_output=True, text=True, cwd=ROOT)
-    assert ok.returncode == 0 and "SERVING" in ok.stdout
-    down = subprocess.run(
-        [*cli, "127.0.0.1:1", "--timeout", "1"], capture_output=True, text=True, cwd=ROOT
-    )
+    env = dict(os.environ, MOESHARD_HOME=str(tmp_path))
+    run = functools.partial(subprocess.run, capture_output=True, text=True, cwd=ROOT, env=env)
+    ok = run([*cli, cluster[0].addr])
+    assert ok.returncode == 0 and "SERVING" in ok.stdout and cluster[0].node_id in ok.stdout
+    pinned = run([*cli, f"{cluster[0].node_id}@{cluster[0].addr}"])
+    assert pinned.returncode == 0 and "SERVING" in pinned.stdout
+    down = run([*cli, "127.0.0.1:1", "--timeout", "1"])
     assert down.returncode == 1 and "UNREACHABLE" in down.stdout
 
 
@@ -232,7 +238,7 @@ def test_hung_node_misses_deadline_and_replicas_take_over(
     addrs = [n.addr for n in cluster]
     transformer, remote = remote_runtime(
         cluster_model,
-        addrs,
+        [n.spec for n in cluster],
         deadline_s=0.5,
         backoff_s=0.2,
         probe_interval_s=0.05,

@@ -8,13 +8,15 @@ import logging
 
 import grpc
 import pytest
-from helpers import PROMPT, TOKENS, wait_until
+from helpers import PROMPT, TOKENS, client_key, wait_until
 
 from coordinator.generate import SamplingOptions, generate
 from coordinator.remote.config import RemoteConfig
 from coordinator.remote.discovery import browse
 from coordinator.remote.experts import RemoteExperts
+from coordinator.remote.transport import PeerSpec, dial
 from coordinator.runtime import open_local
+from moe.identity.tls import client_tls
 from moe.model.model_dir import ModelDir
 from moe.wire import moeshard_pb2 as pb
 from moe.wire import moeshard_pb2_grpc as pb_grpc
@@ -22,16 +24,21 @@ from node.announce import advertised_addresses
 from node.daemon import Node, NodeConfig
 
 BROWSE_S = 1.5  # one zeroconf browse; a wait repeats it (mDNS answers can be late)
+CLIENT = client_key()
+ALLOW = frozenset({CLIENT.id})
 
 
 def test_foreign_model_node_is_ignored(cluster_model, converted, cluster, caplog):
-    other = Node(NodeConfig(path=str(converted("qwen3_moe", experts="bf16")), node_id="foreign"))
+    other = Node(
+        NodeConfig(path=str(converted("qwen3_moe", experts="bf16")), name="foreign", allow=ALLOW)
+    )
     port = other.start()  # advertised too
     try:
         model = ModelDir(cluster_model)
         with caplog.at_level(logging.WARNING):
+            foreign = PeerSpec(f"127.0.0.1:{port}", other.identity.node_id)
             remote = RemoteExperts(
-                model.model_id, 64, [f"127.0.0.1:{port}", cluster[0].addr], RemoteConfig()
+                model.model_id, 64, [foreign, cluster[0].spec], RemoteConfig(identity=CLIENT)
             )
         try:
             assert [p.addr for p in remote.peers.peers] == [cluster[0].addr]
@@ -60,14 +67,15 @@ def test_foreign_model_node_is_ignored(cluster_model, converted, cluster, caplog
         all_nodes: set[str] = set()
 
         def foreign_listed() -> bool:
-            all_nodes.update(n.node_id for n in browse(None, timeout=BROWSE_S))
+            all_nodes.update(n.name for n in browse(None, timeout=BROWSE_S))
             return "foreign" in all_nodes
 
         wait_until(foreign_listed, 10, 0.0, what="a browse of every model to list 'foreign'")
         # A request carrying the wrong model id is refused by the node itself.
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        channel, _ = dial(foreign, client_tls(CLIENT), 5)
+        with channel:
             with pytest.raises(grpc.RpcError) as err:
-                pb_grpc.ExpertNodeStub(ch).Forward(
+                pb_grpc.ExpertNodeStub(channel).Forward(
                     pb.ForwardRequest(model_id=model.model_id, layer=0), timeout=5
                 )
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -76,12 +84,14 @@ def test_foreign_model_node_is_ignored(cluster_model, converted, cluster, caplog
 
 
 def test_node_on_all_interfaces_is_discovered_at_a_real_address(cluster_model):
-    node = Node(NodeConfig(path=str(cluster_model), host="0.0.0.0", node_id="all-interfaces"))
+    node = Node(
+        NodeConfig(path=str(cluster_model), host="0.0.0.0", name="all-interfaces", allow=ALLOW)
+    )
     port = node.start()
     try:
         found = wait_until(
             lambda: [
-                n for n in browse(node.identity.model_id, BROWSE_S) if n.node_id == "all-interfaces"
+                n for n in browse(node.identity.model_id, BROWSE_S) if n.name == "all-interfaces"
             ],
             10,
             0.0,
@@ -90,16 +100,18 @@ def test_node_on_all_interfaces_is_discovered_at_a_real_address(cluster_model):
         host, _, got_port = found[0].addr.rpartition(":")
         assert int(got_port) == port
         assert host == advertised_addresses("0.0.0.0")[0]  # a real interface when there is one
-        with grpc.insecure_channel(found[0].addr) as ch:
-            info = pb_grpc.ExpertNodeStub(ch).Info(pb.InfoRequest(), timeout=5)
-        assert info.node_id == "all-interfaces"
+        assert found[0].node_id == node.identity.node_id  # the announced id is the key's
+        channel, seen = dial(found[0].spec, client_tls(CLIENT), 5)
+        with channel:
+            info = pb_grpc.ExpertNodeStub(channel).Info(pb.InfoRequest(), timeout=5)
+        assert info.name == "all-interfaces" and info.node_id == seen == node.identity.node_id
     finally:
         node.stop()
     # Unregistered on stop: a fresh browse no longer sees it.
-    assert "all-interfaces" not in {n.node_id for n in browse(None, 1.0)}
+    assert "all-interfaces" not in {n.name for n in browse(None, 1.0)}
 
 
-def test_node_started_later_joins_a_running_generation(converted):
+def test_node_started_later_joins_a_running_generation(converted, tmp_path):
     """With --discover the coordinator keeps browsing: a node announced after start-up is
     admitted (its id not doubled), and once the first node dies the late one carries the
     generation to the same tokens as one machine. A model id of its own keeps other tests'
@@ -109,28 +121,32 @@ def test_node_started_later_joins_a_running_generation(converted):
     path = converted("qwen3_moe", experts="q8_0")
     local = open_local(path)
     want = generate(local.transformer, PROMPT, SamplingOptions(max_tokens=TOKENS)).tokens
-    early = Node(NodeConfig(path=str(path), node_id="early"))
+    early = Node(NodeConfig(path=str(path), name="early", allow=ALLOW))
     early.start()
     late = None
     rt = None
     try:
-        rt = open_remote(path, discover=True, discover_timeout=BROWSE_S)
+        config = RemoteConfig(identity=CLIENT)
+        rt = open_remote(path, discover=True, discover_timeout=BROWSE_S, remote_config=config)
         remote = rt.experts
-        assert [p.node_id for p in remote.live_peers()] == ["early"]
-        late = Node(NodeConfig(path=str(path), node_id="late"))
+        assert [p.name for p in remote.live_peers()] == ["early"]
+        # the same directory, but a node of its own: its own key (the default key lives in
+        # the directory, so two nodes serving one directory would be one node)
+        late = Node(NodeConfig(path=str(path), name="late", allow=ALLOW, key=str(tmp_path / "k")))
         late.start()
         wait_until(  # mDNS announcements can be slow on a loaded box
-            lambda: "late" in {p.node_id for p in remote.live_peers()},
+            lambda: "late" in {p.name for p in remote.live_peers()},
             20,
             0.1,
             what="the browsing coordinator to admit the node 'late'",
         )
-        assert sorted(p.node_id for p in remote.live_peers()) == ["early", "late"]
-        assert not remote.add_peer(f"127.0.0.1:{late.port}")  # known: not added twice
+        assert sorted(p.name for p in remote.live_peers()) == ["early", "late"]
+        known = PeerSpec(f"127.0.0.1:{late.port}", late.identity.node_id)
+        assert not remote.add_peer(known)  # known: not added twice
         early.stop()
         got = generate(rt.transformer, PROMPT, SamplingOptions(max_tokens=TOKENS)).tokens
         assert got == want
-        assert next(p for p in remote.peers.peers if p.node_id == "late").calls > 0
+        assert next(p for p in remote.peers.peers if p.name == "late").calls > 0
     finally:
         if rt is not None:
             rt.experts.close()

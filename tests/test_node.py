@@ -38,7 +38,8 @@ def node(model_dir, tmp_path_factory, request):
         NodeConfig(
             path=plan["nodes"][0]["dir"],
             advertise=False,
-            node_id="test-node",
+            name="test-node",
+            insecure=True,
             ram=RAM[request.param],
         )
     )
@@ -102,7 +103,8 @@ def test_bf16_activations(node):
 def test_info_and_health(node):
     n, stub, channel, plan = node
     info = stub.Info(pb.InfoRequest())
-    assert info.node_id == "test-node" and info.model_id == plan["model_id"]
+    assert info.name == "test-node" and info.node_id == n.identity.node_id
+    assert info.model_id == plan["model_id"]
     held = sorted([h.layer, e] for h in info.holdings for e in h.experts)
     assert held == sorted(plan["nodes"][0]["experts"])
     health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
@@ -229,7 +231,9 @@ def _corrupt(path, offset):
 def test_checksum_failure_is_data_loss_and_expert_marked_bad(model_dir, tmp_path, backend):
     copy = tmp_path / "model"
     shutil.copytree(model_dir, copy)
-    n = Node(NodeConfig(path=str(copy), advertise=False, node_id="dl", ram=RAM[backend]))
+    n = Node(
+        NodeConfig(path=str(copy), advertise=False, name="dl", ram=RAM[backend], insecure=True)
+    )
     port = n.start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -251,7 +255,7 @@ def test_checksum_failure_is_data_loss_and_expert_marked_bad(model_dir, tmp_path
     finally:
         n.stop()
     # A record already corrupt at start-up is found by the verification pass.
-    n = Node(NodeConfig(path=str(copy), advertise=False))
+    n = Node(NodeConfig(path=str(copy), advertise=False, insecure=True))
     assert n.servicer.bad == {(1, 3)}
     n.model.close()
 
@@ -259,7 +263,9 @@ def test_checksum_failure_is_data_loss_and_expert_marked_bad(model_dir, tmp_path
 def test_prefetch_hint_reads_at_once_and_the_forward_hits(model_dir):
     """A Prefetch RPC starts its reads at once, before any Forward (within the node's --ram
     cache); the Forward for those experts that follows finds them resident: prefetch hits."""
-    n = Node(NodeConfig(path=str(model_dir), advertise=False, node_id="pf", ram=8 * 24 << 10))
+    n = Node(
+        NodeConfig(path=str(model_dir), advertise=False, name="pf", ram=8 * 24 << 10, insecure=True)
+    )
     port = n.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     stub = pb_grpc.ExpertNodeStub(channel)

@@ -13,6 +13,12 @@ moeshard() { "$py" -m coordinator.cli "$@"; }
 shards="$model-shards"
 base_port=${DEMO_PORT:-7171}
 pids=()
+# The coordinator's identity, found through MOESHARD_HOME by every moeshard command below;
+# each node allows exactly this client (mutual TLS) and makes its own key in its shard directory.
+export MOESHARD_HOME="$model-client"
+mkdir -p "$MOESHARD_HOME"
+[[ -f "$MOESHARD_HOME/key.pem" ]] || moeshard keygen "$MOESHARD_HOME/key.pem" >/dev/null
+client=$(moeshard id "$MOESHARD_HOME/key.pem")
 
 stop_nodes() {
     local code=$?
@@ -40,7 +46,7 @@ for i in 0 1 2; do
     # the python process itself in the background (not a function's subshell), so that
     # SIGTERM reaches the node daemon and `wait` gets its own exit code
     "$py" -m coordinator.cli node "$shards/node-0$i" --host 127.0.0.1 --port "$port" \
-        --node-id "demo-$i" >"$shards/node-0$i.log" 2>&1 &
+        --name "demo-$i" --allow "$client" >"$shards/node-0$i.log" 2>&1 &
     pids+=($!)
 done
 for i in 0 1 2; do

@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from testbed_lib.bed import FIXTURE, Bed  # noqa: E402
+from testbed_lib.bed import FIXTURE, MOESHARD, Bed, run  # noqa: E402  # noqa: E402
 from testbed_lib.delay import _relay  # noqa: E402
 from testbed_lib.results import Result  # noqa: E402
 from testbed_lib.scenarios import scenarios  # noqa: E402
@@ -57,7 +57,15 @@ def main() -> int:
 
     work = Path(args.work or tempfile.mkdtemp(prefix="moeshard-testbed-"))
     work.mkdir(parents=True, exist_ok=True)
-    bed = Bed(args.prefix, args.subnet, work, args.deadline, args.discover_timeout)
+    # The coordinator's identity: every moeshard process started here finds it through
+    # MOESHARD_HOME; the nodes allow exactly this client (mutual TLS across the bridge).
+    os.environ["MOESHARD_HOME"] = str(work / "client")
+    (work / "client").mkdir(exist_ok=True)
+    key = work / "client" / "key.pem"
+    if not key.exists():
+        run([*MOESHARD, "keygen", str(key)])
+    client = run([*MOESHARD, "id", str(key)]).stdout.strip()
+    bed = Bed(args.prefix, args.subnet, work, args.deadline, args.discover_timeout, client)
     results: list[Result] = []
     t_start = time.monotonic()
     try:

@@ -26,6 +26,7 @@ import numpy as np
 from coordinator.generate import SamplingOptions, generate
 from coordinator.remote.config import RemoteConfig
 from coordinator.remote.experts import RemoteExperts
+from coordinator.remote.transport import PeerSpec
 from moe.convert.placement import shard_model
 from moe.experts.local import LocalExperts
 from moe.kernels import quant
@@ -45,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _spawn(path: Path) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "coordinator.cli", "node", str(path), "--no-advertise"]
+    cmd += ["--insecure"]  # plaintext on loopback: the network's own cost, no TLS
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     lines: queue.Queue[str] = queue.Queue()
 
@@ -178,7 +180,7 @@ def run(args) -> int:
                         wire_dtype=args.wire_dtype, prefetch=False, transport=transport
                     )
                     remotes[f"RemoteExperts, {k} node(s), {transport}"] = RemoteExperts(
-                        model.model_id, model.config.hidden_size, a, config
+                        model.model_id, model.config.hidden_size, [PeerSpec(x) for x in a], config
                     )
             rows += list(remotes.items())
             for name, backend in rows:

@@ -48,14 +48,13 @@ def cmd_generate(args) -> int:
         raise MoeshardError("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
     monitor = None
     if args.peers or args.discover:
-        from coordinator.remote.config import RemoteConfig
-
         if args.ram:
             raise MoeshardError("--ram is for single-node mode; give each node its own --ram")
+        from coordinator.commands.network import client_config
         from coordinator.runtime import open_remote
 
-        remote = RemoteConfig(
-            deadline_s=args.deadline, wire_dtype=args.wire_dtype, degrade=args.degrade
+        remote = client_config(
+            args, deadline_s=args.deadline, wire_dtype=args.wire_dtype, degrade=args.degrade
         )
         rt = open_remote(args.model, args.peers, args.discover, args.discover_timeout, remote)
     elif args.ram:
@@ -136,7 +135,7 @@ def cmd_generate(args) -> int:
 
 def _report_remote(summary: dict, tokens: int) -> None:
     nodes = ", ".join(
-        f"{n['node_id'] or n['addr']} {n['calls']} calls {n['ewma_ms']:.2f} ms"
+        f"{n['name'] or n['node_id'] or n['addr']} {n['calls']} calls {n['ewma_ms']:.2f} ms"
         + ("" if n["up"] else " DOWN")
         for n in summary["nodes"]
     )

@@ -13,14 +13,30 @@ def add_node(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
     p.add_argument("--port", type=int, default=0, help="port (0: any free port, printed)")
     p.add_argument("--ram", default="0", help="expert cache budget, e.g. 8G (0: unbounded)")
-    p.add_argument("--node-id", default="", help="node name (default hostname-port)")
+    p.add_argument("--name", default="", help="display name (default hostname-port)")
     p.add_argument("--no-advertise", action="store_true", help="do not announce via zeroconf")
     p.add_argument("--no-verify", action="store_true", help="skip the start-up checksum pass")
+    p.add_argument(
+        "--key",
+        default="",
+        help="identity key (default: node-key.pem in PATH, made on first start)",
+    )
+    who = p.add_mutually_exclusive_group()
+    who.add_argument(
+        "--allow", metavar="ID[,ID...]|FILE", help="client ids allowed to call (or a file of ids)"
+    )
+    who.add_argument(
+        "--allow-any", action="store_true", help="any authenticated client (public compute)"
+    )
+    who.add_argument(
+        "--insecure", action="store_true", help="plaintext, no identities (loopback only)"
+    )
     p.set_defaults(func=cmd_node)
 
 
 def cmd_node(args) -> int:
     from moe.units import parse_size
+    from node.access import read_allow
     from node.daemon import NodeConfig, run
 
     config = NodeConfig(
@@ -29,10 +45,47 @@ def cmd_node(args) -> int:
         port=args.port,
         ram=parse_size(args.ram),
         advertise=not args.no_advertise,
-        node_id=args.node_id,
+        name=args.name,
         verify=not args.no_verify,
+        key=args.key,
+        allow=read_allow(args.allow) if args.allow else frozenset(),
+        allow_any=args.allow_any,
+        insecure=args.insecure,
     )
     return run(config, sys.stdout)
+
+
+def add_keys(sub) -> None:
+    p = sub.add_parser("keygen", help="write a new identity key (Ed25519, PEM, mode 0600)")
+    p.add_argument("file", help="key file to create (never overwritten)")
+    p.set_defaults(func=cmd_keygen)
+    p = sub.add_parser("id", help="print the id of an identity key")
+    p.add_argument("file", help="key file")
+    p.set_defaults(func=cmd_id)
+
+
+def cmd_keygen(args) -> int:
+    from moe.identity.keys import generate
+
+    print(generate(args.file).id)
+    return EXIT_OK
+
+
+def cmd_id(args) -> int:
+    from moe.identity.keys import load
+
+    print(load(args.file).id)
+    return EXIT_OK
+
+
+def client_config(args, **fields):
+    """The RemoteConfig of a client command: its key (--key, or the default one) unless
+    --insecure."""
+    from coordinator.remote.config import RemoteConfig
+    from moe.identity.keys import client_identity
+
+    identity = None if args.insecure else client_identity(args.key)
+    return RemoteConfig(identity=identity, **fields)
 
 
 def add_shard(sub) -> None:
@@ -63,16 +116,20 @@ def cmd_shard(args) -> int:
 
 def add_health(sub) -> None:
     p = sub.add_parser("health", help="grpc.health.v1 check of a node (exit 0 if SERVING)")
-    p.add_argument("addr", help="HOST:PORT")
+    p.add_argument("addr", help="[ID@]HOST:PORT (with an id, the node must present that key)")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds")
+    add_client_identity(p)
     p.set_defaults(func=cmd_health)
 
 
 def cmd_health(args) -> int:
     from coordinator.remote.report import check_health
+    from moe.identity.tls import client_tls
 
-    status = check_health(args.addr, args.timeout)
-    print(f"{args.addr}: {status}")
+    config = client_config(args)
+    tls = None if config.identity is None else client_tls(config.identity)
+    status, node_id = check_health(args.addr, tls, args.timeout)
+    print(f"{args.addr}: {status}" + (f" (node {node_id})" if node_id else ""))
     return EXIT_OK if status == "SERVING" else EXIT_INTERNAL
 
 
@@ -85,9 +142,23 @@ def add_cluster(sub) -> None:
 
 def add_peer_options(p, required: bool) -> None:
     peers = p.add_mutually_exclusive_group(required=required)
-    peers.add_argument("--peers", help="experts on remote nodes: HOST:PORT,HOST:PORT,...")
+    peers.add_argument(
+        "--peers", help="experts on remote nodes, pinned by key id: ID@HOST:PORT,ID@HOST:PORT,..."
+    )
     peers.add_argument("--discover", action="store_true", help="find nodes with zeroconf")
     p.add_argument("--discover-timeout", type=float, default=2.0, help="seconds to browse")
+    add_client_identity(p)
+
+
+def add_client_identity(p) -> None:
+    p.add_argument(
+        "--key",
+        help="this client's identity key (default: key.pem in $MOESHARD_HOME or "
+        "~/.config/moeshard, made on first use)",
+    )
+    p.add_argument(
+        "--insecure", action="store_true", help="plaintext to nodes on loopback (debugging)"
+    )
 
 
 def cmd_cluster(args) -> int:
@@ -96,6 +167,8 @@ def cmd_cluster(args) -> int:
     from moe.model.model_dir import ModelDir
 
     model = ModelDir(args.model)
-    peers = resolve_peers(model.model_id, args.peers, args.discover, args.discover_timeout)
-    print(describe_cluster(model, peers))
+    peers = resolve_peers(
+        model.model_id, args.peers, args.discover, args.discover_timeout, args.insecure
+    )
+    print(describe_cluster(model, peers, client_config(args)))
     return EXIT_OK

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe.errors import MoeshardError
+from moe.identity.keys import Identity
 
 
 class RemoteError(MoeshardError):
@@ -24,6 +25,7 @@ class RemoteConfig:
     probe_interval_s: float = 0.2  # how often the prober looks for banned nodes due a probe
     prefetch: bool = True  # forward next-layer prefetch hints to the nodes
     degrade: bool = False  # drop experts no live node holds (renormalising) instead of failing
+    identity: Identity | None = None  # this client's key (mutual TLS); None = --insecure
 
     def check(self) -> None:
         if self.wire_dtype not in ("f32", "bf16"):

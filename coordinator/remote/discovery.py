@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from zeroconf import IPVersion, ServiceBrowser, ServiceStateChange, Zeroconf
 
+from coordinator.remote.transport import PeerSpec, parse_peers
 from moe.errors import StoreError
 from moe.storage.manifest import FORMAT_VERSION
 from moe.wire.constants import SERVICE_TYPE
@@ -21,11 +22,16 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Discovered:
-    node_id: str
+    node_id: str  # the id of the node's key, as announced (the TLS handshake must match it)
     addr: str  # host:port to dial
+    name: str  # the node's display name
     model_id: str
     format_version: int
     txt: dict = field(default_factory=dict)
+
+    @property
+    def spec(self) -> PeerSpec:
+        return PeerSpec(self.addr, self.node_id)
 
 
 def _txt(info) -> dict[str, str]:
@@ -74,15 +80,17 @@ def _resolve(zc: Zeroconf, name: str, model_id: str | None) -> Discovered | None
         return None
     txt = _txt(info)
     node = Discovered(
-        node_id=txt.get("node_id", name),
+        node_id=txt.get("node_id", ""),
         addr=f"{socket.inet_ntoa(info.addresses[0])}:{info.port}",
+        name=txt.get("name", name.removesuffix("." + SERVICE_TYPE)),
         model_id=txt.get("model_id", ""),
         format_version=int(txt.get("fmt", "0") or 0),
         txt=txt,
     )
     if model_id is not None and node.model_id != model_id:
         log.warning(
-            "discovery: ignoring node %s at %s: model id %s differs from %s",
+            "discovery: ignoring node %s (%s) at %s: model id %s differs from %s",
+            node.name,
             node.node_id,
             node.addr,
             node.model_id[:16],
@@ -91,7 +99,8 @@ def _resolve(zc: Zeroconf, name: str, model_id: str | None) -> Discovered | None
         return None
     if node.format_version != FORMAT_VERSION:
         log.warning(
-            "discovery: ignoring node %s at %s: format version %d, ours is %d",
+            "discovery: ignoring node %s (%s) at %s: format version %d, ours is %d",
+            node.name,
             node.node_id,
             node.addr,
             node.format_version,
@@ -138,20 +147,21 @@ class Watcher:
 
 
 def resolve_peers(
-    model_id: str, peers: str | None, discover: bool, discover_timeout: float = 2.0
-) -> list[str]:
-    """HOST:PORT addresses of the expert nodes: from a comma-separated list or zeroconf."""
+    model_id: str,
+    peers: str | None,
+    discover: bool,
+    discover_timeout: float = 2.0,
+    insecure: bool = False,
+) -> list[PeerSpec]:
+    """The expert nodes to use: `--peers ID@HOST:PORT,...`, or zeroconf's announcements (each
+    node pinned by the id it announces)."""
     if peers:
-        addrs = [a.strip() for a in peers.split(",") if a.strip()]
-        bad = [a for a in addrs if not a.rpartition(":")[2].isdigit()]
-        if bad:
-            raise StoreError(f"--peers: '{bad[0]}' is not HOST:PORT")
-        return addrs
+        return parse_peers(peers, insecure)
     if discover:
-        addrs = [n.addr for n in browse(model_id, discover_timeout)]
-        if not addrs:
+        specs = [n.spec for n in browse(model_id, discover_timeout)]
+        if not specs:
             raise StoreError(
                 f"zeroconf found no node serving model {model_id[:16]} in {discover_timeout} s"
             )
-        return addrs
+        return specs
     raise StoreError("no expert nodes: give --peers or --discover")

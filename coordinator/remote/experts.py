@@ -21,7 +21,7 @@ import numpy as np
 
 from coordinator.remote.config import RemoteConfig, RemoteError
 from coordinator.remote.peers import Peer, PeerSet
-from coordinator.remote.transport import ForwardStream, StreamCall, UnaryCall
+from coordinator.remote.transport import ForwardStream, PeerSpec, StreamCall, UnaryCall
 from moe.experts.backend import ExpertsBase, PrefetchHint
 from moe.experts.compute import combine
 from moe.wire import codec
@@ -55,14 +55,14 @@ class RemoteExperts(ExpertsBase):
         self,
         model_id: str,
         hidden_size: int,
-        addrs: list[str],
+        specs: list[PeerSpec],
         config: RemoteConfig | None = None,
     ):
         self.model_id, self.hidden_size = model_id, hidden_size
         self.config = config or RemoteConfig()
         self.config.check()
         self.wire_dtype = codec.BY_NAME[self.config.wire_dtype]
-        self.peers = PeerSet(model_id, hidden_size, addrs, self.config)
+        self.peers = PeerSet(model_id, hidden_size, specs, self.config)
         self.bytes_sent = 0
         self.bytes_received = 0
         self.layer_calls = 0
@@ -71,9 +71,9 @@ class RemoteExperts(ExpertsBase):
         self.layer_ms: list[float] = []  # fan-out wall time of each layer call
         self._pending_hints: set = set()
 
-    def add_peer(self, addr: str) -> bool:
+    def add_peer(self, spec: PeerSpec) -> bool:
         """A node found after start-up (zeroconf): admitted if it serves this model."""
-        return self.peers.add(addr)
+        return self.peers.add(spec)
 
     def live_peers(self) -> list[Peer]:
         return self.peers.live()
@@ -285,6 +285,7 @@ class RemoteExperts(ExpertsBase):
                 {
                     "addr": p.addr,
                     "node_id": p.node_id,
+                    "name": p.name,
                     "up": p.up,
                     "calls": p.calls,
                     "failures": p.failures,

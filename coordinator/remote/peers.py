@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from coordinator.remote.config import RemoteConfig, RemoteError
-from coordinator.remote.transport import ForwardStream, Watchdog, open_channel
+from coordinator.remote.transport import ForwardStream, PeerSpec, PinError, Watchdog, dial
+from moe.identity.tls import TLSMaterial, client_tls
 from moe.storage.manifest import FORMAT_VERSION
 from moe.wire import health_pb2, health_pb2_grpc
 from moe.wire import moeshard_pb2 as pb
@@ -30,11 +31,12 @@ LATENCY_HISTORY = 4096  # round trips kept per node
 
 @dataclass
 class Peer:
-    addr: str
-    channel: grpc.Channel
-    stub: pb_grpc.ExpertNodeStub
-    health: health_pb2_grpc.HealthStub
+    spec: PeerSpec  # the address and the pinned node id
+    channel: grpc.Channel | None = None  # None until a TLS handshake has shown the node's key
+    stub: pb_grpc.ExpertNodeStub | None = None
+    health: health_pb2_grpc.HealthStub | None = None
     node_id: str = ""
+    name: str = ""  # the node's display name (from Info)
     held: set = field(default_factory=set)  # (layer, expert) the node serves
     ewma_ms: float = 1.0  # smoothed round trip of a Forward call
     overhead_ms: float = 1.0  # smoothed round trip minus the node's compute time
@@ -49,12 +51,30 @@ class Peer:
     last_used: float = 0.0  # monotonic time of the last Forward sent to it
     last_ping: float = 0.0  # monotonic time of the last idle-refresh ping
 
-    @classmethod
-    def connect(cls, addr: str) -> Peer:
-        channel = open_channel(addr)
-        return cls(
-            addr, channel, pb_grpc.ExpertNodeStub(channel), health_pb2_grpc.HealthStub(channel)
-        )
+    @property
+    def addr(self) -> str:
+        return self.spec.addr
+
+    @property
+    def label(self) -> str:
+        """How logs name the node: its name (once known) or id, and its address."""
+        return f"{self.name or self.node_id or '?'} ({self.addr})"
+
+    def dial(self, tls: TLSMaterial | None, timeout: float) -> None:
+        """(Re)open the channel: a fresh handshake checks the node's key against the pin (a
+        restarted node has a new TLS certificate for the same key). PinError, OSError."""
+        channel, node_id = dial(self.spec, tls, timeout)
+        if self.channel is not None:
+            self.channel.close()
+        self.channel, self.node_id = channel, node_id or self.node_id
+        self.stub = pb_grpc.ExpertNodeStub(channel)
+        self.health = health_pb2_grpc.HealthStub(channel)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+        if self.channel is not None:
+            self.channel.close()
 
     def holds(self, layer: int, expert: int) -> bool:
         return (layer, expert) in self.held
@@ -68,70 +88,82 @@ class Peer:
 class PeerSet:
     """The nodes of one generation; thread-safe (the prober shares the peers' state)."""
 
-    def __init__(self, model_id: str, hidden_size: int, addrs: list[str], config: RemoteConfig):
+    def __init__(
+        self, model_id: str, hidden_size: int, specs: list[PeerSpec], config: RemoteConfig
+    ):
         self.model_id, self.hidden_size, self.config = model_id, hidden_size, config
+        self.tls = None if config.identity is None else client_tls(config.identity)
         self.lock = threading.Lock()
         self.peers: list[Peer] = []
         self.ignored: dict[str, str] = {}  # addr -> why it is not used
         self.watchdog = Watchdog()
-        for addr in dict.fromkeys(addrs):
-            self._connect(addr)
+        for spec in dict.fromkeys(specs):
+            self._connect(spec)
         if not any(p.up for p in self.peers):
             for peer in self.peers:
-                self.ignored[peer.addr] = "unreachable"
-                peer.channel.close()
+                self.ignored.setdefault(peer.addr, "unreachable")
+                peer.close()
             reasons = "; ".join(f"{a}: {r}" for a, r in self.ignored.items()) or "none given"
             raise RemoteError(f"no usable expert nodes ({reasons})")
         self._stop = threading.Event()
         self._prober = threading.Thread(target=self._probe_loop, name="node-prober", daemon=True)
         self._prober.start()
 
-    def _connect(self, addr: str) -> None:
-        peer = Peer.connect(addr)
+    def _connect(self, spec: PeerSpec) -> None:
+        peer = Peer(spec, node_id=spec.node_id)
         try:
+            peer.dial(self.tls, self.config.connect_timeout_s)
             why = self.admit(peer, self.config.connect_timeout_s)
-        except grpc.RpcError as exc:
+        except PinError as exc:
+            log.warning("ignoring node %s: %s", spec.addr, exc)
+            self.ignored[spec.addr] = str(exc)
+            peer.close()
+            return
+        except (grpc.RpcError, OSError) as exc:
             # Reachable later, perhaps: keep it banned and let the prober try.
-            log.warning("node %s unreachable at start (%s); will retry", addr, exc.code().name)
+            log.warning("node %s unreachable at start (%s); will retry", spec, _reason(exc))
             peer.backoff_s = self.config.backoff_s
             peer.retry_at = time.monotonic() + peer.backoff_s
             self.peers.append(peer)
             return
         if why:
-            log.warning("ignoring node %s: %s", addr, why)
-            self.ignored[addr] = why
-            peer.channel.close()
+            log.warning("ignoring node %s: %s", spec, why)
+            self.ignored[spec.addr] = why
+            peer.close()
             return
         self.peers.append(peer)
 
-    def add(self, addr: str) -> bool:
+    def add(self, spec: PeerSpec) -> bool:
         """Admit a node that appeared after start-up (fed by zeroconf's `Watcher`); True if
         it is now used. A known address is skipped, and so is a node whose id is already up
         at another address (a node on all interfaces is announced under each)."""
         with self.lock:
-            if addr in self.ignored or any(p.addr == addr for p in self.peers):
+            if spec.addr in self.ignored or any(p.addr == spec.addr for p in self.peers):
                 return False
-        peer = Peer.connect(addr)
+        peer = Peer(spec, node_id=spec.node_id)
         try:
+            peer.dial(self.tls, self.config.connect_timeout_s)
             why = self.admit(peer, self.config.connect_timeout_s)
-        except grpc.RpcError as exc:
-            why = f"unreachable ({exc.code().name})"  # announced but not answering: skip it
+        except (grpc.RpcError, OSError, PinError) as exc:
+            why = f"unreachable or not the announced key ({_reason(exc)})"
         with self.lock:
             if not why and any(p.up and p.node_id == peer.node_id for p in self.peers):
                 why = f"node {peer.node_id} is already used at another address"
             elif not why:
                 self.peers.append(peer)
         if why:
-            log.info("discovered node %s not added: %s", addr, why)
-            peer.channel.close()
+            log.info("discovered node %s not added: %s", spec, why)
+            peer.close()
             return False
-        log.warning("node %s (%s) joined: %d experts", peer.node_id, addr, len(peer.held))
+        log.warning("node %s joined: %d experts", peer.label, len(peer.held))
         return True
 
     def admit(self, peer: Peer, timeout: float) -> str:
         """Info call: '' and the peer marked up if it serves this model, else the reason."""
         info = peer.stub.Info(pb.InfoRequest(), timeout=timeout)  # also sets up the connection
         rtt_ms = min(peer.ping_ms(timeout) for _ in range(3))
+        if peer.spec.node_id and info.node_id != peer.spec.node_id:
+            return f"Info names node {info.node_id}, not the pinned {peer.spec.node_id}"
         if info.model_id != self.model_id:
             return f"model id {info.model_id[:16]} differs from ours {self.model_id[:16]}"
         if info.format_version != FORMAT_VERSION:
@@ -140,11 +172,11 @@ class PeerSet:
             return f"hidden size {info.hidden_size}, ours is {self.hidden_size}"
         held = {(h.layer, e) for h in info.holdings for e in h.experts}
         with self.lock:
-            peer.node_id, peer.held = info.node_id, held
+            peer.node_id, peer.name, peer.held = info.node_id, info.name, held
             if not peer.latencies_ms:
                 peer.ewma_ms = peer.overhead_ms = rtt_ms
             peer.up, peer.backoff_s = True, 0.0
-        log.info("node %s (%s): %d experts, %.2f ms", peer.node_id, peer.addr, len(held), rtt_ms)
+        log.info("node %s: id %s, %d experts, %.2f ms", peer.label, peer.node_id, len(held), rtt_ms)
         return ""
 
     def refresh(self, peer: Peer) -> None:
@@ -167,9 +199,7 @@ class PeerSet:
             peer.failures += 1
             peer.backoff_s = self.config.backoff_s
             peer.retry_at = time.monotonic() + peer.backoff_s
-        log.warning(
-            "node %s (%s) banned for %.1f s: %s", peer.node_id, peer.addr, peer.backoff_s, reason
-        )
+        log.warning("node %s banned for %.1f s: %s", peer.label, peer.backoff_s, reason)
 
     def live(self) -> list[Peer]:
         with self.lock:
@@ -214,13 +244,17 @@ class PeerSet:
 
     def _probe(self, peer: Peer) -> None:
         try:
+            if peer.channel is None or self.tls is not None:  # a restarted node: new cert
+                peer.dial(self.tls, 1.0)
             reply = peer.health.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
             serving = reply.status == health_pb2.HealthCheckResponse.SERVING
             why = self.admit(peer, 1.0) if serving else "not serving"
         except grpc.RpcError as exc:
             why = exc.code().name
+        except (OSError, PinError) as exc:
+            why = _reason(exc)
         if not why:
-            log.warning("node %s (%s) re-admitted", peer.node_id, peer.addr)
+            log.warning("node %s re-admitted", peer.label)
             return
         with self.lock:
             peer.backoff_s = min(
@@ -233,6 +267,10 @@ class PeerSet:
         self._stop.set()
         self._prober.join(timeout=2)
         for peer in self.peers:
-            if peer.stream is not None:
-                peer.stream.close()
-            peer.channel.close()
+            peer.close()
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, grpc.RpcError):
+        return exc.code().name
+    return str(exc) or type(exc).__name__

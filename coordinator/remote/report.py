@@ -2,33 +2,43 @@
 
 from __future__ import annotations
 
+import ssl
 import statistics
 import time
 from collections import defaultdict
 
 import grpc
 
+from coordinator.remote.config import RemoteConfig
 from coordinator.remote.experts import RemoteExperts
-from coordinator.remote.transport import open_channel
+from coordinator.remote.transport import PeerSpec, dial
+from moe.identity.tls import TLSMaterial
 from moe.wire import health_pb2, health_pb2_grpc
 
 
-def check_health(addr: str, timeout: float = 2.0) -> str:
-    """grpc.health.v1 Check of `addr`: 'SERVING', 'NOT_SERVING', ... or 'UNREACHABLE (...)'."""
-    with open_channel(addr) as channel:
+def check_health(addr: str, tls: TLSMaterial | None, timeout: float = 2.0) -> tuple[str, str]:
+    """grpc.health.v1 Check of `addr` ('[ID@]HOST:PORT'): ('SERVING', 'NOT_SERVING', ... or
+    'UNREACHABLE (...)', the node's id). Over TLS the handshake shows the node's key (and
+    refuses a pinned id it does not match); `tls` None is plaintext (loopback only)."""
+    node_id, _, hostport = addr.rpartition("@")
+    try:
+        channel, seen = dial(PeerSpec(hostport, node_id), tls, timeout)
+    except (OSError, ssl.SSLError) as exc:
+        return f"UNREACHABLE ({exc})", ""
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
         except grpc.RpcError as exc:
-            return f"UNREACHABLE ({exc.code().name}: {exc.details()})"
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            return f"UNREACHABLE ({exc.code().name}: {exc.details()})", seen
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status), seen
 
 
-def describe_cluster(model, addrs: list[str], pings: int = 5) -> str:
+def describe_cluster(model, specs: list[PeerSpec], config: RemoteConfig, pings: int = 5) -> str:
     """Text report: live nodes, what they hold, coverage of the model's experts, latency."""
-    remote = RemoteExperts(model.model_id, model.config.hidden_size, addrs)
+    remote = RemoteExperts(model.model_id, model.config.hidden_size, specs, config)
     try:
-        lines = [f"model {model.model_id[:16]}: {len(addrs)} node address(es)"]
+        lines = [f"model {model.model_id[:16]}: {len(specs)} node address(es)"]
         for peer in remote.peers.peers:
             times = []
             for _ in range(pings if peer.up else 0):

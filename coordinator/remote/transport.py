@@ -1,4 +1,4 @@
-"""How Forward calls travel: channels, unary futures and persistent bidirectional streams.
+"""How Forward calls travel: pinned TLS channels, unary futures, persistent bidi streams.
 
 A `ForwardStream` per node carries every Forward of a generation as messages on one HTTP/2
 stream (about half the per-call cost of a unary call); replies come back in request order. A
@@ -8,12 +8,18 @@ stream reply has no gRPC deadline of its own, so `StreamCall` registers its dead
 
 from __future__ import annotations
 
+import ipaddress
 import queue
+import socket
 import threading
 import time
+from dataclasses import dataclass
 
 import grpc
 
+from moe.errors import MoeshardError
+from moe.identity.keys import looks_like_id
+from moe.identity.tls import TLS_NAME, TLSMaterial, fetch_node_identity
 from moe.wire import moeshard_pb2_grpc as pb_grpc
 from moe.wire.constants import MAX_MESSAGE_BYTES
 
@@ -27,8 +33,71 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def open_channel(addr: str) -> grpc.Channel:
-    return grpc.insecure_channel(addr, options=CHANNEL_OPTIONS)
+class PinError(MoeshardError):
+    """A node presented another key than the one pinned for it."""
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    """Where a node is and which key it must present ("" with --insecure: nothing pinned)."""
+
+    addr: str  # HOST:PORT
+    node_id: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.node_id}@{self.addr}" if self.node_id else self.addr
+
+
+def parse_peers(text: str, insecure: bool) -> list[PeerSpec]:
+    """`--peers ID@HOST:PORT,...` (plain HOST:PORT only with --insecure)."""
+    specs = []
+    for item in (i.strip() for i in text.split(",")):
+        if not item:
+            continue
+        node_id, _, addr = item.rpartition("@")
+        if not addr.rpartition(":")[2].isdigit():
+            raise MoeshardError(f"--peers: '{item}' is not ID@HOST:PORT")
+        if node_id and not looks_like_id(node_id):
+            raise MoeshardError(f"--peers: '{node_id}' is not a node id (`moeshard id KEY`)")
+        if not node_id and not insecure:
+            raise MoeshardError(
+                f"--peers: '{item}' names no node id: nodes are pinned by the id of their key "
+                f"(ID@HOST:PORT; the node prints it), or use --insecure on loopback"
+            )
+        specs.append(PeerSpec(addr, node_id))
+    if not specs:
+        raise MoeshardError("--peers: no addresses given")
+    return specs
+
+
+def _split(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback_addr(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(_split(addr)[0])).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def dial(spec: PeerSpec, tls: TLSMaterial | None, timeout: float) -> tuple[grpc.Channel, str]:
+    """A channel to the node and the id it proved. With `tls`: a TLS 1.3 handshake fetches
+    the node's certificate and checks its key against the pinned id (PinError naming both),
+    then the channel trusts exactly that certificate. Without: plaintext, loopback only.
+    OSError / ssl.SSLError when the node cannot be reached over TLS."""
+    if tls is None:
+        if not is_loopback_addr(spec.addr):
+            raise MoeshardError(f"--insecure is plaintext: loopback only, not {spec.addr}")
+        return grpc.insecure_channel(spec.addr, options=CHANNEL_OPTIONS), spec.node_id
+    host, port = _split(spec.addr)
+    node_id, cert = fetch_node_identity(host, port, tls, timeout)
+    if spec.node_id and node_id != spec.node_id:
+        raise PinError(f"node at {spec.addr} presents key {node_id}, not the pinned {spec.node_id}")
+    credentials = grpc.ssl_channel_credentials(cert, tls.key, tls.chain)
+    options = [*CHANNEL_OPTIONS, ("grpc.ssl_target_name_override", TLS_NAME)]
+    return grpc.secure_channel(spec.addr, credentials, options=options), node_id
 
 
 class UnaryCall:

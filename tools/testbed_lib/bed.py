@@ -29,6 +29,7 @@ class Bed:
     work: Path
     deadline: float
     discover_timeout: float
+    client: str  # the coordinator's key id: the one client the nodes allow
     procs: dict = field(default_factory=dict)  # name -> Popen
     logs: dict = field(default_factory=dict)  # name -> log path
     delay_mode: str = ""
@@ -46,9 +47,10 @@ class Bed:
     # -- processes --------------------------------------------------------------------------
 
     def start_node(self, host: str, shard_dir: Path, node_id: str) -> None:
+        """A node daemon named `node_id` (its id proper is its key's, kept in `shard_dir`)."""
         path = self.work / f"node-{node_id}.log"
         argv = [*MOESHARD, "node", str(shard_dir), "--host", self.addr(host), "--port", str(PORT)]
-        argv += ["--node-id", node_id]
+        argv += ["--name", node_id, "--allow", self.client]
         out = open(path, "ab")  # noqa: SIM115 (kept open for the daemon's lifetime)
         # `ip netns exec` execs the command, so the Popen pid is the daemon's own pid.
         self.procs[node_id] = subprocess.Popen(

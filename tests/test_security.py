@@ -1,0 +1,167 @@
+"""Identity and mutual TLS on loopback: keys and ids, pinning, the allow list, plaintext refused."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import stat
+import subprocess
+import sys
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from helpers import ROOT, client_key
+
+from coordinator.remote.transport import PeerSpec, PinError, dial, parse_peers
+from moe.errors import MoeshardError
+from moe.identity import keys, tls
+from moe.identity.tls import TLS_NAME, certificate_identity, client_tls, node_tls
+from moe.wire import health_pb2, health_pb2_grpc
+from moe.wire import moeshard_pb2 as pb
+from moe.wire import moeshard_pb2_grpc as pb_grpc
+from node.daemon import Node, NodeConfig
+
+
+def cli(*args, home):
+    env = dict(os.environ, MOESHARD_HOME=str(home))
+    cmd = [sys.executable, "-m", "coordinator.cli", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+
+
+def test_keygen_writes_a_private_key_and_id_prints_its_id(tmp_path):
+    path = tmp_path / "k.pem"
+    made = cli("keygen", path, home=tmp_path)
+    assert made.returncode == 0, made.stderr
+    key_id = made.stdout.strip()
+    assert keys.looks_like_id(key_id) and len(key_id) == keys.ID_LENGTH
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.read_text().startswith("-----BEGIN PRIVATE KEY-----")
+    shown = cli("id", path, home=tmp_path)
+    assert shown.returncode == 0 and shown.stdout.strip() == key_id
+    assert keys.load(path).id == key_id == keys.key_id(keys.load(path).public)
+    again = cli("keygen", path, home=tmp_path)  # never overwritten
+    assert again.returncode == 2 and "already exists" in again.stderr
+    assert cli("id", tmp_path / "missing.pem", home=tmp_path).returncode == 2
+    (tmp_path / "junk.pem").write_text("not a key")
+    assert "not a PEM private key" in cli("id", tmp_path / "junk.pem", home=tmp_path).stderr
+
+
+def test_ids_differ_per_key_and_a_forged_binding_is_refused(tmp_path):
+    """A certificate claiming b's identity key with a binding signed by a (an attacker who
+    knows b's public key but not its private key) is refused; so is one with no binding."""
+    a, b = keys.generate(tmp_path / "a"), keys.generate(tmp_path / "b")
+    assert a.id != b.id
+    assert certificate_identity(node_tls(a).chain) == a.id
+    tls_key = ec.generate_private_key(ec.SECP256R1())
+    spki = tls_key.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    forged = tls._der_binding(b.public_raw, a.sign(tls.BINDING_PREFIX + spki))
+    for extension in (forged, None):
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, b.id)])
+        now = datetime.datetime.now(datetime.UTC)
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(tls_key.public_key())
+            .serial_number(1)
+            .not_valid_before(now)
+            .not_valid_after(now + datetime.timedelta(days=1))
+        )
+        if extension is not None:
+            builder = builder.add_extension(
+                x509.UnrecognizedExtension(tls.BINDING_OID, extension), critical=False
+            )
+        cert = builder.sign(tls_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+        with pytest.raises(keys.IdentityError, match="forged|no moeshard identity"):
+            certificate_identity(cert)
+
+
+@pytest.fixture(scope="module")
+def tls_node(converted, tmp_path_factory):
+    """A node over mutual TLS that allows only the tests' client."""
+    key = tmp_path_factory.mktemp("node") / "node.pem"
+    node = Node(
+        NodeConfig(
+            path=str(converted("qwen3_moe")),
+            advertise=False,
+            name="tls",
+            key=str(key),
+            allow=frozenset({client_key().id}),
+        )
+    )
+    port = node.start()
+    yield node, f"127.0.0.1:{port}"
+    node.stop()
+
+
+def test_pinned_node_answers_and_sees_the_client_id(tls_node):
+    node, addr = tls_node
+    channel, seen = dial(PeerSpec(addr, node.identity.node_id), client_tls(client_key()), 5)
+    with channel:
+        info = pb_grpc.ExpertNodeStub(channel).Info(pb.InfoRequest(), timeout=5)
+    assert seen == info.node_id == node.identity.node_id and info.name == "tls"
+
+
+def test_a_node_with_another_key_than_pinned_is_refused_naming_both(tls_node, tmp_path):
+    node, addr = tls_node
+    other = keys.generate(tmp_path / "other").id
+    with pytest.raises(PinError) as err:
+        dial(PeerSpec(addr, other), client_tls(client_key()), 5)
+    assert node.identity.node_id in str(err.value) and other in str(err.value)
+
+
+def test_a_client_not_on_the_allow_list_is_refused(tls_node, tmp_path):
+    node, addr = tls_node
+    stranger = keys.generate(tmp_path / "stranger")
+    channel, _ = dial(PeerSpec(addr, node.identity.node_id), client_tls(stranger), 5)
+    with channel:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.ExpertNodeStub(channel).Info(pb.InfoRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert stranger.id in err.value.details()
+        # health is answered to any authenticated client
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_plaintext_to_a_tls_node_fails(tls_node):
+    _, addr = tls_node
+    with grpc.insecure_channel(addr) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.ExpertNodeStub(channel).Info(pb.InfoRequest(), timeout=3)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_tls_without_a_client_certificate_fails(tls_node):
+    node, addr = tls_node
+    pinned = node.tls.chain  # the node's own certificate: trusted, but we show no key of ours
+    creds = grpc.ssl_channel_credentials(pinned)
+    options = [("grpc.ssl_target_name_override", TLS_NAME)]
+    with grpc.secure_channel(addr, creds, options=options) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.ExpertNodeStub(channel).Info(pb.InfoRequest(), timeout=3)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_node_must_say_who_may_call_and_insecure_stays_on_loopback(converted):
+    path = str(converted("qwen3_moe"))
+    with pytest.raises(MoeshardError, match="--allow"):
+        Node(NodeConfig(path=path, advertise=False))
+    with pytest.raises(MoeshardError, match="loopback"):
+        Node(NodeConfig(path=path, advertise=False, host="0.0.0.0", insecure=True))
+
+
+def test_peers_must_be_pinned_unless_insecure_and_insecure_is_loopback_only():
+    with pytest.raises(MoeshardError, match="names no node id"):
+        parse_peers("127.0.0.1:5000", insecure=False)
+    assert parse_peers("127.0.0.1:5000", insecure=True) == [PeerSpec("127.0.0.1:5000")]
+    with pytest.raises(MoeshardError, match="not a node id"):
+        parse_peers("nope@127.0.0.1:5000", insecure=False)
+    with pytest.raises(MoeshardError, match="loopback"):
+        dial(PeerSpec("10.1.2.3:5000"), None, 1)
