@@ -3,6 +3,8 @@
 Service type `_moeshard._tcp.local.`; the instance name is the node's name. TXT records:
   node_id   the id of the node's key (clients pin it: the TLS handshake must present that key)
   name      the node's display name
+  pk, exp, sig  the node's public key, the record's expiry and its signature over all fields
+            (`moe.identity.signed`); unsigned, forged or expired records are ignored
   model_id  sha256 hex of the model its records belong to
   fmt       shard format version (moe.store.FORMAT_VERSION)
   wire      wire contract version
@@ -18,9 +20,12 @@ import hashlib
 import ipaddress
 import logging
 import socket
+import threading
 
 from zeroconf import IPVersion, ServiceInfo, Zeroconf
 
+from moe.identity.keys import Identity
+from moe.identity.signed import ANNOUNCE_TTL_S, sign_announcement
 from moe.wire.constants import SERVICE_TYPE
 
 log = logging.getLogger(__name__)
@@ -55,11 +60,12 @@ def advertised_addresses(host: str) -> list[str]:
 
 
 class Announcer:
-    """Registers the node's service on start(), unregisters it on close()."""
+    """Registers the node's signed service record on start(), re-signs it before it expires
+    (every ANNOUNCE_TTL_S / 2), unregisters it on close()."""
 
     def __init__(
         self,
-        node_id: str,
+        key: Identity,
         name: str,
         model_id: str,
         format_version: int,
@@ -68,30 +74,47 @@ class Announcer:
         host: str,
         port: int,
     ):
-        properties = {
-            "node_id": node_id,
+        self.key, self.name, self.host, self.port = key, name, host, port
+        self.fields = {
             "name": name,
             "model_id": model_id,
             "fmt": str(format_version),
             "wire": str(wire_version),
             **shard_summary(held),
         }
-        self.info = ServiceInfo(
-            SERVICE_TYPE,
-            f"{name}.{SERVICE_TYPE}",
-            addresses=[socket.inet_aton(a) for a in advertised_addresses(host)],
-            port=port,
-            properties=properties,
-            server=f"{name}.local.",
-        )
+        self.info = self._service_info()
         self.zeroconf: Zeroconf | None = None
+        self._stop = threading.Event()
+        self._refresher: threading.Thread | None = None
+
+    def _service_info(self) -> ServiceInfo:
+        return ServiceInfo(
+            SERVICE_TYPE,
+            f"{self.name}.{SERVICE_TYPE}",
+            addresses=[socket.inet_aton(a) for a in advertised_addresses(self.host)],
+            port=self.port,
+            properties=sign_announcement(self.key, self.fields),
+            server=f"{self.name}.local.",
+        )
 
     def start(self) -> None:
         self.zeroconf = Zeroconf(ip_version=IPVersion.V4Only)
         self.zeroconf.register_service(self.info, allow_name_change=True)
         log.info("advertising %s on port %d", self.info.name, self.info.port)
+        self._refresher = threading.Thread(target=self._refresh, name="announce", daemon=True)
+        self._refresher.start()
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(ANNOUNCE_TTL_S / 2):
+            fresh = self._service_info()
+            fresh.name = self.info.name  # the name zeroconf settled on at registration
+            self.zeroconf.update_service(fresh)
+            self.info = fresh
 
     def close(self) -> None:
+        self._stop.set()
+        if self._refresher is not None:
+            self._refresher.join(timeout=2)
         if self.zeroconf is not None:
             self.zeroconf.unregister_service(self.info)
             self.zeroconf.close()

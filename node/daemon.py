@@ -136,7 +136,7 @@ class Node:
             ram_budget=config.ram,
         )
         self.servicer = ExpertNodeServicer(
-            self.identity, held, make_backend(self.model, config.ram), access
+            self.identity, held, make_backend(self.model, config.ram), access, self.key
         )
         self.servicer.bad.update(bad)
         self.health = HealthServicer()
@@ -159,7 +159,7 @@ class Node:
             from node.announce import Announcer
 
             self.announcer = Announcer(
-                self.identity.node_id,
+                self.key,
                 self.identity.name,
                 self.identity.model_id,
                 FORMAT_VERSION,

@@ -19,6 +19,8 @@ import numpy as np
 
 from moe.errors import StoreError
 from moe.experts.backend import ExpertsBackend
+from moe.identity.keys import Identity
+from moe.identity.signed import sign_info
 from moe.wire import codec, health_pb2, health_pb2_grpc
 from moe.wire import moeshard_pb2 as pb
 from moe.wire import moeshard_pb2_grpc as pb_grpc
@@ -66,8 +68,10 @@ class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
         held: set[tuple[int, int]],
         backend: ExpertsBackend,
         access: AccessPolicy | None = None,
+        key: Identity | None = None,  # signs Info replies
     ):
         self.access = access or AccessPolicy(tls=False)
+        self.key = key
         self.identity = identity
         self.held = set(held)  # (layer, expert) records this node can compute
         self.bad: set[tuple[int, int]] = set()  # records that failed their checksum
@@ -94,7 +98,7 @@ class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
             inflight, served = self.inflight, self.served
         with self.compute_lock:  # the backend's counters change under this lock
             stats = {k: float(v) for k, v in self.backend.stats().items() if _is_number(v)}
-        return pb.NodeInfo(
+        info = pb.NodeInfo(
             node_id=ident.node_id,
             model_id=ident.model_id,
             format_version=ident.format_version,
@@ -110,6 +114,9 @@ class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
             stats=stats,
             name=ident.name,
         )
+        if self.key is not None:
+            sign_info(self.key, info, request.nonce)
+        return info
 
     def Forward(self, request, context):
         self._authorize(context)

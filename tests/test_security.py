@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import socket
 import stat
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
@@ -14,11 +17,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from helpers import ROOT, client_key
+from helpers import ROOT, client_key, wait_until
 
 from coordinator.remote.transport import PeerSpec, PinError, dial, parse_peers
 from moe.errors import MoeshardError
-from moe.identity import keys, tls
+from moe.identity import keys, signed, tls
 from moe.identity.tls import TLS_NAME, certificate_identity, client_tls, node_tls
 from moe.wire import health_pb2, health_pb2_grpc
 from moe.wire import moeshard_pb2 as pb
@@ -165,3 +168,93 @@ def test_peers_must_be_pinned_unless_insecure_and_insecure_is_loopback_only():
         parse_peers("nope@127.0.0.1:5000", insecure=False)
     with pytest.raises(MoeshardError, match="loopback"):
         dial(PeerSpec("10.1.2.3:5000"), None, 1)
+
+
+def test_announcements_are_signed_and_forged_or_expired_ones_fail(tmp_path):
+    node, other = keys.generate(tmp_path / "n"), keys.generate(tmp_path / "o")
+    fields = {"name": "n", "model_id": "ab" * 32, "fmt": "1", "wire": "1", "digest": "0" * 8}
+    record = signed.sign_announcement(node, fields)
+    assert signed.check_announcement(record) == ""
+    assert record["node_id"] == node.id
+    tampered = dict(record, model_id="cd" * 32)
+    assert "bad signature" in signed.check_announcement(tampered)
+    impostor = dict(record, node_id=other.id)  # claims another node's id with its own key
+    assert "not its key's" in signed.check_announcement(impostor)
+    unsigned = {k: v for k, v in record.items() if k not in ("sig", "pk")}
+    assert signed.check_announcement(unsigned) == "unsigned announcement"
+    old = signed.sign_announcement(node, fields, now=time.time() - 2 * signed.ANNOUNCE_TTL_S)
+    assert "expired" in signed.check_announcement(old)
+
+
+def test_forged_and_expired_announcements_are_ignored_by_discovery(tmp_path, caplog):
+    """Real zeroconf records on this machine: a forged one (another node's id), an expired
+    one and an unsigned one are ignored with one warning each; a good one is found."""
+    from zeroconf import IPVersion, ServiceInfo, Zeroconf
+
+    from coordinator.remote.discovery import browse
+    from moe.wire.constants import SERVICE_TYPE
+
+    good, victim = keys.generate(tmp_path / "g"), keys.generate(tmp_path / "v")
+    model_id = "e" * 64
+    fields = {"model_id": model_id, "fmt": "1", "wire": "1", "digest": "0" * 8}
+    tag = os.urandom(3).hex()
+    records = {
+        f"good-{tag}": signed.sign_announcement(good, dict(fields, name=f"good-{tag}")),
+        f"forged-{tag}": dict(
+            signed.sign_announcement(good, dict(fields, name=f"forged-{tag}")),
+            node_id=victim.id,
+        ),
+        f"expired-{tag}": signed.sign_announcement(
+            good, dict(fields, name=f"expired-{tag}"), now=time.time() - 3600
+        ),
+        f"unsigned-{tag}": dict(fields, name=f"unsigned-{tag}", node_id=good.id),
+    }
+    zc = Zeroconf(ip_version=IPVersion.V4Only)
+    infos = [
+        ServiceInfo(
+            SERVICE_TYPE,
+            f"{name}.{SERVICE_TYPE}",
+            addresses=[socket.inet_aton("127.0.0.1")],
+            port=9,
+            properties=props,
+            server=f"{name}.local.",
+        )
+        for name, props in records.items()
+    ]
+    try:
+        for info in infos:
+            zc.register_service(info)
+        with caplog.at_level(logging.WARNING):
+            found = wait_until(
+                lambda: [n for n in browse(model_id, 1.5) if n.name == f"good-{tag}"],
+                10,
+                0.0,
+                what="the good announcement",
+            )
+            browse(model_id, 1.0)  # a second browse: still one warning per record
+        assert found[0].node_id == good.id
+        names = {n.name for n in browse(model_id, 1.0)}
+        assert names == {f"good-{tag}"}
+        for kind, why in (("forged", "forged"), ("expired", "expired"), ("unsigned", "unsigned")):
+            warnings = [
+                r
+                for r in caplog.records
+                if f"{kind}-{tag}" in r.getMessage() and why in r.getMessage()
+            ]
+            assert len(warnings) == 1, kind
+    finally:
+        for info in infos:
+            zc.unregister_service(info)
+        zc.close()
+
+
+def test_info_is_signed_for_the_callers_nonce(tls_node):
+    node, addr = tls_node
+    channel, _ = dial(PeerSpec(addr, node.identity.node_id), client_tls(client_key()), 5)
+    with channel:
+        nonce = os.urandom(16)
+        info = pb_grpc.ExpertNodeStub(channel).Info(pb.InfoRequest(nonce=nonce), timeout=5)
+    assert signed.check_info(info, nonce) == ""
+    assert "does not verify" in signed.check_info(info, os.urandom(16))  # replayed
+    info.model_id = "0" * 64
+    assert "does not verify" in signed.check_info(info, nonce)  # altered

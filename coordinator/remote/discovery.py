@@ -14,6 +14,7 @@ from zeroconf import IPVersion, ServiceBrowser, ServiceStateChange, Zeroconf
 
 from coordinator.remote.transport import PeerSpec, parse_peers
 from moe.errors import StoreError
+from moe.identity.signed import check_announcement
 from moe.storage.manifest import FORMAT_VERSION
 from moe.wire.constants import SERVICE_TYPE
 
@@ -79,6 +80,10 @@ def _resolve(zc: Zeroconf, name: str, model_id: str | None) -> Discovered | None
         log.warning("discovery: %s did not resolve; skipped", name)
         return None
     txt = _txt(info)
+    why = check_announcement(txt)
+    if why:
+        _warn_once(name, why)
+        return None
     node = Discovered(
         node_id=txt.get("node_id", ""),
         addr=f"{socket.inet_ntoa(info.addresses[0])}:{info.port}",
@@ -108,6 +113,17 @@ def _resolve(zc: Zeroconf, name: str, model_id: str | None) -> Discovered | None
         )
         return None
     return node
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_once(name: str, why: str) -> None:
+    """One warning per service name and kind of reason (browses repeat, and so do records)."""
+    kind = why.split(" (")[0]
+    if (name, kind) not in _warned:
+        _warned.add((name, kind))
+        log.warning("discovery: ignoring %s: %s", name, why)
 
 
 class Watcher:

@@ -9,6 +9,7 @@ idle nodes, and ticks the stream watchdog.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ import grpc
 
 from coordinator.remote.config import RemoteConfig, RemoteError
 from coordinator.remote.transport import ForwardStream, PeerSpec, PinError, Watchdog, dial
+from moe.identity.signed import check_info
 from moe.identity.tls import TLSMaterial, client_tls
 from moe.storage.manifest import FORMAT_VERSION
 from moe.wire import health_pb2, health_pb2_grpc
@@ -160,8 +162,12 @@ class PeerSet:
 
     def admit(self, peer: Peer, timeout: float) -> str:
         """Info call: '' and the peer marked up if it serves this model, else the reason."""
-        info = peer.stub.Info(pb.InfoRequest(), timeout=timeout)  # also sets up the connection
+        nonce = os.urandom(16)
+        info = peer.stub.Info(pb.InfoRequest(nonce=nonce), timeout=timeout)  # also connects
         rtt_ms = min(peer.ping_ms(timeout) for _ in range(3))
+        forged = check_info(info, nonce)
+        if forged:
+            return forged
         if peer.spec.node_id and info.node_id != peer.spec.node_id:
             return f"Info names node {info.node_id}, not the pinned {peer.spec.node_id}"
         if info.model_id != self.model_id:
