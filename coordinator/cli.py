@@ -1,4 +1,5 @@
-"""The `moeshard` command line. Exit codes: 0 ok, 1 internal error, 2 bad input, 130 interrupted.
+"""The `moeshard` command line. Exit codes: 0 ok, 1 internal error, 2 bad input, 3 cluster
+incomplete (`cluster`), 130 interrupted.
 
 The subcommands live in `coordinator.commands` (one module per area); this module assembles
 the parser and maps errors to exit codes."""

@@ -4,11 +4,14 @@ The cluster fixtures are in conftest.py."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import subprocess
+import sys
 
 import grpc
 import pytest
-from helpers import PROMPT, TOKENS, client_key, wait_until
+from helpers import PROMPT, ROOT, TOKENS, client_key, wait_until
 
 from coordinator.generate import SamplingOptions, generate
 from coordinator.remote.config import RemoteConfig
@@ -153,3 +156,21 @@ def test_node_started_later_joins_a_running_generation(converted, tmp_path):
         if late is not None:
             late.stop()
         early.stop()
+
+
+def test_cluster_report_waits_for_the_expected_nodes_and_flags_missing_experts(
+    cluster_model, cluster
+):
+    """`cluster --discover --expect 3` finds the three nodes (none missed on a first browse)
+    and exits 0; one node alone of a two-replica split leaves experts uncovered: exit 3."""
+    cli = [sys.executable, "-m", "coordinator.cli", "cluster", str(cluster_model)]
+    key = ["--key", str(CLIENT.path)]
+    run = functools.partial(subprocess.run, capture_output=True, text=True, cwd=ROOT)
+    full = run([*cli, "--discover", "--expect", "3", "--discover-timeout", "1", *key])
+    assert full.returncode == 0, full.stderr
+    assert all(n.node_id in full.stdout for n in cluster)
+    assert "0 with 0 live replicas" in full.stdout
+    one = run([*cli, "--peers", str(cluster[0].spec), *key])
+    assert one.returncode == 3 and "have no live node" in one.stderr
+    missing = run([*cli, "--discover", "--expect", "9", "--discover-timeout", "0.5", *key])
+    assert missing.returncode == 2 and "of the 9 expected nodes" in missing.stderr

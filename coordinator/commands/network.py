@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from coordinator.commands import EXIT_INTERNAL, EXIT_OK
+from coordinator.commands import EXIT_INTERNAL, EXIT_OK, EXIT_UNCOVERED
+from moe.errors import MoeshardError
 
 
 def add_node(sub) -> None:
@@ -134,9 +135,19 @@ def cmd_health(args) -> int:
 
 
 def add_cluster(sub) -> None:
-    p = sub.add_parser("cluster", help="live nodes, what they hold, coverage, latency")
+    p = sub.add_parser(
+        "cluster",
+        help="live nodes, what they hold, coverage, latency (exit 3 if an expert has no live node)",
+    )
     p.add_argument("model", help="the coordinator's model directory")
     add_peer_options(p, required=True)
+    p.add_argument(
+        "--expect",
+        type=int,
+        metavar="N",
+        help="with --discover: browse until N nodes are found (default: until no new one "
+        "appears for --discover-timeout)",
+    )
     p.set_defaults(func=cmd_cluster)
 
 
@@ -166,9 +177,21 @@ def cmd_cluster(args) -> int:
     from coordinator.remote.report import describe_cluster
     from moe.model.model_dir import ModelDir
 
+    if args.expect is not None and (args.expect < 1 or not args.discover):
+        raise MoeshardError("--expect N needs --discover and N >= 1")
     model = ModelDir(args.model)
     peers = resolve_peers(
-        model.model_id, args.peers, args.discover, args.discover_timeout, args.insecure
+        model.model_id,
+        args.peers,
+        args.discover,
+        args.discover_timeout,
+        args.insecure,
+        expect=args.expect,
+        settle=True,
     )
-    print(describe_cluster(model, peers, client_config(args)))
+    text, uncovered = describe_cluster(model, peers, client_config(args))
+    print(text)
+    if uncovered:
+        print(f"moeshard: {uncovered} experts have no live node", file=sys.stderr)
+        return EXIT_UNCOVERED
     return EXIT_OK

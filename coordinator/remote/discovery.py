@@ -44,11 +44,21 @@ def _txt(info) -> dict[str, str]:
     return out
 
 
-def browse(model_id: str | None, timeout: float = 2.0) -> list[Discovered]:
-    """Browse `_moeshard._tcp.local.` for `timeout` seconds; nodes of model `model_id`.
+def browse(
+    model_id: str | None,
+    timeout: float = 2.0,
+    expect: int | None = None,
+    settle: bool = False,
+    max_s: float | None = None,
+) -> list[Discovered]:
+    """Nodes of model `model_id` (all models: None) announced on `_moeshard._tcp.local.`.
 
-    Nodes advertising another model id or format version are left out with a warning.
+    Browses for `timeout` seconds; with `settle`, then on until a further `timeout` finds no
+    new node; with `expect`, until that many nodes of the model are found. Never longer than
+    `max_s` (default: 10 x `timeout`, at least 5 s). Nodes of another model or format, and bad
+    records, are left out with a warning.
     """
+    max_s = max(10 * timeout, 5.0) if max_s is None else max_s
     names: set[str] = set()
 
     def on_change(zeroconf, service_type, name, state_change) -> None:
@@ -58,18 +68,27 @@ def browse(model_id: str | None, timeout: float = 2.0) -> list[Discovered]:
             names.discard(name)
 
     zc = Zeroconf(ip_version=IPVersion.V4Only)
-    found: list[Discovered] = []
+    found: dict[str, Discovered] = {}
     try:
         browser = ServiceBrowser(zc, SERVICE_TYPE, handlers=[on_change])
+        start = time.monotonic()
         time.sleep(timeout)
+        while True:
+            before = len(found)
+            for name in sorted(names - set(found)):
+                node = _resolve(zc, name, model_id)
+                if node is not None:
+                    found[name] = node
+            enough = expect is not None and len(found) >= expect
+            quiet = settle and expect is None and len(found) == before
+            waited = time.monotonic() - start
+            if enough or quiet or (not settle and expect is None) or waited >= max_s:
+                break
+            time.sleep(min(timeout, max(max_s - waited, 0.0)))
         browser.cancel()
-        for name in sorted(names):
-            node = _resolve(zc, name, model_id)
-            if node is not None:
-                found.append(node)
     finally:
         zc.close()
-    return found
+    return [found[name] for name in sorted(found)]
 
 
 def _resolve(zc: Zeroconf, name: str, model_id: str | None) -> Discovered | None:
@@ -168,13 +187,21 @@ def resolve_peers(
     discover: bool,
     discover_timeout: float = 2.0,
     insecure: bool = False,
+    expect: int | None = None,
+    settle: bool = False,
 ) -> list[PeerSpec]:
     """The expert nodes to use: `--peers ID@HOST:PORT,...`, or zeroconf's announcements (each
-    node pinned by the id it announces)."""
+    node pinned by the id it announces; `expect`/`settle`: see `browse`)."""
     if peers:
         return parse_peers(peers, insecure)
     if discover:
-        specs = [n.spec for n in browse(model_id, discover_timeout)]
+        nodes = browse(model_id, discover_timeout, expect, settle)
+        if expect is not None and len(nodes) < expect:
+            raise StoreError(
+                f"zeroconf found {len(nodes)} of the {expect} expected nodes of model "
+                f"{model_id[:16]}"
+            )
+        specs = [n.spec for n in nodes]
         if not specs:
             raise StoreError(
                 f"zeroconf found no node serving model {model_id[:16]} in {discover_timeout} s"

@@ -34,8 +34,11 @@ def check_health(addr: str, tls: TLSMaterial | None, timeout: float = 2.0) -> tu
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status), seen
 
 
-def describe_cluster(model, specs: list[PeerSpec], config: RemoteConfig, pings: int = 5) -> str:
-    """Text report: live nodes, what they hold, coverage of the model's experts, latency."""
+def describe_cluster(
+    model, specs: list[PeerSpec], config: RemoteConfig, pings: int = 5
+) -> tuple[str, int]:
+    """Text report (live nodes, what they hold, coverage of the model's experts, latency),
+    and how many of the model's experts no live node holds."""
     remote = RemoteExperts(model.model_id, model.config.hidden_size, specs, config)
     try:
         lines = [f"model {model.model_id[:16]}: {len(specs)} node address(es)"]
@@ -66,6 +69,6 @@ def describe_cluster(model, specs: list[PeerSpec], config: RemoteConfig, pings: 
             f"coverage of {len(model.locations)} experts: {counts[0]} with 0 live replicas, "
             f"{counts[1]} with 1, {counts[2]} with >=2"
         )
-        return "\n".join(lines)
+        return "\n".join(lines), counts[0]
     finally:
         remote.close()
