@@ -258,3 +258,15 @@ def test_info_is_signed_for_the_callers_nonce(tls_node):
     assert "does not verify" in signed.check_info(info, os.urandom(16))  # replayed
     info.model_id = "0" * 64
     assert "does not verify" in signed.check_info(info, nonce)  # altered
+
+
+def test_a_coordinator_refused_by_every_node_says_so(tls_node, tmp_path):
+    """A client the node does not allow: not 'unreachable' (and retried) but refused."""
+    from coordinator.remote.config import RemoteConfig, RemoteError
+    from coordinator.remote.experts import RemoteExperts
+
+    node, addr = tls_node
+    stranger = keys.generate(tmp_path / "stranger")
+    spec = PeerSpec(addr, node.identity.node_id)
+    with pytest.raises(RemoteError, match=f"refused this client: PERMISSION_DENIED.*{stranger.id}"):
+        RemoteExperts(node.identity.model_id, 64, [spec], RemoteConfig(identity=stranger))

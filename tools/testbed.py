@@ -8,6 +8,9 @@ no peer list). Every scenario's tokens must equal the single-node output:
 
   discover           3 nodes found by zeroconf, output identical
   foreign model id   a 4th node serving another conversion is ignored (warning)
+  strangers          a client no node allows is refused; a node with another key than pinned
+                     is refused naming both ids; plaintext to a TLS node fails; a forged
+                     zeroconf announcement is ignored while an honest run gives the same tokens
   latency 0/1/10 ms  one-way delay per hop (tc netem, or a delay relay where the kernel lacks
                      netem; see `delay_mode`), tokens/s at each
   link down/up       a node's switch port goes down mid-generation and comes back: banned,

@@ -27,6 +27,7 @@ from moe.wire import moeshard_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
+REFUSED = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
 IDLE_REFRESH_S = 1.0  # a node unused this long gets its latency estimate refreshed by a ping
 LATENCY_HISTORY = 4096  # round trips kept per node
 
@@ -122,6 +123,12 @@ class PeerSet:
             peer.close()
             return
         except (grpc.RpcError, OSError) as exc:
+            if isinstance(exc, grpc.RpcError) and exc.code() in REFUSED:
+                why = f"refused this client: {exc.code().name}: {exc.details()}"
+                log.warning("node %s %s", spec, why)
+                self.ignored[spec.addr] = why
+                peer.close()
+                return
             # Reachable later, perhaps: keep it banned and let the prober try.
             log.warning("node %s unreachable at start (%s); will retry", spec, _reason(exc))
             peer.backoff_s = self.config.backoff_s

@@ -12,6 +12,7 @@ from pathlib import Path
 from .bed import MOESHARD, NODES, Bed, convert, log, run
 from .delay import netem_available, set_delay
 from .results import Result, check, finish, lines_with, node_calls, node_segments, retries
+from .strangers import strangers
 
 
 def scenarios(bed: Bed, args) -> list[Result]:
@@ -89,6 +90,9 @@ def scenarios(bed: Bed, args) -> list[Result]:
         )
     )
     bed.stop("tb-foreign")
+
+    # 2b. strangers: a client no node allows, a wrong pin, plaintext, a forged announcement.
+    results += strangers(bed, model, model_id, args, ref)
 
     # 3. latency per hop.
     if netem_available(bed):
