@@ -20,6 +20,7 @@ extension proves the identity key authorised it; the id is the hash of the ident
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import os
 import socket
@@ -141,9 +142,14 @@ def client_tls(identity: Identity) -> TLSMaterial:
     return TLSMaterial(_key_pem(tls_key), _pem(cert) + issuer, issuer)
 
 
+@functools.lru_cache(maxsize=4096)
 def certificate_identity(cert_bytes: bytes) -> str:
     """The id a certificate (PEM or DER) is bound to; IdentityError if it carries no valid
-    binding of an identity key to its TLS key."""
+    binding of an identity key to its TLS key.
+
+    Cached by the certificate's bytes: the answer depends on nothing else, and a node checks
+    the caller's certificate on every call (parsing and verifying it took ~0.3 ms, half the
+    cost of a unary call on loopback). A failure is not cached: it raises."""
     try:
         if cert_bytes.lstrip().startswith(b"-----BEGIN"):
             cert = x509.load_pem_x509_certificate(cert_bytes)
