@@ -2,19 +2,21 @@
 
 `moeshard node DIR` opens DIR (a full model directory or a shard directory from
 `moeshard shard`; only the shard files its manifest lists are opened), verifies every record's
-checksum, serves moeshard.v1.ExpertNode + grpc.health.v1 and advertises itself with zeroconf.
+checksum, serves moeshard.v1.ExpertNode + grpc.health.v1 under its limits (node/limits.py) and
+advertises itself with zeroconf.
 SIGTERM / SIGINT: stop advertising, report NOT_SERVING, finish in-flight calls, exit 0.
 """
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import logging
 import signal
 import socket
 import threading
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -30,12 +32,13 @@ from moe.storage.budget import expert_slots
 from moe.storage.io import align_up
 from moe.storage.manifest import FORMAT_VERSION
 from moe.wire import health_pb2_grpc
-from moe.wire import moeshard_pb2_grpc as pb_grpc
 from moe.wire.constants import MAX_MESSAGE_BYTES, WIRE_VERSION
 from node.access import AccessPolicy
+from node.limits import Limits
 from node.servicer import ExpertNodeServicer, HealthServicer, NodeIdentity
 
 log = logging.getLogger(__name__)
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
 
 @dataclass
@@ -51,7 +54,8 @@ class NodeConfig:
     allow_any: bool = False  # any authenticated client may call (public compute)
     insecure: bool = False  # plaintext, no identities: loopback only, for debugging
     verify: bool = True  # recompute every record checksum at start
-    workers: int = 8  # gRPC server threads
+    limits: Limits = field(default_factory=Limits)  # what clients may make it do (node/limits.py);
+    # its zero fields are derived at start from the RAM budget and the model (Limits.resolve)
     grace_s: float = 10.0  # on SIGTERM, how long in-flight calls may take to finish
 
 
@@ -68,22 +72,34 @@ def make_backend(model: ModelDir, ram: int) -> ExpertsBackend:
     return ExpertStore(model.shard_set, slots, c.top_k, prefetch_slots=c.top_k)
 
 
+def resolve_limits(model: ModelDir, config: NodeConfig) -> Limits:
+    """config.limits with its derived fields filled in, from the node's RAM budget (the expert
+    cache, --ram, or without one the bytes of the records it holds) and the model's sizes."""
+    c = model.config
+    budget = config.ram if config.ram > 0 else len(model.locations) * model.shard_set.record_nbytes
+    row_bytes = 4 * c.hidden_size + 8 * c.top_k  # one f32 row on the wire: hidden, ids, weights
+    return config.limits.resolve(budget, row_bytes, len(c.moe_layers))
+
+
 def create_server(
     addr: str,
     servicer: ExpertNodeServicer,
     health: HealthServicer,
-    workers: int = 8,
     tls: TLSMaterial | None = None,
 ) -> tuple[grpc.Server, int]:
     """A ready (not started) gRPC server on `addr` ('host:port', port 0 = any): mutual TLS
-    with `tls` (clients must present a certificate), plaintext without."""
+    with `tls` (clients must present a certificate), plaintext without. grpc refuses a request
+    message over the servicer's max_request_bytes before decoding it; the thread pool has room
+    for every call and stream the limits admit, and spares for health checks."""
+    limits = servicer.limits
     options = [
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", limits.max_request_bytes),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options)
-    pb_grpc.add_ExpertNodeServicer_to_server(servicer, server)
+    pool = futures.ThreadPoolExecutor(limits.workers(), thread_name_prefix="grpc")
+    server = grpc.server(pool, options=options)
+    servicer.register(server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     if tls is None:
         port = server.add_insecure_port(addr)
@@ -123,6 +139,7 @@ class Node:
                     )
                     bad.add(key)
         c = self.model.config
+        self.limits = resolve_limits(self.model, config)
         self.identity = NodeIdentity(
             node_id=self.key.id,
             name=config.name,
@@ -136,10 +153,15 @@ class Node:
             ram_budget=config.ram,
         )
         self.servicer = ExpertNodeServicer(
-            self.identity, held, make_backend(self.model, config.ram), access, self.key
+            self.identity,
+            held,
+            make_backend(self.model, config.ram),
+            access,
+            self.key,
+            limits=self.limits,
         )
         self.servicer.bad.update(bad)
-        self.health = HealthServicer()
+        self.health = HealthServicer(self.limits.max_watches)
         self.server: grpc.Server | None = None
         self.port = 0
         self.announcer = None
@@ -149,7 +171,7 @@ class Node:
         quant.warmup()  # compile (or load) the kernels before the first request
         host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
         self.server, self.port = create_server(
-            f"{host}:{cfg.port}", self.servicer, self.health, cfg.workers, self.tls
+            f"{host}:{cfg.port}", self.servicer, self.health, self.tls
         )
         if not self.identity.name:
             self.identity.name = f"{socket.gethostname()}-{self.port}"[:60]
@@ -179,11 +201,13 @@ class Node:
         if self.server is not None:
             self.server.stop(self.config.grace_s).wait()
             self.server = None
+        self.servicer.close()
         self.model.close()
 
 
 def run(config: NodeConfig, out) -> int:
     """The `moeshard node` process: serve until SIGTERM/SIGINT, then drain and return 0."""
+    return_big_buffers()
     node = Node(config)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -199,6 +223,7 @@ def run(config: NodeConfig, out) -> int:
         file=out,
         flush=True,
     )
+    print(f"limits: {node.limits.summary()}", file=out, flush=True)
     if node.servicer.bad:
         print(f"warning: {len(node.servicer.bad)} records failed their checksum", file=out)
     stop.wait()
@@ -206,6 +231,17 @@ def run(config: NodeConfig, out) -> int:
     node.stop()
     print(f"node {ident.name} stopped", file=out, flush=True)
     return 0
+
+
+def return_big_buffers() -> None:
+    """Have glibc's malloc map allocations of 1 MiB and up on their own and unmap them when
+    freed. By default its threshold climbs to the largest buffer freed so far (up to 32 MiB), so
+    after a burst of large requests their freed buffers stay in per-thread arenas and RSS stays
+    high. No-op where the C library is not glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):
+        pass
 
 
 def is_loopback(host: str) -> bool:

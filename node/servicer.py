@@ -1,10 +1,11 @@
-"""The node's gRPC servicers: thin layers that validate, call the experts backend, and reply.
+"""The node's gRPC servicers: thin layers that admit, validate, call the experts backend, reply.
 
 `ExpertNodeServicer` implements moeshard.v1.ExpertNode (proto/moeshard.proto) on top of any
 `moe.experts.backend.ExpertsBackend` (LocalExperts, or the ExpertStore under `--ram`). Every
-request is checked before the backend sees it; a bad request gets a status code and a message
-and the node keeps serving. A Prefetch hint starts its reads at once. `HealthServicer` is the
-standard grpc.health.v1 service.
+call is authorized (node/access.py) and admitted under the node's limits (node/limits.py) before
+its message is read; every request is checked before the backend sees it, and every result
+before it is sent. A bad request gets a status code and a message and the node keeps serving.
+A Prefetch hint starts its reads at once. `HealthServicer` is the standard grpc.health.v1 service.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -23,11 +25,12 @@ from moe.identity.keys import Identity
 from moe.identity.signed import sign_info
 from moe.wire import codec, health_pb2, health_pb2_grpc
 from moe.wire import moeshard_pb2 as pb
-from moe.wire import moeshard_pb2_grpc as pb_grpc
-from moe.wire.constants import MAX_ROWS, MAX_SLOTS, WIRE_VERSION
+from moe.wire.constants import MAX_ACTIVATION, MAX_SLOTS, WIRE_VERSION
 from node.access import AccessDenied, AccessPolicy
+from node.limits import Guard, Limits, Refused
 
 log = logging.getLogger(__name__)
+SERVICE = "moeshard.v1.ExpertNode"
 
 
 class RequestError(Exception):
@@ -59,8 +62,9 @@ def _holdings(keys) -> list[pb.LayerExperts]:
     return [pb.LayerExperts(layer=lay, experts=sorted(ex)) for lay, ex in sorted(by_layer.items())]
 
 
-class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
-    """Validate -> experts backend -> reply. Thread-safe; compute is serialised by a lock."""
+class ExpertNodeServicer:
+    """Admit -> validate -> experts backend -> check -> reply. Thread-safe; compute is serialised
+    by a lock. `register` puts it on a grpc server."""
 
     def __init__(
         self,
@@ -69,6 +73,8 @@ class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
         backend: ExpertsBackend,
         access: AccessPolicy | None = None,
         key: Identity | None = None,  # signs Info replies
+        *,
+        limits: Limits,  # resolved (Limits.resolve)
     ):
         self.access = access or AccessPolicy(tls=False)
         self.key = key
@@ -76,22 +82,74 @@ class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
         self.held = set(held)  # (layer, expert) records this node can compute
         self.bad: set[tuple[int, int]] = set()  # records that failed their checksum
         self.backend = backend
+        self.limits = limits
+        self.guard = Guard(limits)
         self.compute_lock = threading.Lock()
         self.state_lock = threading.Lock()
         self.inflight = 0
         self.served = 0
 
-    # -- RPCs ------------------------------------------------------------------------------
+    def register(self, server: grpc.Server) -> None:
+        """Serve moeshard.v1.ExpertNode on `server`. The unary methods are registered as
+        client-streaming handlers (the same bytes on the wire): grpc then hands over the call
+        before reading its message, so a call over the limits is refused unread, and a message
+        that does not come within the idle timeout ends the call instead of holding a thread."""
 
-    def _authorize(self, context) -> str:
-        """The caller's client id; aborts the call if it may not call this node."""
+        def unary(method, request, reply):
+            return grpc.stream_unary_rpc_method_handler(
+                self._unary(method), request.FromString, reply.SerializeToString
+            )
+
+        handlers = {
+            "Info": unary(self.Info, pb.InfoRequest, pb.NodeInfo),
+            "Forward": unary(self.Forward, pb.ForwardRequest, pb.ForwardReply),
+            "Prefetch": unary(self.Prefetch, pb.PrefetchRequest, pb.PrefetchReply),
+            "ForwardStream": grpc.stream_stream_rpc_method_handler(
+                self.ForwardStream,
+                pb.ForwardRequest.FromString,
+                pb.ForwardReply.SerializeToString,
+            ),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        server.add_registered_method_handlers(SERVICE, handlers)
+
+    def close(self) -> None:
+        self.guard.close()
+
+    # -- admission ---------------------------------------------------------------------------
+
+    @contextmanager
+    def _refusals(self, context):
+        """Turn a refusal raised in the block into the call's status."""
         try:
-            return self.access.caller(context)
-        except AccessDenied as exc:
+            yield
+        except (AccessDenied, Refused, RequestError) as exc:
             context.abort(exc.code, str(exc))
 
+    def _caller(self, context) -> str:
+        """The key the per-client limits count under: the client's id, or its address under
+        --insecure (no identities). AccessDenied if it may not call this node."""
+        return self.access.caller(context) or context.peer()
+
+    def _unary(self, method):
+        """A client-streaming handler for the unary `method(request, context)`: authorize and
+        admit the call, then read its one message (under the idle timeout) and charge it."""
+
+        def call(requests, context):
+            with self._refusals(context):
+                client = self._caller(context)
+                with self.guard.admit(client, "call"):
+                    request = self.guard.read(requests)
+                    if request is None:
+                        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
+                    self.guard.charge(client, self._claimed_rows(request))
+                    return method(request, context)
+
+        return call
+
+    # -- RPCs ------------------------------------------------------------------------------
+
     def Info(self, request, context):
-        self._authorize(context)
         ident = self.identity
         with self.state_lock:
             good, bad = self.held - self.bad, set(self.bad)
@@ -113,32 +171,31 @@ class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
             wire_version=WIRE_VERSION,
             stats=stats,
             name=ident.name,
+            max_rows=self.limits.max_rows,
+            max_request_bytes=self.limits.max_request_bytes,
         )
         if self.key is not None:
             sign_info(self.key, info, request.nonce)
         return info
 
     def Forward(self, request, context):
-        self._authorize(context)
-        try:
+        with self.guard.computing(context.time_remaining()):
             return self._forward(request)
-        except RequestError as exc:
-            context.abort(exc.code, str(exc))
 
-    def ForwardStream(self, request_iterator, context):
-        self._authorize(context)
-        for request in request_iterator:
-            try:
-                yield self._forward(request)
-            except RequestError as exc:
-                context.abort(exc.code, str(exc))
+    def ForwardStream(self, requests, context):
+        """Each message is a Forward, charged and queued for compute like a unary one; the
+        stream ends when the client closes it or sends nothing for the idle timeout."""
+        with self._refusals(context):
+            client = self._caller(context)
+            with self.guard.admit(client, "stream"):
+                while (request := self.guard.read(requests)) is not None:
+                    self.guard.charge(client, self._claimed_rows(request))
+                    with self.guard.computing():
+                        reply = self._forward(request)
+                    yield reply
 
     def Prefetch(self, request, context):
-        self._authorize(context)
-        try:
-            self._check_model(request.model_id)
-        except RequestError as exc:
-            context.abort(exc.code, str(exc))
+        self._check_model(request.model_id)
         with self.state_lock:
             wanted = [e for e in request.experts if (request.layer, e) in self.held - self.bad]
         if wanted:
@@ -150,6 +207,22 @@ class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
         return pb.PrefetchReply(accepted=len(wanted))
 
     # -- validation and compute ------------------------------------------------------------
+
+    def _claimed_rows(self, request) -> int:
+        """The rows a request claims (the first dimension of its hidden state; 0 for Info and
+        Prefetch), refused over --max-rows before anything else is done with it."""
+        if not isinstance(request, pb.ForwardRequest) or not request.hidden.shape:
+            return 0
+        rows = int(request.hidden.shape[0])
+        if rows > codec.MAX_DIM:  # not a shape at all: decoding refuses it (INVALID_ARGUMENT)
+            return 0
+        if rows > self.limits.max_rows:
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{rows} rows: this node takes at most {self.limits.max_rows} per request "
+                f"(--max-rows)",
+            )
+        return max(rows, 0)
 
     def _check_model(self, model_id: str) -> None:
         if model_id != self.identity.model_id:
@@ -182,9 +255,10 @@ class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
             )  # [T, k]
         except codec.CodecError as exc:
             raise RequestError(bad_arg, str(exc)) from None
-        if not 1 <= rows <= MAX_ROWS or not 1 <= ids.shape[1] <= MAX_SLOTS:
+        max_rows = self.limits.max_rows
+        if not 1 <= rows <= max_rows or not 1 <= ids.shape[1] <= MAX_SLOTS:
             raise RequestError(
-                bad_arg, f"{rows} rows x {ids.shape[1]} slots: need 1..{MAX_ROWS} x 1..{MAX_SLOTS}"
+                bad_arg, f"{rows} rows x {ids.shape[1]} slots: need 1..{max_rows} x 1..{MAX_SLOTS}"
             )
         out_dtype = request.out_dtype or request.hidden.dtype
         if out_dtype not in (codec.F64, codec.F32, codec.BF16):
@@ -200,6 +274,11 @@ class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
                 f"expert id {int(out_of_range[0])} out of range (0..{ident.n_experts - 1}, "
                 f"-1 = empty slot)",
             )
+        ordered = np.sort(ids, axis=1)  # [T, k]
+        twice = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)  # [T, k - 1]
+        if twice.any():  # top-k never routes a row to one expert twice; each would compute
+            row = int(np.nonzero(twice.any(axis=1))[0][0])
+            raise RequestError(bad_arg, f"row {row} names an expert in two slots")
         with self.state_lock:
             for expert in np.unique(ids[ids >= 0]):
                 key = (layer, int(expert))
@@ -217,13 +296,19 @@ class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
 
     def _forward(self, request) -> pb.ForwardReply:
         layer, hidden, ids, weights, out_dtype = self._parse(request)
+        # Each row's experts first and its empty slots (-1) last, keeping only as many slots as
+        # the fullest row uses: an empty slot is computed all the same (below).
+        order = np.argsort(ids < 0, axis=1, kind="stable")  # [T, k]
+        used = max(1, int((ids >= 0).sum(axis=1).max()))
+        ids = np.take_along_axis(ids, order, axis=1)[:, :used]  # [T, used]
+        weights = np.take_along_axis(weights, order, axis=1)[:, :used]  # [T, used]
         # Empty slots (-1) become a copy of the row's first expert with weight 0: adding +-0.0
         # leaves the sum bit-identical and the backend never sees an invalid id.
-        empty = ids < 0  # [T, k]
+        empty = ids < 0  # [T, used]
         if empty.any():
             first = np.where(empty.all(axis=1), -1, ids.max(axis=1))  # [T]
-            ids = np.where(empty, first[:, None], ids)  # [T, k]
-            weights = np.where(empty, np.float32(0), weights).astype(np.float32)  # [T, k]
+            ids = np.where(empty, first[:, None], ids)  # [T, used]
+            weights = np.where(empty, np.float32(0), weights).astype(np.float32)  # [T, used]
         live = (ids >= 0).any(axis=1)  # [T]
         out = np.zeros(hidden.shape, dtype=np.float64)  # [T, H], the unrounded partial sum
         t0 = time.perf_counter()
@@ -237,11 +322,24 @@ class ExpertNodeServicer(pb_grpc.ExpertNodeServicer):
                 self.inflight -= 1
                 self.served += 1
         compute_ms = (time.perf_counter() - t0) * 1e3
+        self._check_result(layer, hidden, out)
         return pb.ForwardReply(
             out=codec.encode(out, out_dtype),
             experts_computed=int(np.unique(ids[ids >= 0]).size),
             compute_ms=compute_ms,
         )
+
+    @staticmethod
+    def _check_result(layer: int, hidden: np.ndarray, out: np.ndarray) -> None:
+        """Never send a non-finite or absurd partial sum as a result. MAX_ACTIVATION (1e30) is
+        far above any real activation and far enough below float32's 3.4e38 that the
+        coordinator's sum of up to 256 of them (and the residual) stays finite in float32."""
+        if not np.abs(out).max() <= MAX_ACTIVATION:  # NaN fails the comparison too
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"layer {layer}: result not finite (or beyond {MAX_ACTIVATION:g}): input too "
+                f"large (|hidden| up to {float(np.abs(hidden).max()):.3g})",
+            )
 
     def _compute(self, layer, hidden, ids, weights) -> np.ndarray:
         try:
@@ -272,13 +370,16 @@ def _is_number(value) -> bool:
 
 
 class HealthServicer(health_pb2_grpc.HealthServicer):
-    """grpc.health.v1: one status for the whole server (service "" and "moeshard.v1.ExpertNode")."""
+    """grpc.health.v1: one status for the whole server (service "" and "moeshard.v1.ExpertNode").
+    A Watch holds a server thread while open: at most `max_watches` are open at once."""
 
-    SERVICES = ("", "moeshard.v1.ExpertNode")
+    SERVICES = ("", SERVICE)
 
-    def __init__(self):
+    def __init__(self, max_watches: int = Limits.max_watches):
         self.status = health_pb2.HealthCheckResponse.NOT_SERVING
         self.changed = threading.Condition()
+        self.max_watches = max_watches
+        self.watches = threading.BoundedSemaphore(max_watches)
 
     def set_serving(self, serving: bool) -> None:
         with self.changed:
@@ -300,11 +401,19 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
                 status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
             )
             return
-        last = None
-        while context.is_active():
-            with self.changed:
-                if self.status == last:
-                    self.changed.wait(timeout=1.0)
-                    continue
-                last = self.status
-            yield health_pb2.HealthCheckResponse(status=last)
+        if not self.watches.acquire(blocking=False):
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.max_watches} health watches open already: use Check",
+            )
+        try:
+            last = None
+            while context.is_active():
+                with self.changed:
+                    if self.status == last:
+                        self.changed.wait(timeout=1.0)
+                        continue
+                    last = self.status
+                yield health_pb2.HealthCheckResponse(status=last)
+        finally:
+            self.watches.release()

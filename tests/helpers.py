@@ -262,3 +262,37 @@ def remote_runtime(model_dir, specs, insecure: bool = False, **config):
     )
     transformer = model.family.Transformer(model.config, model.load_trunk(), remote)
     return transformer, remote
+
+
+# -- a node with extra flags, and what its process holds in RAM -------------------------------
+
+
+def node_process(path, *flags: str, allow: str | None = None, insecure: bool = False):
+    """A ready `moeshard node PATH --no-advertise FLAGS...` subprocess (a NodeProcess), for the
+    flags NodeProcess has no argument for (e.g. the limits)."""
+    quant.warmup()  # compile once here into numba's disk cache; the node then just loads it
+    node = NodeProcess.__new__(NodeProcess)
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "coordinator.cli", "node", str(path)]
+    cmd += ["--port", "0", "--no-advertise", *flags]
+    cmd += ["--insecure"] if insecure else ["--allow", allow or client_key().id]
+    node.proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    node.path, node.port, node.node_id = path, 0, ""
+    node.lines, node.output, node.eof = queue.Queue(), [], threading.Event()
+    threading.Thread(target=node._drain, daemon=True).start()
+    return node.wait_ready()
+
+
+def memory_mib(pid: int) -> dict[str, float]:
+    """VmRSS (resident now) and VmHWM (peak resident) of process `pid`, in MiB."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return {
+        key: int(re.search(rf"^{key}:\s+(\d+) kB", status, re.MULTILINE).group(1)) / 1024
+        for key in ("VmRSS", "VmHWM")
+    }
+
+
+def reset_peak_memory(pid: int) -> None:
+    """Start VmHWM over from the current RSS (Linux: clear_refs 5)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")

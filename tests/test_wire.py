@@ -60,6 +60,29 @@ def test_decode_rejects_malformed(tensor, message):
         codec.decode(tensor, "x", (codec.F32,), (2,))
 
 
+@pytest.mark.parametrize(
+    "shape, message",
+    [
+        ([4, 2**62], "invalid shape"),  # int64 product 2**64 wraps to 0 = len(b"")
+        ([2**62, 64], "invalid shape"),  # so does this one
+        ([2**32, 2**32], "invalid shape"),
+        ([2**31 - 1] * 3, "0 bytes for shape"),  # each dimension sane, their product is not
+        ([1, 2, 3, 4, 5], "invalid shape"),
+    ],
+)
+def test_decode_refuses_shapes_whose_size_overflows_before_reshaping(shape, message):
+    """A peer's shape is multiplied exactly (Python ints) and each dimension is bounded, so a
+    shape whose int64 element count wraps to the (empty) data's size is a CodecError, never a
+    numpy error from the reshape."""
+    tensor = pb.Tensor(data=b"", shape=shape, dtype=pb.F32)
+    with pytest.raises(codec.CodecError, match=re.escape(message)):
+        codec.decode(tensor, "hidden", (codec.F32,))
+    empty = codec.decode(
+        pb.Tensor(data=b"", shape=[0, codec.MAX_DIM], dtype=pb.F32), "x", (codec.F32,)
+    )
+    assert empty.shape == (0, codec.MAX_DIM)
+
+
 def test_generated_code_is_current(tmp_path):
     """The Makefile's `proto` recipe, run with this interpreter's grpc_tools into a scratch
     directory, reproduces the committed modules byte for byte."""

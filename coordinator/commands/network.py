@@ -32,6 +32,56 @@ def add_node(sub) -> None:
     who.add_argument(
         "--insecure", action="store_true", help="plaintext, no identities (loopback only)"
     )
+    # Limits (node/limits.py): the defaults here are Limits' own; 0 = derived at start
+    lim = p.add_argument_group("limits (what one client, or all of them, may make the node do)")
+    lim.add_argument(
+        "--max-request-mb",
+        type=float,
+        default=0,
+        help="largest request message in MiB, refused by grpc before decoding (default 0: "
+        "derived, a quarter of the RAM budget (--ram, or the held records) over the requests "
+        "the node may hold at once, 8..64)",
+    )
+    lim.add_argument(
+        "--max-rows",
+        type=int,
+        default=0,
+        help="rows of one Forward (default 0: the f32 rows --max-request-mb holds, <= 65536)",
+    )
+    lim.add_argument(
+        "--max-inflight",
+        type=int,
+        default=8,
+        help="Forward requests that may wait for the 2 computing ones; more get "
+        "RESOURCE_EXHAUSTED 'node busy' at once (default 8)",
+    )
+    lim.add_argument(
+        "--max-streams", type=int, default=32, help="ForwardStreams open at once (default 32)"
+    )
+    lim.add_argument(
+        "--per-client",
+        type=int,
+        default=4,
+        help="calls + streams one client may have open at once (default 4)",
+    )
+    lim.add_argument(
+        "--rate",
+        type=float,
+        default=5000.0,
+        help="calls per second per client, each stream message counting (default 5000)",
+    )
+    lim.add_argument(
+        "--rate-rows",
+        type=float,
+        default=0,
+        help="rows per second per client (default 0: --max-rows times the MoE layers)",
+    )
+    lim.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a call or stream may send nothing before it is ended (default 60)",
+    )
     p.set_defaults(func=cmd_node)
 
 
@@ -39,7 +89,18 @@ def cmd_node(args) -> int:
     from moe.units import parse_size
     from node.access import read_allow
     from node.daemon import NodeConfig, run
+    from node.limits import Limits
 
+    limits = Limits(
+        max_request_bytes=round(args.max_request_mb * (1 << 20)),
+        max_rows=args.max_rows,
+        max_queue=args.max_inflight,
+        max_streams=args.max_streams,
+        per_client=args.per_client,
+        rate=args.rate,
+        rate_rows=args.rate_rows,
+        idle_timeout_s=args.idle_timeout,
+    )
     config = NodeConfig(
         path=args.path,
         host=args.host,
@@ -52,6 +113,7 @@ def cmd_node(args) -> int:
         allow=read_allow(args.allow) if args.allow else frozenset(),
         allow_any=args.allow_any,
         insecure=args.insecure,
+        limits=limits,
     )
     return run(config, sys.stdout)
 

@@ -138,8 +138,11 @@ class RemoteExperts(ExpertsBase):
             by_peer: dict[str, tuple[Peer, list[int]]] = {}
             for expert, peer in chosen.items():
                 by_peer.setdefault(peer.addr, (peer, []))[1].append(expert)
-            calls = [self._request(peer, layer, hidden, ids, weights, mine)
-                     for peer, mine in by_peer.values()]  # fmt: skip
+            calls = [
+                call
+                for peer, mine in by_peer.values()
+                for call in self._requests(peer, layer, hidden, ids, weights, mine)
+            ]
             if hint is not None:  # the next layer's reads start while this layer computes
                 self.prefetch(hint.layer, hint.predicted)
                 hint = None
@@ -174,10 +177,23 @@ class RemoteExperts(ExpertsBase):
         ordered = sorted(parts, key=lambda p: p[0])
         return combine(hidden.shape, ((rows, part) for _, rows, part in ordered), dtype)
 
-    def _request(self, peer: Peer, layer, hidden, ids, weights, experts: list[int]):
-        """Send `peer` the rows that route to `experts`; (peer, experts, rows, call)."""
+    def _requests(self, peer: Peer, layer, hidden, ids, weights, experts: list[int]):
+        """Send `peer` the rows that route to `experts`, in as many Forward calls as its
+        stated limits need; [(peer, experts, rows, call)]."""
         mine = np.isin(ids, experts)  # [T, k]
         rows = np.nonzero(mine.any(axis=1))[0]  # [n]
+        per_call = rows_per_call(peer, hidden.shape[1], ids.shape[1], self.wire_dtype)
+        return [
+            (
+                peer,
+                experts,
+                chunk,
+                self._send(peer, self._request(layer, hidden, ids, weights, mine, chunk)),
+            )
+            for chunk in np.array_split(rows, -(-len(rows) // per_call))
+        ]
+
+    def _request(self, layer, hidden, ids, weights, mine, rows) -> pb.ForwardRequest:
         request = pb.ForwardRequest(
             model_id=self.model_id,
             layer=layer,
@@ -189,7 +205,7 @@ class RemoteExperts(ExpertsBase):
             out_dtype=codec.F64 if self.wire_dtype == codec.F32 else self.wire_dtype,
         )
         self.bytes_sent += request.ByteSize()
-        return peer, experts, rows, self._send(peer, request)
+        return request
 
     def _send(self, peer: Peer, request) -> UnaryCall | StreamCall:
         with self.peers.lock:
@@ -198,6 +214,8 @@ class RemoteExperts(ExpertsBase):
         if self.config.transport == "unary":
             return UnaryCall(peer.stub.Forward.future(request, timeout=self.config.deadline_s))
         with self.peers.lock:
+            if peer.stream is not None and peer.stream.ended():
+                peer.stream = None  # ended by the node (e.g. its idle timeout): open another
             if peer.stream is None:
                 peer.stream = ForwardStream(peer.stub)
             stream = peer.stream
@@ -297,6 +315,16 @@ class RemoteExperts(ExpertsBase):
 
     def close(self) -> None:
         self.peers.close()
+
+
+def rows_per_call(peer: Peer, hidden_size: int, k: int, wire_dtype: int) -> int:
+    """Rows one Forward to `peer` may carry: its stated row limit, and its byte limit over the
+    bytes a row takes on the wire (hidden state, ids and weights, with some framing)."""
+    limit = peer.max_rows or 1 << 30
+    if peer.max_request_bytes:
+        row_bytes = hidden_size * codec.ITEMSIZE[wire_dtype] + k * 8 + 16
+        limit = min(limit, max(1, (peer.max_request_bytes - 4096) // row_bytes))
+    return max(1, limit)
 
 
 def _exclude(excluded: dict[int, set[str]], experts: list[int], peer: Peer) -> None:

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 REFUSED = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
 IDLE_REFRESH_S = 1.0  # a node unused this long gets its latency estimate refreshed by a ping
+STREAM_IDLE_S = 20.0  # a stream unused this long is closed here, before a node's idle timeout
 LATENCY_HISTORY = 4096  # round trips kept per node
 
 
@@ -40,6 +41,8 @@ class Peer:
     health: health_pb2_grpc.HealthStub | None = None
     node_id: str = ""
     name: str = ""  # the node's display name (from Info)
+    max_rows: int = 0  # rows one Forward may carry (from Info; 0: no limit stated)
+    max_request_bytes: int = 0  # bytes one request may have (from Info; 0: no limit stated)
     held: set = field(default_factory=set)  # (layer, expert) the node serves
     ewma_ms: float = 1.0  # smoothed round trip of a Forward call
     overhead_ms: float = 1.0  # smoothed round trip minus the node's compute time
@@ -186,6 +189,7 @@ class PeerSet:
         held = {(h.layer, e) for h in info.holdings for e in h.experts}
         with self.lock:
             peer.node_id, peer.name, peer.held = info.node_id, info.name, held
+            peer.max_rows, peer.max_request_bytes = info.max_rows, info.max_request_bytes
             if not peer.latencies_ms:
                 peer.ewma_ms = peer.overhead_ms = rtt_ms
             peer.up, peer.backoff_s = True, 0.0
@@ -244,6 +248,11 @@ class PeerSet:
         """Nodes not chosen lately get their estimate refreshed by a ping, so one slow
         measurement does not starve a node forever (and a recovered node wins work back)."""
         for peer in self.live():
+            if peer.stream is not None and now - peer.last_used > STREAM_IDLE_S:
+                with self.lock:  # the node would end it (idle timeout); the next call reopens
+                    stream, peer.stream = peer.stream, None
+                if stream is not None:
+                    stream.close()
             if now - peer.last_used < IDLE_REFRESH_S or now - peer.last_ping < IDLE_REFRESH_S:
                 continue
             peer.last_ping = now

@@ -143,6 +143,10 @@ class ForwardStream:
     def send(self, request) -> None:
         self.outbox.put(request)
 
+    def ended(self) -> bool:
+        """Whether the node has already ended this stream (a reply would only raise)."""
+        return self.replies.done()
+
     def receive(self):
         try:
             return next(self.replies)

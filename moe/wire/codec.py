@@ -5,10 +5,13 @@ nothing else touches `Tensor.data`. Activations travel as F32 or BF16 (bfloat16:
 bits of a float32, rounded to nearest even), expert ids as I32, routing weights as F32.
 `decode` checks dtype, shape and byte length against what the caller expects and raises
 `CodecError` (a ValueError) with a message naming the tensor; the node turns it into
-INVALID_ARGUMENT.
+INVALID_ARGUMENT. Shapes come from the peer: their sizes are multiplied as Python ints (no
+int64 wrap-around), each dimension is bounded, and the byte count is checked before any reshape.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -19,6 +22,7 @@ NAMES = {pb.F32: "f32", pb.BF16: "bf16", pb.I32: "i32", pb.F64: "f64"}
 BY_NAME = {v: k for k, v in NAMES.items()}
 ITEMSIZE = {pb.F32: 4, pb.BF16: 2, pb.I32: 4, pb.F64: 8}
 MAX_DIMS = 4
+MAX_DIM = (1 << 31) - 1  # largest size of one dimension (no tensor on the wire comes near it)
 
 
 class CodecError(ValueError):
@@ -76,16 +80,17 @@ def decode(
         wanted = " or ".join(dtype_name(d) for d in dtypes)
         raise CodecError(f"{name}: dtype {dtype_name(tensor.dtype)}, expected {wanted}")
     dims = tuple(int(d) for d in tensor.shape)
-    if len(dims) > MAX_DIMS or any(d < 0 for d in dims):
-        raise CodecError(f"{name}: invalid shape {list(dims)}")
+    if len(dims) > MAX_DIMS or any(not 0 <= d <= MAX_DIM for d in dims):
+        raise CodecError(
+            f"{name}: invalid shape {list(dims)} (at most {MAX_DIMS} dimensions of 0..{MAX_DIM})"
+        )
     if shape is not None:
         if len(dims) != len(shape) or any(
             want is not None and got != want for got, want in zip(dims, shape, strict=True)
         ):
             want_text = ", ".join("*" if d is None else str(d) for d in shape)
             raise CodecError(f"{name}: shape {list(dims)}, expected [{want_text}]")
-    count = int(np.prod(dims, dtype=np.int64)) if dims else 1
-    expected = count * ITEMSIZE[tensor.dtype]
+    expected = math.prod(dims) * ITEMSIZE[tensor.dtype]  # Python ints: exact, never wraps
     if len(tensor.data) != expected:
         raise CodecError(
             f"{name}: {len(tensor.data)} bytes for shape {list(dims)} "
