@@ -11,6 +11,7 @@ A Prefetch hint starts its reads at once. `HealthServicer` is the standard grpc.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from contextlib import contextmanager
@@ -26,6 +27,7 @@ from moe.identity.signed import sign_info
 from moe.wire import codec, health_pb2, health_pb2_grpc
 from moe.wire import moeshard_pb2 as pb
 from moe.wire.constants import MAX_ACTIVATION, MAX_SLOTS, WIRE_VERSION
+from node import failpoints
 from node.access import AccessDenied, AccessPolicy
 from node.limits import Guard, Limits, Refused
 
@@ -78,6 +80,8 @@ class ExpertNodeServicer:
     ):
         self.access = access or AccessPolicy(tls=False)
         self.key = key
+        self.lie = failpoints.from_environment()  # tests only: off unless MOESHARD_FAILPOINTS
+        self.lie_rng = random.Random(0)
         self.identity = identity
         self.held = set(held)  # (layer, expert) records this node can compute
         self.bad: set[tuple[int, int]] = set()  # records that failed their checksum
@@ -193,6 +197,9 @@ class ExpertNodeServicer:
                     with self.guard.computing():
                         reply = self._forward(request)
                     yield reply
+                    if self.lie is not None and self.lie.mode == "duplicate":
+                        if self.lie.fires(self.lie_rng):
+                            yield reply  # a failpoint: one request, two replies
 
     def Prefetch(self, request, context):
         self._check_model(request.model_id)
@@ -323,11 +330,28 @@ class ExpertNodeServicer:
                 self.served += 1
         compute_ms = (time.perf_counter() - t0) * 1e3
         self._check_result(layer, hidden, out)
+        out = self._failpoint(layer, hidden, ids, weights, live, out)
         return pb.ForwardReply(
             out=codec.encode(out, out_dtype),
             experts_computed=int(np.unique(ids[ids >= 0]).size),
             compute_ms=compute_ms,
+            request_id=request.request_id,
         )
+
+    def _failpoint(self, layer, hidden, ids, weights, live, out) -> np.ndarray:
+        """Tests only (MOESHARD_FAILPOINTS, node/failpoints.py): a lie instead of `out`."""
+        lie = self.lie
+        if lie is None or lie.mode == "duplicate" or not lie.fires(self.lie_rng):
+            return out
+        if lie.mode != "wrong_expert":
+            return lie.alter(out, self.lie_rng)
+        held = sorted(e for lay, e in self.held - self.bad if lay == layer)
+        swap = {e: held[(held.index(e) + 1) % len(held)] for e in held}
+        wrong = np.vectorize(lambda e: swap.get(int(e), int(e)))(ids)  # [T, used]
+        lied = np.zeros_like(out)  # [T, H]
+        if live.any():
+            lied[live] = self._compute(layer, hidden[live], wrong[live], weights[live])
+        return lied
 
     @staticmethod
     def _check_result(layer: int, hidden: np.ndarray, out: np.ndarray) -> None:

@@ -6,6 +6,7 @@ Test modules import them as `from helpers import ...` (pyproject puts tests/ on 
 from __future__ import annotations
 
 import math
+import os
 import queue
 import re
 import shutil
@@ -168,6 +169,7 @@ class NodeProcess:
         name: str = "",
         allow: str | None = None,
         insecure: bool = False,
+        env: dict | None = None,
     ):
         cmd = [sys.executable, "-X", "faulthandler", "-m", "coordinator.cli", "node", str(path)]
         cmd += ["--port", str(port)] + ([] if advertise else ["--no-advertise"])
@@ -177,7 +179,12 @@ class NodeProcess:
         else:  # mutual TLS; the tests' client (or `allow`) may call
             cmd += ["--allow", allow or client_key().id]
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            cmd,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=None if env is None else {**os.environ, **env},
         )
         self.path, self.port, self.node_id = path, 0, ""
         self.lines: queue.Queue[str] = queue.Queue()

@@ -26,6 +26,7 @@ from moe.experts.backend import ExpertsBase, PrefetchHint
 from moe.experts.compute import combine
 from moe.wire import codec
 from moe.wire import moeshard_pb2 as pb
+from moe.wire.constants import MAX_ACTIVATION
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class RemoteExperts(ExpertsBase):
         self.dropped: dict[tuple[int, int], int] = defaultdict(int)  # --degrade drops
         self.layer_ms: list[float] = []  # fan-out wall time of each layer call
         self._pending_hints: set = set()
+        self._next_request = 0  # request ids: a reply must echo its own
 
     def add_peer(self, spec: PeerSpec) -> bool:
         """A node found after start-up (zeroconf): admitted if it serves this model."""
@@ -148,27 +150,30 @@ class RemoteExperts(ExpertsBase):
                 hint = None
             done: list[int] = []
             fatal: RemoteError | None = None
-            for peer, experts, rows, call in calls:  # every reply is consumed (stream order)
+            got: dict[str, list] = defaultdict(list)  # peer addr -> its parts this round
+            bad: set[str] = set()  # peers whose reply failed: none of their parts count
+            for peer, experts, rows, request_id, call in calls:  # every reply is consumed
                 try:
                     reply, rtt = call.result()
                 except grpc.RpcError as exc:
                     fatal = self._failed(peer, layer, experts, exc, excluded) or fatal
+                    bad.add(peer.addr)
                     continue
                 self.peers.record_latency(peer, rtt, reply.compute_ms, len(experts))
                 self.bytes_received += reply.ByteSize()
-                try:
-                    part = codec.decode(
-                        reply.out,
-                        "reply",
-                        (codec.F64, codec.F32, codec.BF16),
-                        (len(rows), self.hidden_size),
-                    )  # [n, H]
-                except codec.CodecError as exc:
-                    self.peers.ban(peer, f"malformed reply: {exc}")
+                why = self._invalid(reply, request_id, len(rows))
+                if isinstance(why, str):
+                    self.peers.ban(peer, why)  # this node, not the one that gets its work next
                     _exclude(excluded, experts, peer)
+                    bad.add(peer.addr)
                     continue
-                parts.append((experts[0], rows, part))
-                done.extend(experts)
+                got[peer.addr].append((experts, rows, why))
+            for addr, results in got.items():
+                if addr in bad:
+                    continue
+                for experts, rows, part in results:
+                    parts.append((experts[0], rows, part))
+                done.extend(results[0][0])
             if fatal is not None:
                 raise fatal
             if len(done) < len(todo):
@@ -179,23 +184,21 @@ class RemoteExperts(ExpertsBase):
 
     def _requests(self, peer: Peer, layer, hidden, ids, weights, experts: list[int]):
         """Send `peer` the rows that route to `experts`, in as many Forward calls as its
-        stated limits need; [(peer, experts, rows, call)]."""
+        stated limits need; [(peer, experts, rows, request id, call)]."""
         mine = np.isin(ids, experts)  # [T, k]
         rows = np.nonzero(mine.any(axis=1))[0]  # [n]
         per_call = rows_per_call(peer, hidden.shape[1], ids.shape[1], self.wire_dtype)
-        return [
-            (
-                peer,
-                experts,
-                chunk,
-                self._send(peer, self._request(layer, hidden, ids, weights, mine, chunk)),
-            )
-            for chunk in np.array_split(rows, -(-len(rows) // per_call))
-        ]
+        calls = []
+        for chunk in np.array_split(rows, -(-len(rows) // per_call)):  # [<= per_call] each
+            request = self._request(layer, hidden, ids, weights, mine, chunk)
+            calls.append((peer, experts, chunk, request.request_id, self._send(peer, request)))
+        return calls
 
     def _request(self, layer, hidden, ids, weights, mine, rows) -> pb.ForwardRequest:
+        self._next_request += 1
         request = pb.ForwardRequest(
             model_id=self.model_id,
+            request_id=self._next_request,
             layer=layer,
             hidden=codec.encode(hidden[rows], self.wire_dtype),
             ids=codec.encode(np.where(mine[rows], ids[rows], -1), codec.I32),
@@ -206,6 +209,22 @@ class RemoteExperts(ExpertsBase):
         )
         self.bytes_sent += request.ByteSize()
         return request
+
+    def _invalid(self, reply, request_id: int, rows: int) -> str | np.ndarray:
+        """The reply's partial sum [rows, H], or why it is not one a node may send: the reply
+        to another request (a duplicate or a lost one on the stream), a malformed tensor, or
+        non-finite or absurd values (an honest node refuses those itself)."""
+        if reply.request_id != request_id:
+            return f"reply to request {reply.request_id}, expected {request_id} (a duplicate?)"
+        try:
+            part = codec.decode(
+                reply.out, "reply", (codec.F64, codec.F32, codec.BF16), (rows, self.hidden_size)
+            )  # [rows, H]
+        except codec.CodecError as exc:
+            return f"malformed reply: {exc}"
+        if part.size and not np.abs(part).max() <= MAX_ACTIVATION:  # NaN fails it too
+            return "non-finite or absurd values in its reply"
+        return part
 
     def _send(self, peer: Peer, request) -> UnaryCall | StreamCall:
         with self.peers.lock:
