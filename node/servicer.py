@@ -24,6 +24,7 @@ from moe.errors import StoreError
 from moe.experts.backend import ExpertsBackend
 from moe.identity.keys import Identity
 from moe.identity.signed import sign_info
+from moe.kernels.build import cpu_level, kernel_build
 from moe.wire import codec, health_pb2, health_pb2_grpc
 from moe.wire import moeshard_pb2 as pb
 from moe.wire.constants import MAX_ACTIVATION, MAX_SLOTS, WIRE_VERSION
@@ -177,6 +178,8 @@ class ExpertNodeServicer:
             name=ident.name,
             max_rows=self.limits.max_rows,
             max_request_bytes=self.limits.max_request_bytes,
+            kernel_build=kernel_build(),
+            cpu_level=cpu_level(),
         )
         if self.key is not None:
             sign_info(self.key, info, request.nonce)

@@ -104,11 +104,17 @@ def tls_node(converted, tmp_path_factory):
 
 
 def test_pinned_node_answers_and_sees_the_client_id(tls_node):
+    """...and states the kernel build and CPU level its arithmetic depends on (this process
+    runs the same kernels on the same CPU, so it must state the same ones)."""
+    from moe.kernels.build import cpu_level, kernel_build
+
     node, addr = tls_node
     channel, seen = dial(PeerSpec(addr, node.identity.node_id), client_tls(client_key()), 5)
     with channel:
         info = pb_grpc.ExpertNodeStub(channel).Info(pb.InfoRequest(), timeout=5)
     assert seen == info.node_id == node.identity.node_id and info.name == "tls"
+    assert info.kernel_build == kernel_build() and len(info.kernel_build) == 16
+    assert info.cpu_level == cpu_level() in ("avx512", "avx2", "baseline")
 
 
 def test_a_node_with_another_key_than_pinned_is_refused_naming_both(tls_node, tmp_path):

@@ -43,6 +43,7 @@ class Peer:
     name: str = ""  # the node's display name (from Info)
     max_rows: int = 0  # rows one Forward may carry (from Info; 0: no limit stated)
     max_request_bytes: int = 0  # bytes one request may have (from Info; 0: no limit stated)
+    kernels: str = ""  # "kernel build/cpu level" (from Info): equal ones give equal bits
     held: set = field(default_factory=set)  # (layer, expert) the node serves
     ewma_ms: float = 1.0  # smoothed round trip of a Forward call
     overhead_ms: float = 1.0  # smoothed round trip minus the node's compute time
@@ -190,6 +191,7 @@ class PeerSet:
         with self.lock:
             peer.node_id, peer.name, peer.held = info.node_id, info.name, held
             peer.max_rows, peer.max_request_bytes = info.max_rows, info.max_request_bytes
+            peer.kernels = f"{info.kernel_build}/{info.cpu_level}"
             if not peer.latencies_ms:
                 peer.ewma_ms = peer.overhead_ms = rtt_ms
             peer.up, peer.backoff_s = True, 0.0

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0emoeshard.proto\x12\x0bmoeshard.v1\"H\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12!\n\x05\x64type\x18\x03 \x01(\x0e\x32\x12.moeshard.v1.DType\".\n\x0cLayerExperts\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\r\"\x1c\n\x0bInfoRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\"\xe7\x03\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x16\n\x0e\x66ormat_version\x18\x03 \x01(\r\x12\x12\n\nmodel_type\x18\x04 \x01(\t\x12\x15\n\rexpert_format\x18\x05 \x01(\t\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12+\n\x08holdings\x18\x07 \x03(\x0b\x32\x19.moeshard.v1.LayerExperts\x12&\n\x03\x62\x61\x64\x18\x08 \x03(\x0b\x32\x19.moeshard.v1.LayerExperts\x12\x12\n\nram_budget\x18\t \x01(\x04\x12\x10\n\x08inflight\x18\n \x01(\r\x12\x0e\n\x06served\x18\x0b \x01(\x04\x12\x14\n\x0cwire_version\x18\x0c \x01(\r\x12/\n\x05stats\x18\r \x03(\x0b\x32 .moeshard.v1.NodeInfo.StatsEntry\x12\x0c\n\x04name\x18\x0e \x01(\t\x12\x12\n\npublic_key\x18\x0f \x01(\x0c\x12\x11\n\tsignature\x18\x10 \x01(\x0c\x12\x10\n\x08max_rows\x18\x11 \x01(\r\x12\x19\n\x11max_request_bytes\x18\x12 \x01(\x04\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xd9\x01\n\x0e\x46orwardRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12#\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.moeshard.v1.Tensor\x12 \n\x03ids\x18\x04 \x01(\x0b\x32\x13.moeshard.v1.Tensor\x12$\n\x07weights\x18\x05 \x01(\x0b\x32\x13.moeshard.v1.Tensor\x12%\n\tout_dtype\x18\x06 \x01(\x0e\x32\x12.moeshard.v1.DType\x12\x12\n\nrequest_id\x18\x07 \x01(\x04\"r\n\x0c\x46orwardReply\x12 \n\x03out\x18\x01 \x01(\x0b\x32\x13.moeshard.v1.Tensor\x12\x18\n\x10\x65xperts_computed\x18\x02 \x01(\r\x12\x12\n\ncompute_ms\x18\x03 \x01(\x02\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\"C\n\x0fPrefetchRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x03 \x03(\r\"!\n\rPrefetchReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r*C\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x07\n\x03\x46\x33\x32\x10\x01\x12\x08\n\x04\x42\x46\x31\x36\x10\x02\x12\x07\n\x03I32\x10\x03\x12\x07\n\x03\x46\x36\x34\x10\x04\x32\x9b\x02\n\nExpertNode\x12\x37\n\x04Info\x12\x18.moeshard.v1.InfoRequest\x1a\x15.moeshard.v1.NodeInfo\x12\x41\n\x07\x46orward\x12\x1b.moeshard.v1.ForwardRequest\x1a\x19.moeshard.v1.ForwardReply\x12K\n\rForwardStream\x12\x1b.moeshard.v1.ForwardRequest\x1a\x19.moeshard.v1.ForwardReply(\x01\x30\x01\x12\x44\n\x08Prefetch\x12\x1c.moeshard.v1.PrefetchRequest\x1a\x1a.moeshard.v1.PrefetchReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0emoeshard.proto\x12\x0bmoeshard.v1\"H\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12!\n\x05\x64type\x18\x03 \x01(\x0e\x32\x12.moeshard.v1.DType\".\n\x0cLayerExperts\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\r\"\x1c\n\x0bInfoRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\"\x90\x04\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x16\n\x0e\x66ormat_version\x18\x03 \x01(\r\x12\x12\n\nmodel_type\x18\x04 \x01(\t\x12\x15\n\rexpert_format\x18\x05 \x01(\t\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12+\n\x08holdings\x18\x07 \x03(\x0b\x32\x19.moeshard.v1.LayerExperts\x12&\n\x03\x62\x61\x64\x18\x08 \x03(\x0b\x32\x19.moeshard.v1.LayerExperts\x12\x12\n\nram_budget\x18\t \x01(\x04\x12\x10\n\x08inflight\x18\n \x01(\r\x12\x0e\n\x06served\x18\x0b \x01(\x04\x12\x14\n\x0cwire_version\x18\x0c \x01(\r\x12/\n\x05stats\x18\r \x03(\x0b\x32 .moeshard.v1.NodeInfo.StatsEntry\x12\x0c\n\x04name\x18\x0e \x01(\t\x12\x12\n\npublic_key\x18\x0f \x01(\x0c\x12\x11\n\tsignature\x18\x10 \x01(\x0c\x12\x10\n\x08max_rows\x18\x11 \x01(\r\x12\x19\n\x11max_request_bytes\x18\x12 \x01(\x04\x12\x14\n\x0ckernel_build\x18\x13 \x01(\t\x12\x11\n\tcpu_level\x18\x14 \x01(\t\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xd9\x01\n\x0e\x46orwardRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12#\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.moeshard.v1.Tensor\x12 \n\x03ids\x18\x04 \x01(\x0b\x32\x13.moeshard.v1.Tensor\x12$\n\x07weights\x18\x05 \x01(\x0b\x32\x13.moeshard.v1.Tensor\x12%\n\tout_dtype\x18\x06 \x01(\x0e\x32\x12.moeshard.v1.DType\x12\x12\n\nrequest_id\x18\x07 \x01(\x04\"r\n\x0c\x46orwardReply\x12 \n\x03out\x18\x01 \x01(\x0b\x32\x13.moeshard.v1.Tensor\x12\x18\n\x10\x65xperts_computed\x18\x02 \x01(\r\x12\x12\n\ncompute_ms\x18\x03 \x01(\x02\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\"C\n\x0fPrefetchRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x03 \x03(\r\"!\n\rPrefetchReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r*C\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x07\n\x03\x46\x33\x32\x10\x01\x12\x08\n\x04\x42\x46\x31\x36\x10\x02\x12\x07\n\x03I32\x10\x03\x12\x07\n\x03\x46\x36\x34\x10\x04\x32\x9b\x02\n\nExpertNode\x12\x37\n\x04Info\x12\x18.moeshard.v1.InfoRequest\x1a\x15.moeshard.v1.NodeInfo\x12\x41\n\x07\x46orward\x12\x1b.moeshard.v1.ForwardRequest\x1a\x19.moeshard.v1.ForwardReply\x12K\n\rForwardStream\x12\x1b.moeshard.v1.ForwardRequest\x1a\x19.moeshard.v1.ForwardReply(\x01\x30\x01\x12\x44\n\x08Prefetch\x12\x1c.moeshard.v1.PrefetchRequest\x1a\x1a.moeshard.v1.PrefetchReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_NODEINFO_STATSENTRY']._loaded_options = None
   _globals['_NODEINFO_STATSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=1113
-  _globals['_DTYPE']._serialized_end=1180
+  _globals['_DTYPE']._serialized_start=1154
+  _globals['_DTYPE']._serialized_end=1221
   _globals['_TENSOR']._serialized_start=31
   _globals['_TENSOR']._serialized_end=103
   _globals['_LAYEREXPERTS']._serialized_start=105
@@ -42,17 +42,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFOREQUEST']._serialized_start=153
   _globals['_INFOREQUEST']._serialized_end=181
   _globals['_NODEINFO']._serialized_start=184
-  _globals['_NODEINFO']._serialized_end=671
-  _globals['_NODEINFO_STATSENTRY']._serialized_start=627
-  _globals['_NODEINFO_STATSENTRY']._serialized_end=671
-  _globals['_FORWARDREQUEST']._serialized_start=674
-  _globals['_FORWARDREQUEST']._serialized_end=891
-  _globals['_FORWARDREPLY']._serialized_start=893
-  _globals['_FORWARDREPLY']._serialized_end=1007
-  _globals['_PREFETCHREQUEST']._serialized_start=1009
-  _globals['_PREFETCHREQUEST']._serialized_end=1076
-  _globals['_PREFETCHREPLY']._serialized_start=1078
-  _globals['_PREFETCHREPLY']._serialized_end=1111
-  _globals['_EXPERTNODE']._serialized_start=1183
-  _globals['_EXPERTNODE']._serialized_end=1466
+  _globals['_NODEINFO']._serialized_end=712
+  _globals['_NODEINFO_STATSENTRY']._serialized_start=668
+  _globals['_NODEINFO_STATSENTRY']._serialized_end=712
+  _globals['_FORWARDREQUEST']._serialized_start=715
+  _globals['_FORWARDREQUEST']._serialized_end=932
+  _globals['_FORWARDREPLY']._serialized_start=934
+  _globals['_FORWARDREPLY']._serialized_end=1048
+  _globals['_PREFETCHREQUEST']._serialized_start=1050
+  _globals['_PREFETCHREQUEST']._serialized_end=1117
+  _globals['_PREFETCHREPLY']._serialized_start=1119
+  _globals['_PREFETCHREPLY']._serialized_end=1152
+  _globals['_EXPERTNODE']._serialized_start=1224
+  _globals['_EXPERTNODE']._serialized_end=1507
 # @@protoc_insertion_point(module_scope)
