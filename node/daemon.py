@@ -10,7 +10,6 @@ SIGTERM / SIGINT: stop advertising, report NOT_SERVING, finish in-flight calls, 
 from __future__ import annotations
 
 import ctypes
-import ipaddress
 import logging
 import signal
 import socket
@@ -33,6 +32,7 @@ from moe.storage.io import align_up
 from moe.storage.manifest import FORMAT_VERSION
 from moe.wire import health_pb2_grpc
 from moe.wire.constants import MAX_MESSAGE_BYTES, WIRE_VERSION
+from moe.wire.hosts import is_loopback
 from node.access import AccessPolicy
 from node.limits import Limits
 from node.servicer import ExpertNodeServicer, HealthServicer, NodeIdentity
@@ -242,11 +242,3 @@ def return_big_buffers() -> None:
         ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
     except (OSError, AttributeError):
         pass
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (a name or an address) is this machine's loopback."""
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moe.errors import MoeshardError
+
 log = logging.getLogger(__name__)
 
 MODES = ("zero", "scale", "noise", "nan", "wrong_expert", "duplicate")
@@ -60,7 +62,10 @@ def parse(text: str | None) -> Lie | None:
     mode = parts[0]
     if mode not in MODES:
         raise ValueError(f"{ENV}: unknown lie {mode!r}; choose one of {', '.join(MODES)}")
-    numbers = [float(p) for p in parts[1:]]
+    try:
+        numbers = [float(p) for p in parts[1:]]
+    except ValueError:
+        raise ValueError(f"{ENV}: {text!r}: not numbers after the mode") from None
     takes_arg = mode in ("scale", "noise")
     if takes_arg and not numbers:
         raise ValueError(f"{ENV}: lie {mode} needs a number ({mode}:F)")
@@ -70,7 +75,11 @@ def parse(text: str | None) -> Lie | None:
 
 
 def from_environment() -> Lie | None:
-    lie = parse(os.environ.get(ENV))
+    """The lie set for this process, or None; a malformed spec is one line (exit 2)."""
+    try:
+        lie = parse(os.environ.get(ENV))
+    except ValueError as exc:
+        raise MoeshardError(str(exc)) from None
     if lie is not None:
         log.warning("FAILPOINT: this node lies (%s); for tests only", lie)
     return lie

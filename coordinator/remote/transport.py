@@ -8,9 +8,7 @@ stream reply has no gRPC deadline of its own, so `StreamCall` registers its dead
 
 from __future__ import annotations
 
-import ipaddress
 import queue
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +20,7 @@ from moe.identity.keys import looks_like_id
 from moe.identity.tls import TLS_NAME, TLSMaterial, fetch_node_identity
 from moe.wire import moeshard_pb2_grpc as pb_grpc
 from moe.wire.constants import MAX_MESSAGE_BYTES
+from moe.wire.hosts import is_loopback
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -75,20 +74,13 @@ def _split(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def is_loopback_addr(addr: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(_split(addr)[0])).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
 def dial(spec: PeerSpec, tls: TLSMaterial | None, timeout: float) -> tuple[grpc.Channel, str]:
     """A channel to the node and the id it proved. With `tls`: a TLS 1.3 handshake fetches
     the node's certificate and checks its key against the pinned id (PinError naming both),
     then the channel trusts exactly that certificate. Without: plaintext, loopback only.
     OSError / ssl.SSLError when the node cannot be reached over TLS."""
     if tls is None:
-        if not is_loopback_addr(spec.addr):
+        if not is_loopback(_split(spec.addr)[0]):
             raise MoeshardError(f"--insecure is plaintext: loopback only, not {spec.addr}")
         return grpc.insecure_channel(spec.addr, options=CHANNEL_OPTIONS), spec.node_id
     host, port = _split(spec.addr)
