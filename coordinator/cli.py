@@ -14,7 +14,9 @@ from coordinator.commands import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    audit,
     generate,
+    ledger,
     models,
     network,
     traces,
@@ -23,6 +25,7 @@ from moe.errors import MoeshardError
 
 
 def _add_bench(sub) -> None:
+    from coordinator.bench import audit as audit_bench
     from coordinator.bench import disk, kernels, modes, rpc, stream
 
     p = sub.add_parser("bench", help="benchmarks that print ratios against same-run baselines")
@@ -34,6 +37,7 @@ def _add_bench(sub) -> None:
         ("disk", disk, "O_DIRECT read GB/s by read size and queue depth"),
         ("stream", stream, "streaming s/token per cache policy vs the disk floor"),
         ("modes", modes, "in-RAM default vs --ram streaming, tok/s side by side"),
+        ("audit", audit_bench, "spot checks: liar detection vs theory, false bans, cost in tok/s"),
     ]:
         b = benches.add_parser(name, help=text)
         module.add_arguments(b)
@@ -62,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     network.add_shard(sub)
     network.add_health(sub)
     network.add_cluster(sub)
+    audit.add_audit(sub)
+    ledger.add_ledger(sub)
     return parser
 
 

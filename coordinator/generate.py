@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -30,6 +31,7 @@ class GenerationResult:
     prefill_s: float = 0.0
     decode_s: list[float] = field(default_factory=list)  # seconds per decode step
     stopped_by: str = "max_tokens"  # "eos" or "max_tokens"
+    rollbacks: int = 0  # times a lying node's work was undone and recomputed
 
 
 def sample(logits: np.ndarray, opts: SamplingOptions, rng: np.random.Generator) -> int:
@@ -52,42 +54,87 @@ def sample(logits: np.ndarray, opts: SamplingOptions, rng: np.random.Generator) 
     return int(rng.choice(probs.size, p=probs))
 
 
+class Verifier(Protocol):
+    """What the decode loop asks of a backend that checks its nodes' work after the fact
+    (`coordinator.remote.audit.Auditor`). Steps are forward passes: 0 is the prefill, step
+    s >= 1 feeds token s - 1 and yields token s."""
+
+    def begin_step(self, step: int) -> None:
+        """The next expert calls belong to forward pass `step`."""
+
+    def rollback_step(self) -> int | None:
+        """The earliest step whose result used work now known to be wrong (then cleared)."""
+
+    def drain(self) -> None:
+        """Wait for the checks still in flight."""
+
+
 def generate(
     model,
     prompt_ids: list[int],
     opts: SamplingOptions,
     on_token: Callable[[int], None] | None = None,
     on_forward: Callable[[int, int], None] | None = None,
+    verifier: Verifier | None = None,
+    on_rollback: Callable[[int], None] | None = None,
 ) -> GenerationResult:
     """Run `model` (a family Transformer) on the prompt and generate up to opts.max_tokens.
 
     on_token(token) after each generated token; on_forward(position, phase) before each
-    forward pass (PREFILL or DECODE; a TraceRecorder's `mark`)."""
+    forward pass (PREFILL or DECODE; a TraceRecorder's `mark`). With a `verifier`, a step
+    found to rest on a lying node's work is undone: the KV cache is truncated to where that
+    step began, its tokens (and the sampler's state) are forgotten, `on_rollback(tokens kept)`
+    is called and the steps run again, so the tokens are those of an honest run."""
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")
     rng = np.random.default_rng(opts.seed)
     cache = model.new_cache(len(prompt_ids) + opts.max_tokens)
     result = GenerationResult(prompt_ids=list(prompt_ids), tokens=[])
-    t0 = time.perf_counter()
-    if on_forward:
-        on_forward(cache.length, PREFILL)
-    logits = model.forward(np.asarray(prompt_ids, dtype=np.int64), cache)[-1]  # [V]
-    result.prefill_s = time.perf_counter() - t0
-    while len(result.tokens) < opts.max_tokens:
+    starts: list[tuple[int, dict]] = []  # per step: cache length and sampler state before it
+    step = 0
+    while True:
+        if step == len(starts):
+            starts.append((cache.length, rng.bit_generator.state))
+        ids = prompt_ids if step == 0 else [result.tokens[step - 1]]
+        t0 = time.perf_counter()
+        if on_forward:
+            on_forward(cache.length, PREFILL if step == 0 else DECODE)
+        if verifier:
+            verifier.begin_step(step)
+        logits = model.forward(np.asarray(ids, dtype=np.int64), cache)[-1]  # [V]
+        if step == 0:
+            result.prefill_s = time.perf_counter() - t0
+        else:
+            result.decode_s.append(time.perf_counter() - t0)
         token = sample(logits, opts, rng)
         result.tokens.append(token)
         if opts.keep_logits:
             result.logits.append(logits.astype(np.float32))
         if on_token:
             on_token(token)
-        if token in opts.eos_ids:
-            result.stopped_by = "eos"
-            break
-        if len(result.tokens) == opts.max_tokens:
-            break
-        t0 = time.perf_counter()
-        if on_forward:
-            on_forward(cache.length, DECODE)
-        logits = model.forward(np.asarray([token], dtype=np.int64), cache)[-1]  # [V]
-        result.decode_s.append(time.perf_counter() - t0)
-    return result
+        done = token in opts.eos_ids or len(result.tokens) == opts.max_tokens
+        if done and verifier:
+            verifier.drain()  # the last tokens' checks, before calling the text final
+        back = verifier.rollback_step() if verifier else None
+        if back is not None and back <= step:
+            step = _roll_back(result, cache, rng, starts, back)
+            result.rollbacks += 1
+            if on_rollback:
+                on_rollback(len(result.tokens))
+            continue
+        if done:
+            result.stopped_by = "eos" if token in opts.eos_ids else "max_tokens"
+            return result
+        step += 1
+
+
+def _roll_back(result: GenerationResult, cache, rng, starts: list, step: int) -> int:
+    """Undo steps `step`.. : cache, tokens, logits, timings and the sampler; returns `step`."""
+    length, state = starts[step]
+    cache.truncate(length)
+    rng.bit_generator.state = state
+    del starts[step + 1 :]
+    del result.tokens[step:]
+    del result.logits[step:]
+    del result.decode_s[max(step - 1, 0) :]
+    return step

@@ -7,6 +7,7 @@ RAM budget: experts through the ExpertStore cache, the trunk resident or streame
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from moe.model.config import eos_ids, read_json
 from moe.model.model_dir import ModelDir
 from moe.model.streaming_trunk import StreamingTrunk
 from moe.storage.budget import BudgetPlan, measure_overhead, peak_rss_bytes, plan_budget
+
+log = logging.getLogger(__name__)
 
 
 class TextStreamer:
@@ -43,6 +46,14 @@ class TextStreamer:
         self.out.flush()
         self.printed = text
 
+    def rollback(self, kept: int) -> None:
+        """Tokens from `kept` on were undone (a node was caught lying): text already printed
+        cannot be taken back, so the corrected text so far is printed again on a new line."""
+        self.tokens = self.tokens[:kept]
+        self.printed = self.runtime.decode(self.tokens)
+        self.out.write("\n" + self.printed)
+        self.out.flush()
+
     def finish(self) -> None:
         text = self.runtime.decode(self.tokens)
         self.out.write(text[len(self.printed) :] + "\n")
@@ -61,6 +72,7 @@ class Runtime:
     plan: BudgetPlan | None = None  # the RAM budget's split (streaming mode)
     store: ExpertStore | None = None  # the expert cache (streaming mode; also `experts`)
     watcher: object | None = None  # zeroconf browse feeding late nodes (remote mode)
+    verifier: object | None = None  # audits of the nodes' work (remote mode; generate.Verifier)
 
     @property
     def config(self):
@@ -92,11 +104,14 @@ class Runtime:
             "tokens_per_s": 1.0 / per_token if per_token else 0.0,
             "expert_bytes_read": experts.get("expert_bytes_read", 0),
             "stopped_by": result.stopped_by,
+            "rollbacks": result.rollbacks,
             "startup_s": self.startup_s,
             "jit_warmup_s": self.warmup_s,
         }
         if self.store is not None:
             stats.update(self.streaming_stats())
+        if "audit" in experts:
+            stats["audit"] = experts["audit"]
         return stats
 
     def streaming_stats(self) -> dict:
@@ -185,6 +200,8 @@ def open_remote(
     remote_config=None,
 ) -> Runtime:
     """Trunk in RAM from `path`; routed experts computed by nodes (a peer list or zeroconf)."""
+    from coordinator.remote.audit import LocalReferee
+    from coordinator.remote.config import RemoteConfig
     from coordinator.remote.discovery import Watcher, resolve_peers
     from coordinator.remote.experts import RemoteExperts
 
@@ -194,9 +211,20 @@ def open_remote(
     model.require_trunk()
     insecure = remote_config is not None and remote_config.identity is None
     specs = resolve_peers(model.model_id, peers, discover, discover_timeout, insecure)
+    if remote_config is None:
+        remote_config = RemoteConfig()
+    if remote_config.referee is None:  # this directory's own experts judge disputed audits
+        remote_config.referee = LocalReferee.of(model)
+    if remote_config.roots is None:  # what possession challenges are checked against
+        try:
+            remote_config.roots = model.possession_roots()
+        except StoreError as exc:
+            log.warning("no possession challenges: %s", exc)
     experts = RemoteExperts(model.model_id, model.config.hidden_size, specs, remote_config)
     watcher = None
     if discover and not peers:  # keep browsing: nodes that start later join the generation
         watcher = Watcher(model.model_id, lambda node: experts.add_peer(node.spec))
     transformer = model.family.Transformer(model.config, model.load_trunk(), experts)
-    return _finish(model, transformer, experts, warmup_s, started, watcher=watcher)
+    return _finish(
+        model, transformer, experts, warmup_s, started, watcher=watcher, verifier=experts.verifier
+    )

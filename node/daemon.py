@@ -26,6 +26,7 @@ from moe.experts.store import ExpertStore
 from moe.identity.keys import NODE_KEY, load_or_create
 from moe.identity.tls import TLSMaterial, node_tls
 from moe.kernels import quant
+from moe.ledger import open_ledger
 from moe.model.model_dir import ModelDir
 from moe.storage.budget import expert_slots
 from moe.storage.io import align_up
@@ -57,6 +58,7 @@ class NodeConfig:
     limits: Limits = field(default_factory=Limits)  # what clients may make it do (node/limits.py);
     # its zero fields are derived at start from the RAM budget and the model (Limits.resolve)
     grace_s: float = 10.0  # on SIGTERM, how long in-flight calls may take to finish
+    ledger: str = ""  # receipts issued, settlements accepted ("" = moe.ledger.default_path)
 
 
 def make_backend(model: ModelDir, ram: int) -> ExpertsBackend:
@@ -128,6 +130,7 @@ class Node:
         self.model = ModelDir(config.path)
         self.key = load_or_create(config.key or self.model.path / NODE_KEY)
         self.tls = None if config.insecure else node_tls(self.key)
+        ledger = open_ledger(config.ledger, self.key, "node")  # the file is made on first use
         access = AccessPolicy(not config.insecure, config.allow, config.allow_any)
         held = set(self.model.locations)
         bad: set[tuple[int, int]] = set()
@@ -161,6 +164,7 @@ class Node:
             limits=self.limits,
         )
         self.servicer.bad.update(bad)
+        self.servicer.ledger = ledger
         self.health = HealthServicer(self.limits.max_watches)
         self.server: grpc.Server | None = None
         self.port = 0
@@ -224,6 +228,7 @@ def run(config: NodeConfig, out) -> int:
         flush=True,
     )
     print(f"limits: {node.limits.summary()}", file=out, flush=True)
+    print(f"ledger: {node.servicer.ledger.path}", file=out, flush=True)
     if node.servicer.bad:
         print(f"warning: {len(node.servicer.bad)} records failed their checksum", file=out)
     stop.wait()

@@ -8,6 +8,7 @@ once at start. A Forward reply is altered with probability RATE (default 1):
   nan           every value NaN
   wrong_expert  the rows computed with another expert this node holds
   duplicate     the reply sent twice on a stream
+  forged_block  (possession challenges, not Forward) one byte of each block proof flipped
 The testbed and the tests use it to check that the coordinator catches each kind of lie.
 """
 
@@ -24,7 +25,7 @@ from moe.errors import MoeshardError
 
 log = logging.getLogger(__name__)
 
-MODES = ("zero", "scale", "noise", "nan", "wrong_expert", "duplicate")
+MODES = ("zero", "scale", "noise", "nan", "wrong_expert", "duplicate", "forged_block")
 ENV = "MOESHARD_FAILPOINTS"
 
 

@@ -23,14 +23,17 @@ import numpy as np
 from moe.errors import StoreError
 from moe.experts.backend import ExpertsBackend
 from moe.identity.keys import Identity
+from moe.identity.receipts import SESSION_BYTES, check_settlement, make_receipt
 from moe.identity.signed import sign_info
 from moe.kernels.build import cpu_level, kernel_build
+from moe.ledger import BackgroundLedger, LedgerError, receipt_body, settlement_body
 from moe.wire import codec, health_pb2, health_pb2_grpc
 from moe.wire import moeshard_pb2 as pb
 from moe.wire.constants import MAX_ACTIVATION, MAX_SLOTS, WIRE_VERSION
 from node import failpoints
 from node.access import AccessDenied, AccessPolicy
 from node.limits import Guard, Limits, Refused
+from node.possession import Prover
 
 log = logging.getLogger(__name__)
 SERVICE = "moeshard.v1.ExpertNode"
@@ -93,6 +96,19 @@ class ExpertNodeServicer:
         self.state_lock = threading.Lock()
         self.inflight = 0
         self.served = 0
+        # receipts and settlements (issue 15; moe/identity/receipts.py, moe/ledger)
+        self.ledger: BackgroundLedger | None = None  # set by the daemon: receipts, settlements
+        self.record_nbytes = getattr(getattr(backend, "shards", None), "record_nbytes", 0)
+        self.settle_lock = threading.Lock()
+        self.settled: dict[tuple[bytes, str], int] = {}  # (session, coordinator) -> last seq
+        self.prover = Prover(  # possession challenges (node/possession.py)
+            getattr(backend, "shards", None),
+            key,
+            identity.model_id,
+            self.held,
+            self.bad,
+            self.state_lock,
+        )
 
     def register(self, server: grpc.Server) -> None:
         """Serve moeshard.v1.ExpertNode on `server`. The unary methods are registered as
@@ -109,6 +125,8 @@ class ExpertNodeServicer:
             "Info": unary(self.Info, pb.InfoRequest, pb.NodeInfo),
             "Forward": unary(self.Forward, pb.ForwardRequest, pb.ForwardReply),
             "Prefetch": unary(self.Prefetch, pb.PrefetchRequest, pb.PrefetchReply),
+            "Settle": unary(self.Settle, pb.Settlement, pb.SettleReply),
+            "Challenge": unary(self.Challenge, pb.ChallengeRequest, pb.ChallengeReply),
             "ForwardStream": grpc.stream_stream_rpc_method_handler(
                 self.ForwardStream,
                 pb.ForwardRequest.FromString,
@@ -120,6 +138,8 @@ class ExpertNodeServicer:
 
     def close(self) -> None:
         self.guard.close()
+        if self.ledger is not None:
+            self.ledger.close()
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -216,6 +236,63 @@ class ExpertNodeServicer:
                 log.warning("prefetch of layer %d failed: %s", request.layer, exc)
         return pb.PrefetchReply(accepted=len(wanted))
 
+    def Challenge(self, request, context):
+        """Proof of possession: the challenged blocks with their Merkle paths, signed."""
+        forge = self.lie is not None and self.lie.mode == "forged_block"  # tests only
+        return self.prover.answer(request, context.time_remaining(), forge=forge)
+
+    # -- receipts and settlements (issue 15) -------------------------------------------------
+
+    def _receipt(self, request, reply, ids, live) -> None:
+        """Sign what this request made the node do into its reply, and keep it in the ledger
+        (queued: the reply does not wait for the disk)."""
+        if len(request.session) != SESSION_BYTES:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"session of {len(request.session)} bytes: need {SESSION_BYTES} (or none)",
+            )
+        if self.key is None:
+            return
+        experts = np.unique(ids[ids >= 0])  # ascending
+        receipt = make_receipt(
+            self.key,
+            self.identity.model_id,
+            request,
+            reply.out.data,
+            experts,
+            int(live.sum()),
+            len(experts) * self.record_nbytes,
+        )
+        reply.receipt.CopyFrom(receipt)
+        if self.ledger is not None:
+            self.ledger.append("receipt", receipt_body(receipt, self.key.public_raw))
+
+    def Settle(self, request, context):
+        """A coordinator's signed totals for this node: checked (signature, this node, this
+        model, sent by the coordinator that signed it, a newer seq than the last one accepted
+        for the session) and kept in the ledger before it is accepted."""
+        ident = self.identity
+        why = check_settlement(request, ident.node_id, ident.model_id)
+        caller = self.access.caller(context)  # '' without TLS
+        if not why and caller and caller != request.coordinator_id:
+            why = f"settlement signed by {request.coordinator_id}, sent by {caller}"
+        key = (request.session, request.coordinator_id)
+        with self.settle_lock:
+            if not why and request.seq <= self.settled.get(key, 0):
+                why = f"stale settlement (seq {request.seq}, {self.settled[key]} accepted)"
+            if not why and self.ledger is not None:
+                try:
+                    self.ledger.append("settlement", settlement_body(request), sync=True).result()
+                except (LedgerError, OSError) as exc:
+                    why = f"cannot keep it in the ledger: {exc}"
+            if why:
+                log.info("settlement from %s refused: %s", request.coordinator_id, why)
+                return pb.SettleReply(accepted=False, reason=why)
+            self.settled[key] = request.seq
+            while len(self.settled) > 10_000:  # bounded: forget the oldest sessions
+                del self.settled[next(iter(self.settled))]
+        return pb.SettleReply(accepted=True)
+
     # -- validation and compute ------------------------------------------------------------
 
     def _claimed_rows(self, request) -> int:
@@ -306,19 +383,9 @@ class ExpertNodeServicer:
 
     def _forward(self, request) -> pb.ForwardReply:
         layer, hidden, ids, weights, out_dtype = self._parse(request)
-        # Each row's experts first and its empty slots (-1) last, keeping only as many slots as
-        # the fullest row uses: an empty slot is computed all the same (below).
-        order = np.argsort(ids < 0, axis=1, kind="stable")  # [T, k]
-        used = max(1, int((ids >= 0).sum(axis=1).max()))
-        ids = np.take_along_axis(ids, order, axis=1)[:, :used]  # [T, used]
-        weights = np.take_along_axis(weights, order, axis=1)[:, :used]  # [T, used]
-        # Empty slots (-1) become a copy of the row's first expert with weight 0: adding +-0.0
-        # leaves the sum bit-identical and the backend never sees an invalid id.
-        empty = ids < 0  # [T, used]
-        if empty.any():
-            first = np.where(empty.all(axis=1), -1, ids.max(axis=1))  # [T]
-            ids = np.where(empty, first[:, None], ids)  # [T, used]
-            weights = np.where(empty, np.float32(0), weights).astype(np.float32)  # [T, used]
+        # Empty slots (-1) are skipped by the backend; they are never filled with a copy of
+        # another expert: an expert's kernel call must see exactly the rows routed to it, or
+        # its results would depend on the batch (1 row and >= 2 rows round differently).
         live = (ids >= 0).any(axis=1)  # [T]
         out = np.zeros(hidden.shape, dtype=np.float64)  # [T, H], the unrounded partial sum
         t0 = time.perf_counter()
@@ -334,17 +401,20 @@ class ExpertNodeServicer:
         compute_ms = (time.perf_counter() - t0) * 1e3
         self._check_result(layer, hidden, out)
         out = self._failpoint(layer, hidden, ids, weights, live, out)
-        return pb.ForwardReply(
+        reply = pb.ForwardReply(
             out=codec.encode(out, out_dtype),
             experts_computed=int(np.unique(ids[ids >= 0]).size),
             compute_ms=compute_ms,
             request_id=request.request_id,
         )
+        if request.session:
+            self._receipt(request, reply, ids, live)
+        return reply
 
     def _failpoint(self, layer, hidden, ids, weights, live, out) -> np.ndarray:
         """Tests only (MOESHARD_FAILPOINTS, node/failpoints.py): a lie instead of `out`."""
         lie = self.lie
-        if lie is None or lie.mode == "duplicate" or not lie.fires(self.lie_rng):
+        if lie is None or lie.mode in ("duplicate", "forged_block") or not lie.fires(self.lie_rng):
             return out
         if lie.mode != "wrong_expert":
             return lie.alter(out, self.lie_rng)

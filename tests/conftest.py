@@ -3,6 +3,8 @@ a cluster of node daemons on loopback. Plain helpers and constants are in helper
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,9 @@ from coordinator.generate import SamplingOptions, generate
 from coordinator.runtime import open_local
 from moe.convert.converter import convert
 from moe.convert.placement import shard_model
+
+# Keys, ledgers and reputations the tests' processes make by default stay out of the real home.
+os.environ["MOESHARD_HOME"] = tempfile.mkdtemp(prefix="moeshard-test-home-")
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from coordinator.remote.audit import LocalReferee
 from coordinator.remote.config import RemoteConfig
 from coordinator.remote.experts import RemoteExperts
 from coordinator.remote.transport import PeerSpec
@@ -259,11 +260,14 @@ def client_key() -> Identity:
     return _CLIENT[0]
 
 
-def remote_runtime(model_dir, specs, insecure: bool = False, **config):
+def remote_runtime(model_dir, specs, insecure: bool = False, referee: bool = False, **config):
     """(transformer, RemoteExperts): the model's trunk here, its experts on the nodes (mutual
-    TLS as the tests' client, each node pinned by its key; plaintext with insecure=True)."""
+    TLS as the tests' client, each node pinned by its key; plaintext with insecure=True).
+    referee=True: the model directory's own experts settle disputed audits."""
     model = ModelDir(model_dir)
     identity = None if insecure else client_key()
+    if referee:
+        config["referee"] = LocalReferee.of(model)
     remote = RemoteExperts(
         model.model_id, model.config.hidden_size, specs, RemoteConfig(identity=identity, **config)
     )

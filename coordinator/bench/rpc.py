@@ -185,8 +185,12 @@ def _remotes(
     out: list[Row] = []
 
     def remote(specs: list[PeerSpec], transport: str, identity: Identity | None):
-        config = RemoteConfig(
-            wire_dtype=args.wire_dtype, prefetch=False, transport=transport, identity=identity
+        config = RemoteConfig(  # audits have their own bench (`bench audit`)
+            wire_dtype=args.wire_dtype,
+            prefetch=False,
+            transport=transport,
+            identity=identity,
+            audit=0.0,
         )
         return RemoteExperts(model.model_id, model.config.hidden_size, specs, config)
 

@@ -34,6 +34,32 @@ def add_generate(sub) -> None:
     p.add_argument("--degrade", action="store_true", help="drop experts no live node holds")
     p.add_argument("--wire-dtype", choices=("f32", "bf16"), default="f32", help="activations")
     p.add_argument("--deadline", type=float, default=5.0, help="seconds per node call")
+    p.add_argument(
+        "--audit",
+        type=float,
+        default=0.05,
+        metavar="P",
+        help="share of node calls re-run on another holder to catch liars (default 0.05; 0: off)",
+    )
+    p.add_argument(
+        "--ledger",
+        metavar="FILE",
+        help="hash-chained ledger of the nodes' signed receipts, audits and settlements "
+        "(default: $MOESHARD_HOME/ledger/coordinator-<key id>.jsonl)",
+    )
+    p.add_argument(
+        "--reputation",
+        metavar="FILE",
+        help="the nodes' reputations, kept across runs (default: $MOESHARD_HOME/reputation.sqlite)",
+    )
+    p.add_argument(
+        "--audit-new",
+        type=int,
+        default=100,
+        metavar="N",
+        help="a node's first N audits (this run plus its reputation's) are of every call "
+        "(default 100)",
+    )
     add_streaming_options(p)
     p.set_defaults(func=cmd_generate)
 
@@ -46,16 +72,28 @@ def cmd_generate(args) -> int:
         raise MoeshardError("--max-tokens must be at least 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         raise MoeshardError("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
-    monitor = None
+    monitor = reputation = None
     if args.peers or args.discover:
         if args.ram:
             raise MoeshardError("--ram is for single-node mode; give each node its own --ram")
         from coordinator.commands.network import client_config
+        from coordinator.remote.reputation import Reputation
         from coordinator.runtime import open_remote
 
         remote = client_config(
-            args, deadline_s=args.deadline, wire_dtype=args.wire_dtype, degrade=args.degrade
+            args,
+            deadline_s=args.deadline,
+            wire_dtype=args.wire_dtype,
+            degrade=args.degrade,
+            audit=args.audit,
+            audit_new=args.audit_new,
+            ledger=args.ledger or "",
+            reputation=(reputation := Reputation(args.reputation)),
         )
+        if args.ledger and remote.identity is None:
+            raise MoeshardError(
+                "--ledger needs this client's key: receipts are signed between keys"
+            )
         rt = open_remote(args.model, args.peers, args.discover, args.discover_timeout, remote)
     elif args.ram:
         from coordinator.stream_monitor import StreamMonitor
@@ -96,7 +134,10 @@ def cmd_generate(args) -> int:
         print(rt.plan.describe(), file=sys.stderr)
         monitor.start(rt.store, stream, len(prompt_ids))
     on_forward = recorder.mark if recorder else None
-    result = generate(rt.transformer, prompt_ids, opts, monitor or stream, on_forward)
+    on_rollback = stream.rollback if stream else None
+    result = generate(
+        rt.transformer, prompt_ids, opts, monitor or stream, on_forward, rt.verifier, on_rollback
+    )
     if recorder:
         recorder.trace().save(args.trace)
     if stream:
@@ -130,6 +171,8 @@ def cmd_generate(args) -> int:
     if args.peers or args.discover:
         _report_remote(rt.experts.stats(), len(result.tokens))
     rt.close()
+    if reputation is not None:
+        reputation.close()
     return EXIT_OK
 
 
@@ -145,6 +188,23 @@ def _report_remote(summary: dict, tokens: int) -> None:
         f"{wire / 1e3:.1f} KB on the wire per token]",
         file=sys.stderr,
     )
+    accounts = summary["accounts"]
+    if accounts is not None:
+        flaws = (
+            f", {accounts['missing']} missing, {accounts['bad']} bad" if accounts["invalid"] else ""
+        )
+        print(
+            f"[ledger: {accounts['ledger']}: {accounts['receipts']} receipts{flaws}]",
+            file=sys.stderr,
+        )
+    audit = summary["audit"]
+    if audit["audits"] or audit["convicted"]:
+        caught = f"; caught lying: {', '.join(audit['convicted'])}" if audit["convicted"] else ""
+        print(
+            f"[audits: {audit['audits']} calls re-run, {audit['passed']} passed, "
+            f"{audit['mismatches']} mismatched, {audit['unresolved']} unresolved{caught}]",
+            file=sys.stderr,
+        )
     if summary["dropped"]:
         total = sum(summary["dropped"].values())
         print(f"[--degrade: dropped {total} expert slots: {summary['dropped']}]", file=sys.stderr)

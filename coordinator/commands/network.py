@@ -22,6 +22,13 @@ def add_node(sub) -> None:
         default="",
         help="identity key (default: node-key.pem in PATH, made on first start)",
     )
+    p.add_argument(
+        "--ledger",
+        metavar="FILE",
+        default="",
+        help="where to keep the receipts this node signs and the settlements it accepts "
+        "(default: node-IDPREFIX.jsonl in $MOESHARD_HOME/ledger, made on first use)",
+    )
     who = p.add_mutually_exclusive_group()
     who.add_argument(
         "--allow", metavar="ID[,ID...]|FILE", help="client ids allowed to call (or a file of ids)"
@@ -114,6 +121,7 @@ def cmd_node(args) -> int:
         allow_any=args.allow_any,
         insecure=args.insecure,
         limits=limits,
+        ledger=args.ledger,
     )
     return run(config, sys.stdout)
 
@@ -210,6 +218,13 @@ def add_cluster(sub) -> None:
         help="with --discover: browse until N nodes are found (default: until no new one "
         "appears for --discover-timeout)",
     )
+    p.add_argument(
+        "--reputation",
+        metavar="FILE",
+        help="reputation database to show each node's record from (default: reputation.sqlite "
+        "in $MOESHARD_HOME or ~/.config/moeshard, if there is one)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=cmd_cluster)
 
 
@@ -235,24 +250,37 @@ def add_client_identity(p) -> None:
 
 
 def cmd_cluster(args) -> int:
+    import json
+    from pathlib import Path
+
     from coordinator.remote.discovery import resolve_peers
-    from coordinator.remote.report import describe_cluster
+    from coordinator.remote.report import cluster_report, format_cluster
+    from coordinator.remote.reputation import Reputation, default_path
     from moe.model.model_dir import ModelDir
 
     if args.expect is not None and (args.expect < 1 or not args.discover):
         raise MoeshardError("--expect N needs --discover and N >= 1")
     model = ModelDir(args.model)
-    peers = resolve_peers(
-        model.model_id,
-        args.peers,
-        args.discover,
-        args.discover_timeout,
-        args.insecure,
-        expect=args.expect,
-        settle=True,
-    )
-    text, uncovered = describe_cluster(model, peers, client_config(args))
-    print(text)
+    path = Path(args.reputation) if args.reputation else default_path()
+    if args.reputation and not path.exists():
+        raise MoeshardError(f"{path}: no such reputation database")
+    # Read only: a missing default database is not created (shown as "rep new")
+    reputation = Reputation(path if path.exists() else ":memory:")
+    try:
+        peers = resolve_peers(
+            model.model_id,
+            args.peers,
+            args.discover,
+            args.discover_timeout,
+            args.insecure,
+            expect=args.expect,
+            settle=True,
+        )
+        report = cluster_report(model, peers, client_config(args), reputation=reputation)
+    finally:
+        reputation.close()
+    print(json.dumps(report, indent=2) if args.json else format_cluster(report))
+    uncovered = report["coverage"]["0"]
     if uncovered:
         print(f"moeshard: {uncovered} experts have no live node", file=sys.stderr)
         return EXIT_UNCOVERED

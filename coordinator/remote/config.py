@@ -26,9 +26,20 @@ class RemoteConfig:
     prefetch: bool = True  # forward next-layer prefetch hints to the nodes
     degrade: bool = False  # drop experts no live node holds (renormalising) instead of failing
     identity: Identity | None = None  # this client's key (mutual TLS); None = --insecure
+    audit: float = 0.05  # share of Forward calls re-run on another holder (0: no audits)
+    audit_new: int = 100  # audits at rate 1 before a node's calls are sampled at `audit`
+    referee: object | None = None  # audit.LocalReferee: the coordinator's own experts judge
+    reputation: object | None = None  # reputation.Reputation: evidence kept across runs
+    ledger: str = ""  # receipts and settlements go here ('' = the default; needs an identity)
+    roots: object | None = None  # the model's Merkle roots: possession challenges (None: off)
+    challenge_interval_s: float = 60.0  # mean time between two challenges of a node (0: off)
+    challenge_first_s: float = 10.0  # a new node's first challenge comes within this
+    challenge_blocks: int = 8  # blocks per challenge
 
     def check(self) -> None:
         if self.wire_dtype not in ("f32", "bf16"):
             raise MoeshardError(f"wire dtype {self.wire_dtype}: use f32 or bf16")
         if self.transport not in ("stream", "unary"):
             raise MoeshardError(f"transport {self.transport}: use stream or unary")
+        if not 0 <= self.audit <= 1 or self.audit_new < 0:
+            raise MoeshardError(f"--audit {self.audit}: need 0 <= P <= 1 and --audit-new >= 0")

@@ -12,6 +12,7 @@ right after this layer's Forward calls, without waiting.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import defaultdict
@@ -19,11 +20,15 @@ from collections import defaultdict
 import grpc
 import numpy as np
 
+from coordinator.remote.accounts import Accounts
+from coordinator.remote.audit import Auditor
 from coordinator.remote.config import RemoteConfig, RemoteError
+from coordinator.remote.patrol import PossessionPatrol
 from coordinator.remote.peers import Peer, PeerSet
 from coordinator.remote.transport import ForwardStream, PeerSpec, StreamCall, UnaryCall
 from moe.experts.backend import ExpertsBase, PrefetchHint
 from moe.experts.compute import combine
+from moe.kernels.build import cpu_level, kernel_build
 from moe.wire import codec
 from moe.wire import moeshard_pb2 as pb
 from moe.wire.constants import MAX_ACTIVATION
@@ -64,6 +69,10 @@ class RemoteExperts(ExpertsBase):
         self.config.check()
         self.wire_dtype = codec.BY_NAME[self.config.wire_dtype]
         self.peers = PeerSet(model_id, hidden_size, specs, self.config)
+        identity = self.config.identity  # receipts are signed and settled between keys
+        self.accounts = (
+            Accounts(identity, model_id, self.config.ledger or None) if identity else None
+        )
         self.bytes_sent = 0
         self.bytes_received = 0
         self.layer_calls = 0
@@ -71,7 +80,29 @@ class RemoteExperts(ExpertsBase):
         self.dropped: dict[tuple[int, int], int] = defaultdict(int)  # --degrade drops
         self.layer_ms: list[float] = []  # fan-out wall time of each layer call
         self._pending_hints: set = set()
-        self._next_request = 0  # request ids: a reply must echo its own
+        self._request_ids = itertools.count(1)  # a reply must echo its request's id
+        self.auditor = Auditor(
+            self.peers,
+            self.config.audit,
+            self.config.audit_new,
+            self._invalid,
+            lambda: next(self._request_ids),
+            self.config.deadline_s,
+            f"{kernel_build()}/{cpu_level()}",
+            referee=self.config.referee,
+            reputation=self.config.reputation,
+            accounts=self.accounts,
+        )
+        self.patrol = None
+        if self.config.roots is not None and self.config.challenge_interval_s > 0:
+            self.patrol = PossessionPatrol(
+                self.peers,
+                self.config.roots,
+                self.auditor,
+                self.config.challenge_interval_s,
+                self.config.challenge_first_s,
+                self.config.challenge_blocks,
+            )
 
     def add_peer(self, spec: PeerSpec) -> bool:
         """A node found after start-up (zeroconf): admitted if it serves this model."""
@@ -121,8 +152,10 @@ class RemoteExperts(ExpertsBase):
                 # When this node would finish its share of the layer if it also took `expert`
                 # (calls run in parallel, so the layer ends with the slowest node); involving
                 # one more node costs the coordinator `cost` of CPU. Ties: fewer calls so far.
+                # A node with a poorer reputation costs more (`reputation.rank_weight`).
                 n = load[p.addr]
-                return p.overhead_ms + (n + 1) * p.expert_ms + (0.0 if n else cost), p.calls
+                finish = p.overhead_ms + (n + 1) * p.expert_ms + (0.0 if n else cost)
+                return finish * p.weight, p.calls
 
             best = min(cands, key=score)
             chosen[expert] = best
@@ -152,7 +185,7 @@ class RemoteExperts(ExpertsBase):
             fatal: RemoteError | None = None
             got: dict[str, list] = defaultdict(list)  # peer addr -> its parts this round
             bad: set[str] = set()  # peers whose reply failed: none of their parts count
-            for peer, experts, rows, request_id, call in calls:  # every reply is consumed
+            for peer, experts, rows, request, call in calls:  # every reply is consumed
                 try:
                     reply, rtt = call.result()
                 except grpc.RpcError as exc:
@@ -160,20 +193,27 @@ class RemoteExperts(ExpertsBase):
                     bad.add(peer.addr)
                     continue
                 self.peers.record_latency(peer, rtt, reply.compute_ms, len(experts))
+                if self.config.reputation is not None:
+                    self.config.reputation.record_call(peer.node_id, True, rtt * 1e3)
                 self.bytes_received += reply.ByteSize()
-                why = self._invalid(reply, request_id, len(rows))
+                why = self._invalid(reply, request.request_id, len(rows))
                 if isinstance(why, str):
-                    self.peers.ban(peer, why)  # this node, not the one that gets its work next
+                    # No honest node sends this: disqualify this node (not the one that gets
+                    # its work next) and recompute whatever used its earlier, unaudited work.
+                    self.auditor.convict(peer, why)
                     _exclude(excluded, experts, peer)
                     bad.add(peer.addr)
                     continue
-                got[peer.addr].append((experts, rows, why))
+                got[peer.addr].append((peer, experts, rows, request, reply, why))
             for addr, results in got.items():
                 if addr in bad:
                     continue
-                for experts, rows, part in results:
+                for peer, experts, rows, request, reply, part in results:
                     parts.append((experts[0], rows, part))
-                done.extend(results[0][0])
+                    self.auditor.submit(peer, experts, request, part)
+                    if self.accounts is not None:  # enqueued: checked and kept off this path
+                        self.accounts.record(peer.node_id, request, reply, peer.public_key)
+                done.extend(results[0][1])
             if fatal is not None:
                 raise fatal
             if len(done) < len(todo):
@@ -184,21 +224,20 @@ class RemoteExperts(ExpertsBase):
 
     def _requests(self, peer: Peer, layer, hidden, ids, weights, experts: list[int]):
         """Send `peer` the rows that route to `experts`, in as many Forward calls as its
-        stated limits need; [(peer, experts, rows, request id, call)]."""
+        stated limits need; [(peer, experts, rows, request, call)]."""
         mine = np.isin(ids, experts)  # [T, k]
         rows = np.nonzero(mine.any(axis=1))[0]  # [n]
         per_call = rows_per_call(peer, hidden.shape[1], ids.shape[1], self.wire_dtype)
         calls = []
         for chunk in np.array_split(rows, -(-len(rows) // per_call)):  # [<= per_call] each
             request = self._request(layer, hidden, ids, weights, mine, chunk)
-            calls.append((peer, experts, chunk, request.request_id, self._send(peer, request)))
+            calls.append((peer, experts, chunk, request, self._send(peer, request)))
         return calls
 
     def _request(self, layer, hidden, ids, weights, mine, rows) -> pb.ForwardRequest:
-        self._next_request += 1
         request = pb.ForwardRequest(
             model_id=self.model_id,
-            request_id=self._next_request,
+            request_id=next(self._request_ids),
             layer=layer,
             hidden=codec.encode(hidden[rows], self.wire_dtype),
             ids=codec.encode(np.where(mine[rows], ids[rows], -1), codec.I32),
@@ -206,6 +245,7 @@ class RemoteExperts(ExpertsBase):
             # f32 wire: partial sums come back unrounded (f64), so the total is the same bits
             # as on one machine, however the experts are spread
             out_dtype=codec.F64 if self.wire_dtype == codec.F32 else self.wire_dtype,
+            session=self.accounts.session if self.accounts is not None else b"",
         )
         self.bytes_sent += request.ByteSize()
         return request
@@ -253,6 +293,8 @@ class RemoteExperts(ExpertsBase):
         _exclude(excluded, experts, peer)
         if code in NODE_FAILURES:
             self.peers.ban(peer, f"{code.name}: {exc.details()}")
+            if self.config.reputation is not None:
+                self.config.reputation.record_call(peer.node_id, False)
         elif code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS):
             log.warning("node %s layer %d: %s: %s", peer.addr, layer, code.name, exc.details())
             self.peers.refresh(peer)
@@ -318,6 +360,9 @@ class RemoteExperts(ExpertsBase):
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "dropped": {f"{a}:{b}": n for (a, b), n in self.dropped.items()},
+            "audit": self.auditor.stats.as_dict(),
+            "possession": self.patrol.stats.as_dict() if self.patrol is not None else None,
+            "accounts": self.accounts.stats() if self.accounts is not None else None,
             "nodes": [
                 {
                     "addr": p.addr,
@@ -332,7 +377,21 @@ class RemoteExperts(ExpertsBase):
             ],
         }
 
+    @property
+    def verifier(self) -> Auditor:
+        """The decode loop's `Verifier`: audits roll a generation back past a liar's work."""
+        return self.auditor
+
     def close(self) -> None:
+        if self.patrol is not None:
+            self.patrol.close()
+        self.auditor.close()
+        if self.accounts is not None:  # countersign each node's totals, then seal the ledger
+            live = {p.node_id: p.stub for p in self.peers.peers if p.up and p.stub}
+            self.accounts.settle(live)
+            self.accounts.close()
+        if self.config.reputation is not None:
+            self.config.reputation.flush()
         self.peers.close()
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from coordinator.remote.config import RemoteConfig, RemoteError
+from coordinator.remote.reputation import rank_weight
 from coordinator.remote.transport import ForwardStream, PeerSpec, PinError, Watchdog, dial
 from moe.identity.signed import check_info
 from moe.identity.tls import TLSMaterial, client_tls
@@ -57,6 +58,9 @@ class Peer:
     stream: ForwardStream | None = None  # the persistent ForwardStream (transport "stream")
     last_used: float = 0.0  # monotonic time of the last Forward sent to it
     last_ping: float = 0.0  # monotonic time of the last idle-refresh ping
+    disqualified: str = ""  # why this node is banned for good (caught lying), else ''
+    weight: float = 1.0  # routing cost factor from its reputation (1: spotless)
+    public_key: bytes = b""  # its raw Ed25519 key (from its signed Info): checks its receipts
 
     @property
     def addr(self) -> str:
@@ -103,6 +107,7 @@ class PeerSet:
         self.lock = threading.Lock()
         self.peers: list[Peer] = []
         self.ignored: dict[str, str] = {}  # addr -> why it is not used
+        self.disqualified: dict[str, str] = {}  # node id -> why it is never used again
         self.watchdog = Watchdog()
         for spec in dict.fromkeys(specs):
             self._connect(spec)
@@ -181,6 +186,11 @@ class PeerSet:
             return forged
         if peer.spec.node_id and info.node_id != peer.spec.node_id:
             return f"Info names node {info.node_id}, not the pinned {peer.spec.node_id}"
+        rep = self.config.reputation
+        if rep is not None and rep.is_disqualified(info.node_id):
+            self.disqualified[info.node_id] = "failed audits in earlier runs (reputation)"
+        if info.node_id in self.disqualified:
+            return f"disqualified: {self.disqualified[info.node_id]}"
         if info.model_id != self.model_id:
             return f"model id {info.model_id[:16]} differs from ours {self.model_id[:16]}"
         if info.format_version != FORMAT_VERSION:
@@ -192,6 +202,8 @@ class PeerSet:
             peer.node_id, peer.name, peer.held = info.node_id, info.name, held
             peer.max_rows, peer.max_request_bytes = info.max_rows, info.max_request_bytes
             peer.kernels = f"{info.kernel_build}/{info.cpu_level}"
+            peer.public_key = info.public_key
+            peer.weight = rank_weight(rep.score(info.node_id)) if rep is not None else 1.0
             if not peer.latencies_ms:
                 peer.ewma_ms = peer.overhead_ms = rtt_ms
             peer.up, peer.backoff_s = True, 0.0
@@ -220,6 +232,19 @@ class PeerSet:
             peer.retry_at = time.monotonic() + peer.backoff_s
         log.warning("node %s banned for %.1f s: %s", peer.label, peer.backoff_s, reason)
 
+    def disqualify(self, peer: Peer, reason: str) -> None:
+        """Ban `peer` for good (it was caught lying): never probed or admitted again, under
+        any address, for as long as this PeerSet lives."""
+        with self.lock:
+            self.disqualified[peer.node_id] = reason
+            peer.disqualified = reason
+            was_up, peer.up = peer.up, False
+            if peer.stream is not None:
+                peer.stream.close()
+                peer.stream = None
+        if was_up:
+            log.warning("node %s disqualified: %s", peer.label, reason)
+
     def live(self) -> list[Peer]:
         with self.lock:
             return [p for p in self.peers if p.up]
@@ -242,9 +267,20 @@ class PeerSet:
             now = time.monotonic()
             self.watchdog.tick(now)
             self._refresh_idle(now)
+            self._reweigh()
             for peer in list(self.peers):
-                if not peer.up and now >= peer.retry_at:
+                if not peer.up and not peer.disqualified and now >= peer.retry_at:
                     self._probe(peer)
+
+    def _reweigh(self) -> None:
+        """Routing weights from the reputations as evidence comes in; keep it on disk."""
+        rep = self.config.reputation
+        if rep is None:
+            return
+        for peer in list(self.peers):
+            if peer.node_id:
+                peer.weight = rank_weight(rep.score(peer.node_id))
+        rep.flush_if_due()
 
     def _refresh_idle(self, now: float) -> None:
         """Nodes not chosen lately get their estimate refreshed by a ping, so one slow

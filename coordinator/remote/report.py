@@ -1,4 +1,5 @@
-"""What `moeshard cluster` and `moeshard health` print: the nodes, their holdings and latency."""
+"""What `moeshard cluster` and `moeshard health` print: the nodes, their holdings, latency and
+reputation (`coordinator.remote.reputation`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import grpc
 
 from coordinator.remote.config import RemoteConfig
 from coordinator.remote.experts import RemoteExperts
+from coordinator.remote.reputation import Reputation
 from coordinator.remote.transport import PeerSpec, dial
 from moe.identity.tls import TLSMaterial
 from moe.wire import health_pb2, health_pb2_grpc
@@ -35,13 +37,30 @@ def check_health(addr: str, tls: TLSMaterial | None, timeout: float = 2.0) -> tu
 
 
 def describe_cluster(
-    model, specs: list[PeerSpec], config: RemoteConfig, pings: int = 5
+    model,
+    specs: list[PeerSpec],
+    config: RemoteConfig,
+    pings: int = 5,
+    reputation: Reputation | None = None,
 ) -> tuple[str, int]:
-    """Text report (live nodes, what they hold, coverage of the model's experts, latency),
-    and how many of the model's experts no live node holds."""
+    """Text report (live nodes, what they hold, coverage of the model's experts, latency,
+    reputation), and how many of the model's experts no live node holds."""
+    report = cluster_report(model, specs, config, pings, reputation)
+    return format_cluster(report), report["coverage"]["0"]
+
+
+def cluster_report(
+    model,
+    specs: list[PeerSpec],
+    config: RemoteConfig,
+    pings: int = 5,
+    reputation: Reputation | None = None,
+) -> dict:
+    """What `moeshard cluster --json` prints: the nodes (with what `reputation` knows of each
+    id), the ignored addresses, the coverage (experts with 0, 1, >=2 live replicas)."""
     remote = RemoteExperts(model.model_id, model.config.hidden_size, specs, config)
     try:
-        lines = [f"model {model.model_id[:16]}: {len(specs)} node address(es)"]
+        nodes = []
         for peer in remote.peers.peers:
             times = []
             for _ in range(pings if peer.up else 0):
@@ -51,24 +70,81 @@ def describe_cluster(
                 except grpc.RpcError:
                     break
                 times.append((time.perf_counter() - t0) * 1e3)
-            latency = f"{statistics.median(times):.2f} ms" if times else "-"
             layers = sorted({layer for layer, _ in peer.held})
-            span = f"layers {layers[0]}-{layers[-1]}" if layers else "nothing"
-            state = "up" if peer.up else "DOWN"
-            lines.append(
-                f"  {peer.addr:<22} {peer.node_id or '?':<24} {state:<5} "
-                f"{len(peer.held):>6} experts ({span})  health rtt {latency}"
+            known = reputation is not None and peer.node_id
+            nodes.append(
+                {
+                    "addr": peer.addr,
+                    "node_id": peer.node_id,
+                    "name": peer.name,
+                    "up": peer.up,
+                    "experts": len(peer.held),
+                    "layers": [layers[0], layers[-1]] if layers else [],
+                    "health_rtt_ms": statistics.median(times) if times else None,
+                    "reputation": reputation.row(peer.node_id) if known else None,
+                }
             )
-        for addr, why in remote.peers.ignored.items():
-            lines.append(f"  {addr:<22} ignored: {why}")
         counts = defaultdict(int)
         live = remote.live_peers()
         for key in model.locations:
             counts[min(sum(1 for p in live if key in p.held), 2)] += 1
-        lines.append(
-            f"coverage of {len(model.locations)} experts: {counts[0]} with 0 live replicas, "
-            f"{counts[1]} with 1, {counts[2]} with >=2"
-        )
-        return "\n".join(lines), counts[0]
+        return {
+            "model_id": model.model_id,
+            "addresses": len(specs),
+            "nodes": nodes,
+            "ignored": dict(remote.peers.ignored),
+            "coverage": {"experts": len(model.locations), **{k: counts[i] for i, k in COVER}},
+        }
     finally:
         remote.close()
+
+
+COVER = ((0, "0"), (1, "1"), (2, ">=2"))  # live replicas of an expert -> coverage key
+
+
+def format_cluster(report: dict) -> str:
+    lines = [f"model {report['model_id'][:16]}: {report['addresses']} node address(es)"]
+    for node in report["nodes"]:
+        first, last = node["layers"] or (None, None)
+        span = f"layers {first}-{last}" if node["layers"] else "nothing"
+        rtt = node["health_rtt_ms"]
+        latency = f"{rtt:.2f} ms" if rtt is not None else "-"
+        lines.append(
+            f"  {node['addr']:<22} {node['node_id'] or '?':<24} "
+            f"{'up' if node['up'] else 'DOWN':<5} {node['experts']:>6} experts ({span})  "
+            f"health rtt {latency}{_reputation(node['reputation'])}"
+        )
+    for addr, why in report["ignored"].items():
+        lines.append(f"  {addr:<22} ignored: {why}")
+    c = report["coverage"]
+    lines.append(
+        f"coverage of {c['experts']} experts: {c['0']} with 0 live replicas, "
+        f"{c['1']} with 1, {c['>=2']} with >=2"
+    )
+    return "\n".join(lines)
+
+
+def _reputation(row: dict | None) -> str:
+    """'  rep 0.97 audits 120/0 avail 99.8%' (spot checks passed/failed; proofs of possession
+    too if any), '  rep new' for an id with no record, '' without a reputation database."""
+    if row is None:
+        return ""
+    if not any(row[k] for k in EVENTS):
+        return "  rep new"
+    text = (
+        f"  rep {row['score']:.2f} audits {row['audits_passed']}/{row['audits_failed']} "
+        f"avail {row['availability']:.1%}"
+    )
+    if row["possession_passed"] + row["possession_failed"]:
+        text += f" proofs {row['possession_passed']}/{row['possession_failed']}"
+    return text + (" DISQUALIFIED" if row["disqualified"] else " suspect" if row["suspect"] else "")
+
+
+EVENTS = (  # the counts of a node's record: all 0 for an id never seen
+    "audits_passed",
+    "audits_failed",
+    "possession_passed",
+    "possession_failed",
+    "calls_ok",
+    "calls_failed",
+)

@@ -25,6 +25,7 @@ from moe.errors import CheckpointError, ConfigError, MoeshardError
 from moe.kernels import quant
 from moe.model.config import read_json
 from moe.model.families import family_for, load_config
+from moe.storage import merkle
 from moe.storage.manifest import FORMAT_VERSION, TRUNK_FILE, write_manifest
 from moe.storage.shards import ShardWriter
 from moe.storage.trunk_file import TrunkWriter
@@ -318,18 +319,23 @@ def _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, progress) -> 
         if bar:
             bar.advance(value.size * 4)
     expert_params = 0
+    roots: dict[tuple[int, int], bytes] = {}  # possession roots, one per record
     for shard in shards:
         shard.begin()
         for layer, expert in zip(shard.index.layers, shard.index.experts, strict=True):
             gate, up, down = expert_shapes(config, plan, ckpt, layer, expert)
-            crc = shard.write(quant.pack_expert(gate, up, down, expert_format))
+            record = quant.pack_expert(gate, up, down, expert_format)
+            crc = shard.write(record)
+            roots[(layer, expert)] = merkle.root(record)
             digest.update(f"{layer}.{expert}:{crc};".encode())
             expert_params += gate.size + up.size + down.size
             if bar:
                 bar.advance((gate.size + up.size + down.size) * 4)
     if bar:
         bar.close()
-    model_id = digest.hexdigest()
+    content_id = digest.hexdigest()
+    roots_sha = merkle.write_roots(tmp, merkle.Roots(merkle.BLOCK_SIZE, record_bytes, roots))
+    model_id = merkle.covered_id(content_id, roots_sha)  # a changed roots file changes the id
     trunk.finish(model_id)
     for shard in shards:
         shard.finish(model_id)
@@ -353,6 +359,7 @@ def _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, progress) -> 
         "params": {"trunk": trunk_params, "experts": expert_params},
         "converted_from": str(src),
         "skipped_tensors": plan.skipped,
+        "merkle": merkle.manifest_entry(content_id, roots_sha),
     }
     write_manifest(tmp, manifest)
     return ConvertSummary(

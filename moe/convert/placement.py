@@ -21,6 +21,7 @@ from moe.errors import MoeshardError, StoreError
 from moe.experts.usage import read_usage
 from moe.model.model_dir import ModelDir
 from moe.storage.manifest import FORMAT_VERSION, write_manifest
+from moe.storage.merkle import ROOTS_FILE
 from moe.storage.shards import ShardWriter
 
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
@@ -64,7 +65,7 @@ def plan_placement(
 def _write_node_dir(model: ModelDir, keys, out: Path) -> int:
     """One node directory holding `keys`; returns bytes of records written."""
     out.mkdir(parents=True)
-    for name in COPIED_FILES:
+    for name in (*COPIED_FILES, ROOTS_FILE):  # the roots: the manifest copy names them
         if (model.path / name).exists():
             shutil.copyfile(model.path / name, out / name)
     c = model.config

@@ -2,9 +2,10 @@
 shard format, at close to disk speed, for streaming benchmarks on models larger than RAM.
 
 The model is a valid qwen3_moe model directory (config.json, trunk.gguf, experts-*.gguf,
-moeshard.json; no tokenizer: use --prompt-ids). Expert records are random quantised codes with
-one constant scale per matrix (sized so activations stay O(1)); they are generated as bytes,
-never as float32 weights, so writing is bound by the disk and the checksum, not quantisation.
+merkle.bin, moeshard.json; no tokenizer: use --prompt-ids). Expert records are random quantised
+codes with one constant scale per matrix (sized so activations stay O(1)); they are generated as
+bytes, never as float32 weights, so writing is bound by the disk, the checksum and the
+possession roots (sha256 of every 4 KiB block), not quantisation.
 
 Routing is skewed on purpose, as in trained models: router row e is a random direction times
 a per-expert gain drawn log-normally, so experts with a large gain win the top-k more often
@@ -28,6 +29,7 @@ from moe.convert.converter import trunk_format
 from moe.errors import MoeshardError
 from moe.kernels import quant
 from moe.model.families import load_config
+from moe.storage import merkle
 from moe.storage.manifest import FORMAT_VERSION, TRUNK_FILE, write_manifest
 from moe.storage.shards import ShardWriter
 from moe.storage.trunk_file import TrunkWriter
@@ -175,14 +177,19 @@ def synth(out: str | Path, preset: str, force: bool = False, seed: int = 0) -> d
         for expert in range(p.n_experts):
             shards[-1].declare(layer, expert)
     written = 0
+    roots: dict[tuple[int, int], bytes] = {}  # possession roots, one per record
     for shard in shards:
         shard.begin()
         for layer, expert in zip(shard.index.layers, shard.index.experts, strict=True):
-            crc = shard.write(maker.make())
+            record = maker.make()
+            crc = shard.write(record)
+            roots[(layer, expert)] = merkle.root(record)
             digest.update(f"{layer}.{expert}:{crc};".encode())
             written += maker.nbytes
         log.info("synth: %s written (%.1f GB so far)", shard.file.path.name, written / 1e9)
-    model_id = digest.hexdigest()
+    content_id = digest.hexdigest()
+    roots_sha = merkle.write_roots(tmp, merkle.Roots(merkle.BLOCK_SIZE, maker.nbytes, roots))
+    model_id = merkle.covered_id(content_id, roots_sha)  # a changed roots file changes the id
     trunk.finish(model_id)
     for shard in shards:
         shard.finish(model_id)
@@ -207,6 +214,7 @@ def synth(out: str | Path, preset: str, force: bool = False, seed: int = 0) -> d
             },
             "converted_from": f"synth:{preset}",
             "skipped_tensors": {},
+            "merkle": merkle.manifest_entry(content_id, roots_sha),
         },
     )
     tmp.rename(out)

@@ -35,7 +35,8 @@ class ExpertsBackend(Protocol):
     ) -> np.ndarray:
         """sum_k weights[t, k] * expert_{ids[t, k]}(hidden[t]): hidden [T, H], ids/weights
         [T, k] -> [T, H] in `dtype` (float64 returns the unrounded sum, for partial sums that
-        are added up elsewhere). `hint`: once this layer's own reads are under way, start
+        are added up elsewhere). An id of -1 is an empty slot: skipped (a node gets only the
+        slots it holds). `hint`: once this layer's own reads are under way, start
         fetching the next layer's predicted experts."""
         ...
 

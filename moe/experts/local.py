@@ -48,7 +48,7 @@ class LocalExperts(ExpertsBase):
     def __call__(
         self, layer, hidden, ids, weights, dtype=np.float32, hint: PrefetchHint | None = None
     ) -> np.ndarray:
-        offsets = {int(e): self.offset(layer, int(e)) for e in np.unique(ids)}
+        offsets = {int(e): self.offset(layer, int(e)) for e in np.unique(ids[ids >= 0])}
         s = self.shards
         parts = run_experts(
             self.arenas[layer], offsets, s.fmt, s.hidden, s.inter, hidden, ids, weights,

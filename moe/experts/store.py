@@ -253,7 +253,7 @@ class ExpertStore(ExpertsBase):
         """The layer's distinct experts (ascending) as keys; hit, miss and prediction counts."""
         st = self.stats_
         st.calls += 1
-        experts, rows = np.unique(ids, return_counts=True)  # [n] ascending, [n]
+        experts, rows = np.unique(ids[ids >= 0], return_counts=True)  # [n] ascending, [n]
         keys = [(layer, int(e)) for e in experts]
         if self.accesses is not None:
             self.accesses.append((layer, tuple(int(e) for e in experts)))

@@ -7,6 +7,7 @@ backend needs; the trunk is read with `load_trunk` (into RAM) or streamed throug
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from types import ModuleType
 
@@ -14,9 +15,12 @@ from moe.errors import StoreError
 from moe.model.config import read_json
 from moe.model.families import family_for, load_config
 from moe.model.trunk import Trunk
+from moe.storage import merkle
 from moe.storage.manifest import TRUNK_FILE, read_manifest
 from moe.storage.shards import ShardSet
 from moe.storage.trunk_file import TrunkLayout, read_trunk_tensors
+
+log = logging.getLogger(__name__)
 
 
 class ModelDir:
@@ -40,6 +44,7 @@ class ModelDir:
         )
         self.shards = self.shard_set.files
         self.locations = self.shard_set.locations
+        self._roots: merkle.Roots | None = None
 
     @property
     def has_trunk(self) -> bool:
@@ -55,6 +60,26 @@ class ModelDir:
     def load_trunk(self, verify: bool = True) -> Trunk:
         """The whole trunk in RAM, every tensor checksum-verified."""
         return Trunk(read_trunk_tensors(self.trunk_layout(), verify))
+
+    def possession_roots(self) -> merkle.Roots:
+        """The per-record Merkle roots possession challenges are checked against: the roots
+        file the manifest lists, refused unless the model id covers it; for a directory
+        converted before roots files existed, computed from this directory's own records
+        (checksum-verified) on first use of each and kept. StoreError if neither is possible."""
+        if self._roots is None:
+            entry = self.manifest.get("merkle")
+            if entry:
+                self._roots = merkle.load_covered(self.path, entry, self.model_id)
+            elif self.locations:
+                log.warning(
+                    "%s: no possession roots file; computing roots from the records "
+                    "(reconvert to have them covered by the model id)",
+                    self.path,
+                )
+                self._roots = merkle.ComputedRoots(self.shard_set)
+            else:
+                raise StoreError(f"{self.path}: no possession roots and no records: reconvert")
+        return self._roots
 
     def generation_config(self) -> dict:
         path = self.path / "generation_config.json"

@@ -183,6 +183,12 @@ class KVCache:
         self.length = 0  # tokens already in the cache
         self.max_len = max_len
 
+    def truncate(self, length: int) -> None:
+        """Forget every position from `length` on (a rollback: they are computed again)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        self.length = length
+
 
 class Transformer:
     """The trunk's forward pass; routed experts go to `experts` (local or remote)."""

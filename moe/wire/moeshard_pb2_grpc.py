@@ -54,6 +54,16 @@ class ExpertNodeStub:
                 request_serializer=moeshard__pb2.PrefetchRequest.SerializeToString,
                 response_deserializer=moeshard__pb2.PrefetchReply.FromString,
                 _registered_method=True)
+        self.Settle = channel.unary_unary(
+                '/moeshard.v1.ExpertNode/Settle',
+                request_serializer=moeshard__pb2.Settlement.SerializeToString,
+                response_deserializer=moeshard__pb2.SettleReply.FromString,
+                _registered_method=True)
+        self.Challenge = channel.unary_unary(
+                '/moeshard.v1.ExpertNode/Challenge',
+                request_serializer=moeshard__pb2.ChallengeRequest.SerializeToString,
+                response_deserializer=moeshard__pb2.ChallengeReply.FromString,
+                _registered_method=True)
 
 
 class ExpertNodeServicer:
@@ -85,6 +95,18 @@ class ExpertNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Settle(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Challenge(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +129,16 @@ def add_ExpertNodeServicer_to_server(servicer, server):
                     servicer.Prefetch,
                     request_deserializer=moeshard__pb2.PrefetchRequest.FromString,
                     response_serializer=moeshard__pb2.PrefetchReply.SerializeToString,
+            ),
+            'Settle': grpc.unary_unary_rpc_method_handler(
+                    servicer.Settle,
+                    request_deserializer=moeshard__pb2.Settlement.FromString,
+                    response_serializer=moeshard__pb2.SettleReply.SerializeToString,
+            ),
+            'Challenge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Challenge,
+                    request_deserializer=moeshard__pb2.ChallengeRequest.FromString,
+                    response_serializer=moeshard__pb2.ChallengeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +249,60 @@ class ExpertNode:
             '/moeshard.v1.ExpertNode/Prefetch',
             moeshard__pb2.PrefetchRequest.SerializeToString,
             moeshard__pb2.PrefetchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Settle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moeshard.v1.ExpertNode/Settle',
+            moeshard__pb2.Settlement.SerializeToString,
+            moeshard__pb2.SettleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Challenge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moeshard.v1.ExpertNode/Challenge',
+            moeshard__pb2.ChallengeRequest.SerializeToString,
+            moeshard__pb2.ChallengeReply.FromString,
             options,
             channel_credentials,
             insecure,

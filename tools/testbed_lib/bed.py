@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -46,15 +47,22 @@ class Bed:
 
     # -- processes --------------------------------------------------------------------------
 
-    def start_node(self, host: str, shard_dir: Path, node_id: str) -> None:
-        """A node daemon named `node_id` (its id proper is its key's, kept in `shard_dir`)."""
+    def start_node(
+        self, host: str, shard_dir: Path, node_id: str, extra=(), env: dict | None = None
+    ) -> None:
+        """A node daemon named `node_id` (its id proper is its key's, kept in `shard_dir`
+        unless `extra` gives --key); `env`: more environment (a liar's failpoints)."""
         path = self.work / f"node-{node_id}.log"
         argv = [*MOESHARD, "node", str(shard_dir), "--host", self.addr(host), "--port", str(PORT)]
-        argv += ["--name", node_id, "--allow", self.client]
+        argv += ["--name", node_id, "--allow", self.client, *extra]
         out = open(path, "ab")  # noqa: SIM115 (kept open for the daemon's lifetime)
         # `ip netns exec` execs the command, so the Popen pid is the daemon's own pid.
         self.procs[node_id] = subprocess.Popen(
-            self.nsexec(host, argv), cwd=REPO, stdout=out, stderr=subprocess.STDOUT
+            self.nsexec(host, argv),
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, **(env or {})),
         )
         self.logs[node_id] = path
 
@@ -125,9 +133,9 @@ class Bed:
 
     # -- the coordinator ------------------------------------------------------------------
 
-    def generate(self, model: Path, prompt: str, max_tokens: int, remote: bool = True):
+    def generate(self, model: Path, prompt: str, max_tokens: int, remote: bool = True, extra=()):
         argv = [*MOESHARD, "generate", str(model), "--prompt-ids", prompt]
-        argv += ["--max-tokens", str(max_tokens), "--json"]
+        argv += ["--max-tokens", str(max_tokens), "--json", *extra]
         if remote:
             argv += ["--discover", "--discover-timeout", str(self.discover_timeout)]
             argv += ["--deadline", str(self.deadline)]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .bed import MOESHARD, NODES, Bed, convert, log, run
 from .delay import netem_available, set_delay
+from .liars import liars
 from .results import Result, check, finish, lines_with, node_calls, node_segments, retries
 from .strangers import strangers
 
@@ -93,6 +94,9 @@ def scenarios(bed: Bed, args) -> list[Result]:
 
     # 2b. strangers: a client no node allows, a wrong pin, plaintext, a forged announcement.
     results += strangers(bed, model, model_id, args, ref)
+
+    # 2c. liars: a fourth node lies in each of six ways; caught, tokens unchanged, ledger good.
+    results += liars(bed, model, args, ref)
 
     # 3. latency per hop.
     if netem_available(bed):

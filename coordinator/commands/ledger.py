@@ -1,0 +1,94 @@
+"""The ledger of work: `ledger verify FILE`, `ledger summary FILE` (moe/ledger)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from coordinator.commands import EXIT_BAD_INPUT, EXIT_OK
+
+
+def add_ledger(sub) -> None:
+    p = sub.add_parser("ledger", help="check a ledger of receipts, or sum up the work in it")
+    cmds = p.add_subparsers(dest="ledger_command", required=True)
+    v = cmds.add_parser(
+        "verify",
+        help="check the hash chain and every signature (exit 2 naming the first bad entry)",
+    )
+    v.add_argument("file", help="a ledger (.jsonl) written by `node` or `generate`")
+    v.set_defaults(func=cmd_verify)
+    s = cmds.add_parser(
+        "summary", help="work per node: calls, rows, expert bytes, audits, settlements"
+    )
+    s.add_argument("file", help="a ledger (.jsonl)")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.set_defaults(func=cmd_summary)
+
+
+def cmd_verify(args) -> int:
+    from moe.ledger import verify
+
+    report = verify(args.file)
+    if not report.ok:
+        print(report.describe(), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(report.describe())
+    return EXIT_OK
+
+
+def cmd_summary(args) -> int:
+    """The totals of the entries that verify; exit 2 (after printing them) if some do not."""
+    from moe.ledger import summary
+
+    result = summary(args.file)
+    report, nodes = result.report, sorted(result.nodes.values(), key=lambda w: w.node_id)
+    if args.json:
+        doc = {
+            "file": str(args.file),
+            "verified": report.ok,
+            "problem": "" if report.ok else report.describe(),
+            "owner": report.owner,
+            "role": report.role,
+            "entries": report.entries,
+            "nodes": [w.as_dict() for w in nodes],
+        }
+        print(json.dumps(doc, indent=2))
+    else:
+        print(_table(report, nodes))
+    if not report.ok:
+        print(report.describe(), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return EXIT_OK
+
+
+def _table(report, nodes) -> str:
+    from moe.units import fmt_bytes
+
+    head = f"ledger of {report.role or '?'} {report.owner or '?'}: {report.entries} entries"
+    rows = [("node", "calls", "rows", "expert bytes", "audits ok/failed", "settled", "agrees")]
+    for w in nodes:
+        agrees = {None: "-", True: "yes", False: "NO"}[w.agrees]
+        rows.append(
+            (
+                w.node_id[:12],
+                str(w.calls),
+                str(w.rows),
+                fmt_bytes(w.expert_bytes),
+                f"{w.audits_passed}/{w.audits_failed}",
+                str(w.settlements),
+                agrees,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [head] + [
+        "  ".join(
+            c.ljust(n) if i == 0 else c.rjust(n)
+            for i, (c, n) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in rows
+    ]
+    for w in nodes:
+        lines += [f"{w.node_id[:12]}: {d}" for d in w.disagreements]
+    if len(rows) == 1:
+        lines.append("(no work recorded)")
+    return "\n".join(lines)
