@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from helpers import PROMPT, ROOT, TOKENS, NodeProcess, remote_runtime, wait_until
+from helpers import PROMPT, ROOT, TOKENS, NodeProcess, node_process, remote_runtime, wait_until
 
 from coordinator.generate import SamplingOptions, generate
 from coordinator.remote.config import RemoteError
@@ -267,3 +267,33 @@ def test_hung_node_misses_deadline_and_replicas_take_over(
         for i in stopped:
             os.kill(cluster[i].proc.pid, signal.SIGCONT)
         remote.close()
+
+
+def test_quantized_experts_on_shard_nodes_split_into_single_rows_give_one_machines_bits(
+    converted, tmp_path
+):
+    """q4_0 experts (the demo's format), spread over three shard nodes that take at most 1
+    and 2 rows per Forward: every expert sees its rows in other batches than on one machine
+    (a prefill row alone, or with another), yet the kernels are deterministic per row and the
+    partial sums come back unrounded, so the logits are one machine's bit for bit, twice (and
+    every audit's re-run gives the same bits). With the kernels before issue 15 this failed."""
+    model = converted("qwen3_moe", experts="q4_0")
+    plan = shard_model(model, 3, 2, tmp_path / "q4")
+    opts = SamplingOptions(max_tokens=TOKENS, keep_logits=True)
+    local = generate(open_local(model).transformer, PROMPT, opts)
+    limits = (["--max-rows", "1"], ["--max-rows", "2"], [])
+    nodes = [node_process(n["dir"], *f) for n, f in zip(plan["nodes"], limits, strict=True)]
+    try:
+        for _ in range(2):
+            transformer, remote = remote_runtime(model, [n.spec for n in nodes], audit=1.0)
+            try:
+                got = generate(transformer, PROMPT, opts, verifier=remote.verifier)
+                audit = remote.stats()["audit"]
+            finally:
+                remote.close()
+            assert got.tokens == local.tokens
+            assert all(np.array_equal(a, b) for a, b in zip(got.logits, local.logits, strict=True))
+            assert audit["audits"] > 0 and audit["mismatches"] == 0, audit
+    finally:
+        for n in nodes:
+            n.stop()

@@ -1,9 +1,11 @@
 """What a node's arithmetic depends on, so a verifier knows when to expect equal bits.
 
-Two nodes give bit-identical replies for the same request only when they run the same kernel
-source with the same numba and numpy, compiled for the same CPU features (LLVM vectorises the
-float sums differently for AVX2 and AVX-512). `kernel_build` names the first, `cpu_level` the
-second; a node reports both in its Info.
+Two nodes give bit-identical replies for the same request when they run the same kernel source
+with the same numba and numpy (`kernel_build`). The q4_0/q8_0 kernels use no fast-math and no
+FMA, with explicit 8-lane sums, so their bits do not depend on the CPU either (checked against
+generic and SSE2-only builds, docs/kernels.md); the f32/bf16 kernels' float64 sums are still
+vectorised per CPU, and silu calls the C library's exp, so `cpu_level` is reported too and a
+verifier expects equal bits only when both match. A node reports both in its Info.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Numba kernels, part 3 of 3: the entry points behind `moe.kernels.quant`.
 
 Matmul and fused expert FFN on packed weight bytes.  The row kernels these drive live in
-`moe.kernels.dots` (shared constants, batch-1 q4_0/q8_0 dots, notes for editing the loops)
-and `moe.kernels.tiles` (batch >= 2 q4_0/q8_0 tiles, f32/bf16 rows).
+`moe.kernels.dots` (shared constants, vector primitives, batch-1 q4_0/q8_0 dots, the
+definition of their arithmetic, notes for editing the loops) and `moe.kernels.tiles`
+(batch >= 2 q4_0/q8_0 tiles, f32/bf16 rows).
 
 Entry points (called by `moe.kernels.quant` only): `matmul_kernel`, `expert_ffn_kernel` and
 `experts_b1_kernel`.  They take the packed bytes as one read-only uint8 array plus its layout
@@ -18,24 +19,22 @@ batch 1 than the float path and added ~5e-3 relative error, so it was dropped.
 
 Three kernel shapes, picked per row range by `_rows`:
 
-* batch 1, q4_0/q8_0: `dots._b1_rows` (four rows per pass, -8 offset applied per block);
-* batch >= 2, q4_0/q8_0: `tiles._tile_rows` (dequantised tile + 4x4 micro-kernel);
+* batch 1, q4_0/q8_0: `dots._b1_rows` (four rows per pass, codes converted in registers);
+* batch >= 2, q4_0/q8_0: `tiles._tile_rows` (four rows' codes unpacked, 4x2 micro-kernel);
 * f32/bf16: `tiles._float_rows` (float64 accumulation).
+
+The two q4_0/q8_0 shapes perform the same float32 operations, in the same order, for every
+(activation row, weight row) pair (`moe.kernels.dots` defines them), so a row's result is the
+same bits whatever else is in the batch, however the rows are split across threads, and on
+any CPU.  The f32/bf16 rows are batch- and thread-independent too (one loop per pair), but
+their float64 sums are vectorised by LLVM, so their last bit may depend on the CPU's vector
+width.  The expert FFN's silu uses libm's exp (float64, then rounded to float32).
 """
 
 import numpy as np
 from numba import njit, prange
 
-from moe.kernels.dots import (
-    _FASTMATH,
-    _ZERO,
-    FMT_BF16,
-    FMT_F32,
-    FMT_Q4_0,
-    QK,
-    ROWS_PER_ITEM,
-    _b1_rows,
-)
+from moe.kernels.dots import FMT_BF16, FMT_F32, QK, ROWS_PER_ITEM, _b1_rows
 from moe.kernels.tiles import _float_rows, _tile_rows
 
 # ---------------------------------------------------------------------------------------------
@@ -48,12 +47,12 @@ from moe.kernels.tiles import _float_rows, _tile_rows
 
 
 @njit(cache=True, nogil=True)
-def _rows(fmt, wq, ws, lut, x, x64, xsum, out, r0, r1):
-    """Compute out[:, r0:r1] on the calling thread."""
+def _rows(fmt, wq, ws, lut, x, x64, out, r0, r1):
+    """Compute out[:, r0:r1] on the calling thread (the choice of kernel changes no bits)."""
     if fmt == FMT_F32 or fmt == FMT_BF16:
         _float_rows(fmt, wq, x64, out, r0, r1)
     elif x.shape[0] == 1:
-        _b1_rows(fmt, wq, ws, lut, x, xsum, out, r0, r1)
+        _b1_rows(fmt, wq, ws, lut, x, out, r0, r1)
     else:
         _tile_rows(fmt, wq, ws, lut, x, out, r0, r1)
 
@@ -77,22 +76,6 @@ def _x64(fmt, x):
     if fmt == FMT_F32 or fmt == FMT_BF16:
         return x.astype(np.float64)  # [b, cols]
     return np.empty((0, 0), dtype=np.float64)
-
-
-@njit(cache=True, nogil=True, fastmath=_FASTMATH)
-def _block_sums(fmt, x):
-    """float32 [nb]: x[0] summed per 32-column block, for the batch-1 q4_0 kernels (the
-    weights' -8 offset is applied once per block as -8 * d * sum(x)); empty otherwise."""
-    if fmt != FMT_Q4_0 or x.shape[0] != 1:
-        return np.empty(0, dtype=np.float32)
-    nb = x.shape[1] // QK
-    xs = np.empty(nb, dtype=np.float32)  # [nb]
-    for k in range(nb):
-        s = _ZERO
-        for j in range(QK):
-            s += x[0, k * QK + j]
-        xs[k] = s
-    return xs
 
 
 @njit(cache=True, nogil=True)
@@ -123,10 +106,9 @@ def matmul_kernel(fmt, data, rows, cols, row_bytes, scale_off, lut, x):
     wq, ws = _matrix_views(data, rows, cols, row_bytes, scale_off)
     out = np.empty((x.shape[0], rows), dtype=np.float32)  # [b, rows]
     x64 = _x64(fmt, x)
-    xsum = _block_sums(fmt, x)
     for it in prange((rows + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
         r0, r1 = _item(it, rows)
-        _rows(fmt, wq, ws, lut, x, x64, xsum, out, r0, r1)
+        _rows(fmt, wq, ws, lut, x, x64, out, r0, r1)
     return out
 
 
@@ -150,24 +132,22 @@ def expert_ffn_kernel(fmt, record, hidden, inter, layout, lut, x):
     gq, gs, uq, us, dq, ds = _expert_views(record, hidden, inter, layout)
     b = x.shape[0]
     x64 = _x64(fmt, x)
-    xsum = _block_sums(fmt, x)
     g = np.empty((b, inter), dtype=np.float32)  # [b, inter]
     u = np.empty((b, inter), dtype=np.float32)  # [b, inter]
     n_items = (inter + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
     for it in prange(2 * n_items):
         if it < n_items:
             r0, r1 = _item(it, inter)
-            _rows(fmt, gq, gs, lut, x, x64, xsum, g, r0, r1)
+            _rows(fmt, gq, gs, lut, x, x64, g, r0, r1)
         else:
             r0, r1 = _item(it - n_items, inter)
-            _rows(fmt, uq, us, lut, x, x64, xsum, u, r0, r1)
+            _rows(fmt, uq, us, lut, x, x64, u, r0, r1)
     h = _silu_mul(g, u)  # [b, inter]
     h64 = _x64(fmt, h)
-    hsum = _block_sums(fmt, h)
     y = np.empty((b, hidden), dtype=np.float32)  # [b, hidden]
     for it in prange((hidden + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
         r0, r1 = _item(it, hidden)
-        _rows(fmt, dq, ds, lut, h, h64, hsum, y, r0, r1)
+        _rows(fmt, dq, ds, lut, h, h64, y, r0, r1)
     return y
 
 
@@ -176,14 +156,13 @@ def _expert_b1(fmt, record, hidden, inter, layout, lut, x, y):
     """One expert on the calling thread, batch 1: x float32 [1, hidden] -> y [hidden]."""
     gq, gs, uq, us, dq, ds = _expert_views(record, hidden, inter, layout)
     x64 = _x64(fmt, x)
-    xsum = _block_sums(fmt, x)
     g = np.empty((1, inter), dtype=np.float32)  # [1, inter]
     u = np.empty((1, inter), dtype=np.float32)  # [1, inter]
-    _rows(fmt, gq, gs, lut, x, x64, xsum, g, 0, inter)
-    _rows(fmt, uq, us, lut, x, x64, xsum, u, 0, inter)
+    _rows(fmt, gq, gs, lut, x, x64, g, 0, inter)
+    _rows(fmt, uq, us, lut, x, x64, u, 0, inter)
     h = _silu_mul(g, u)  # [1, inter]
     out = np.empty((1, hidden), dtype=np.float32)  # [1, hidden]
-    _rows(fmt, dq, ds, lut, h, _x64(fmt, h), _block_sums(fmt, h), out, 0, hidden)
+    _rows(fmt, dq, ds, lut, h, _x64(fmt, h), out, 0, hidden)
     y[:] = out[0]
 
 
@@ -195,7 +174,7 @@ def experts_b1_kernel(fmt, arena, offsets, nbytes, hidden, inter, layout, lut, x
     Whole experts are split across the threads, so a decode layer pays for one wake-up of
     numba's pool instead of two per expert (`expert_ffn_kernel`), and each thread streams
     its own records: measured 1.33x faster for 16 cold 2.65 MB experts on 2 threads.
-    Results are bit-identical to `expert_ffn_kernel` at batch 1 (same row kernels).
+    Each expert's row gets the bits `expert_ffn_kernel` gives it in any batch (see the top).
     """
     m = offsets.shape[0]
     y = np.empty((m, hidden), dtype=np.float32)  # [m, hidden]

@@ -1,0 +1,223 @@
+"""Per-row bit-determinism of the packed-weight kernels: a row's result never depends on the batch.
+
+A node's reply for one expert and one activation row must be the same bits whatever else was
+in the call (how many rows, in which order, how many threads), so the sharded network's logits
+equal one machine's and an auditor can re-run a call elsewhere and expect equal bits.  For
+q4_0/q8_0 the kernels must also equal, bit for bit, a numpy float32 emulation of the arithmetic
+documented in `moe.kernels.dots` (8 lanes, per-block sums scaled once, never an FMA, a fixed
+halving tree): that pins the arithmetic itself, not just its consistency.  See docs/kernels.md.
+"""
+
+import numba
+import numpy as np
+import pytest
+
+from moe.kernels import quant
+
+BATCHES = (1, 2, 3, 4, 5, 7, 8, 17, 33)
+# (rows, cols): one block; odd block counts (3, 5, 65, 129: the q4_0 tail block, also after
+# several column tiles of the batched kernel); rows that are not multiples of 4 or 16.
+MATMUL_SHAPES = [
+    (1, 32),
+    (5, 96),
+    (7, 160),
+    (19, 64),
+    (37, 2080),
+    (130, 512),
+    (21, 4128),
+    (9, 2048),
+]
+# (hidden, inter): odd block counts both ways, and one odd count past several column tiles.
+FFN_SHAPES = [(96, 160), (160, 96), (2080, 96)]
+THREADS = (1, 2)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal float32 bit patterns (so -0.0 != 0.0 and nan == nan of the same payload)."""
+    a, b = np.asarray(a), np.asarray(b)
+    return (
+        a.dtype == b.dtype == np.float32
+        and a.shape == b.shape
+        and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    )
+
+
+def weights(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Gaussian weights, rows scaled over four decades (block scales of every size), a zero
+    row and a zero block."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols)).astype(np.float32)  # [rows, cols]
+    w *= (10.0 ** rng.uniform(-2, 2, rows)).astype(np.float32)[:, None]
+    w[rows // 2] = 0.0
+    w[-1, :32] = 0.0
+    return w
+
+
+def activations(b: int, cols: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((b, cols)).astype(np.float32)  # [b, cols]
+    return x * (10.0 ** rng.uniform(-1, 1, b)).astype(np.float32)[:, None]
+
+
+@pytest.fixture
+def run(monkeypatch):
+    """run(n_threads, fn, *args): fn through the parallel drivers on n numba threads
+    (n_threads=0: on the calling thread, the way `quant` runs small matrices)."""
+
+    def call(n_threads, fn, *args):
+        if n_threads > numba.config.NUMBA_NUM_THREADS:
+            pytest.skip(f"numba has only {numba.config.NUMBA_NUM_THREADS} threads")
+        monkeypatch.setattr(quant, "PARALLEL_MIN_WEIGHTS", 0 if n_threads else 1 << 62)
+        prev = numba.get_num_threads()
+        numba.set_num_threads(max(1, n_threads))
+        try:
+            return fn(*args)
+        finally:
+            numba.set_num_threads(prev)
+
+    return call
+
+
+def check_rows_independent(call, singles: np.ndarray, x: np.ndarray, n_threads: int) -> None:
+    """call(x') for every batch size, two windows and a permutation of each: row i of every
+    result must be singles[i] (the row computed alone) bit for bit."""
+    rng = np.random.default_rng(7)
+    for b in BATCHES:
+        for start in {0, x.shape[0] - b}:
+            want = singles[start : start + b]  # [b, out]
+            got = call(x[start : start + b])
+            assert same_bits(got, want), (b, start, n_threads, np.abs(got - want).max())
+            perm = rng.permutation(b)
+            got = call(x[start : start + b][perm])
+            assert same_bits(got, want[perm]), (b, start, n_threads, "permuted")
+
+
+@pytest.mark.parametrize("n_threads", THREADS)
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_matmul_row_does_not_depend_on_batch(fmt, n_threads, run):
+    for rows, cols in MATMUL_SHAPES:
+        data = quant.pack(weights(rows, cols, seed=rows + cols), fmt)
+        x = activations(max(BATCHES) + 3, cols, seed=cols)  # [36, cols]
+        singles = np.concatenate(
+            [run(0, quant.matmul, data, fmt, rows, cols, x[i : i + 1]) for i in range(len(x))]
+        )  # [36, rows]
+
+        def call(xb, data=data, rows=rows, cols=cols):
+            return run(n_threads, quant.matmul, data, fmt, rows, cols, xb)
+
+        check_rows_independent(call, singles, x, n_threads)
+
+
+def expert_record(fmt: str, hidden: int, inter: int, seed: int) -> np.ndarray:
+    gate = weights(inter, hidden, seed) * np.float32(0.05)
+    up = weights(inter, hidden, seed + 1) * np.float32(0.05)
+    down = weights(hidden, inter, seed + 2) * np.float32(0.05)
+    return quant.pack_expert(gate, up, down, fmt)
+
+
+@pytest.mark.parametrize("n_threads", THREADS)
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_expert_ffn_row_does_not_depend_on_batch(fmt, n_threads, run):
+    for hidden, inter in FFN_SHAPES:
+        rec = expert_record(fmt, hidden, inter, seed=hidden + inter)
+        x = activations(max(BATCHES) + 3, hidden, seed=inter)  # [36, hidden]
+        singles = np.concatenate(
+            [run(0, quant.expert_ffn, rec, fmt, hidden, inter, x[i : i + 1]) for i in range(len(x))]
+        )  # [36, hidden]
+
+        def call(xb, rec=rec, hidden=hidden, inter=inter):
+            return run(n_threads, quant.expert_ffn, rec, fmt, hidden, inter, xb)
+
+        check_rows_independent(call, singles, x, n_threads)
+
+
+@pytest.mark.parametrize("n_threads", THREADS)
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_experts_ffn_b1_equals_expert_ffn_in_any_batch(fmt, n_threads, run):
+    """The decode kernel (several experts, one row each) gives each expert's row the bits that
+    expert_ffn gives the same row inside a batch of other rows."""
+    for hidden, inter in FFN_SHAPES:
+        recs = [expert_record(fmt, hidden, inter, seed=10 * e) for e in range(5)]
+        n = recs[0].size
+        arena = np.concatenate(recs)
+        x = activations(5, hidden, seed=hidden)  # [5, hidden]: expert e gets x[e]
+        y = run(n_threads, quant.experts_ffn_b1, arena, np.arange(5) * n, fmt, hidden, inter, x)
+        for e, rec in enumerate(recs):
+            batch = np.concatenate([activations(6, hidden, seed=e), x[e : e + 1]])  # [7, hidden]
+            in_batch = run(n_threads, quant.expert_ffn, rec, fmt, hidden, inter, batch)[-1]
+            alone = run(0, quant.expert_ffn, rec, fmt, hidden, inter, x[e : e + 1])[0]
+            assert same_bits(y[e], in_batch) and same_bits(y[e], alone), (e, hidden, inter)
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_non_finite_row_poisons_only_itself(fmt, run):
+    """A nan or inf in one activation row makes that row's outputs non-finite and leaves the
+    other rows' bits alone (no fast-math flag lets the kernels assume finite values)."""
+    rows, cols = 37, 2080
+    data = quant.pack(weights(rows, cols, seed=3), fmt)
+    x = activations(5, cols, seed=4)  # [5, cols]
+    clean = run(0, quant.matmul, data, fmt, rows, cols, x)
+    x[1, 100] = np.nan
+    x[3, 7] = np.inf
+    for n_threads in (0, 2):
+        y = run(n_threads, quant.matmul, data, fmt, rows, cols, x)
+        assert np.isnan(y[1]).all() and not np.isfinite(y[3]).any()
+        assert same_bits(y[[0, 2, 4]], clean[[0, 2, 4]])
+
+
+# ---------------------------------------------------------------------------------------------
+# the arithmetic itself, emulated in numpy float32
+
+LANES = 8
+
+
+def codes_and_scales(data: np.ndarray, fmt: str, rows: int, cols: int):
+    """(e float32 [rows, cols], d float32 [rows, cols // 32]) read from ggml's bytes: e = q - 8
+    (q4_0) or q (q8_0) per weight, d the block scales, so that d * e is gguf's dequantisation."""
+    nb = cols // 32
+    raw = quant.unpack_to_ggml(data, fmt, rows, cols).reshape(rows, nb, -1)  # [rows, nb, bytes]
+    d = raw[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)  # [rows, nb]
+    qs = raw[:, :, 2:]
+    if fmt == "q8_0":
+        e = qs.view(np.int8).astype(np.float32)  # [rows, nb, 32]
+    else:  # ggml q4_0: byte j = q[j] | q[j + 16] << 4
+        e = np.concatenate([qs & 15, qs >> 4], axis=2).astype(np.float32) - 8  # [rows, nb, 32]
+    return e.reshape(rows, cols), d
+
+
+def emulation(e: np.ndarray, d: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """x float32 [b, cols] times the rows of codes e [rows, cols] and scales d [rows, nb], the
+    way the q4_0/q8_0 kernels compute it (`moe.kernels.dots`): lane l holds columns l, l + 8,
+    ...; per block, t = ((p0 + p1) + p2) + p3 over the lane's four products, then
+    acc = acc + d * t; finally the 8 lanes are halved, (l, l + 4), (l, l + 2), (l, l + 1).
+    Every numpy operation here rounds to float32 on its own, so nothing is fused."""
+    b, cols = x.shape
+    acc = np.zeros((b, e.shape[0], LANES), dtype=np.float32)  # [b, rows, 8]
+    for k in range(cols // 32):
+        p = x[:, None, 32 * k : 32 * k + 32] * e[None, :, 32 * k : 32 * k + 32]  # [b, rows, 32]
+        t = p[..., 0:8] + p[..., 8:16]
+        t = t + p[..., 16:24]
+        t = t + p[..., 24:32]  # [b, rows, 8]
+        acc = acc + d[None, :, k, None] * t
+    while acc.shape[-1] > 1:
+        half = acc.shape[-1] // 2
+        acc = acc[..., :half] + acc[..., half:]
+    return acc[..., 0]  # [b, rows]
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_quantised_matmul_equals_numpy_emulation(fmt, run):
+    """The codes and scales from ggml's bytes, then the documented arithmetic in numpy: equal
+    bits, so the kernels' result is defined by that arithmetic alone, whatever the CPU,
+    compiler, batch or thread count."""
+    for rows, cols in MATMUL_SHAPES:
+        data = quant.pack(weights(rows, cols, seed=rows * cols), fmt)
+        e, d = codes_and_scales(data, fmt, rows, cols)
+        w = quant.dequantize(quant.unpack_to_ggml(data, fmt, rows, cols), fmt, (rows, cols))
+        assert same_bits(d.repeat(32, axis=1) * e, w)  # d * e is gguf's dequantisation
+        for b in (1, 3, 17):
+            x = activations(b, cols, seed=b)
+            want = emulation(e, d, x)
+            for n_threads in (0, 2):
+                got = run(n_threads, quant.matmul, data, fmt, rows, cols, x)
+                assert same_bits(got, want), (rows, cols, b, n_threads)
