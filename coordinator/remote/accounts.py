@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -42,6 +43,7 @@ from moe.wire import moeshard_pb2 as pb
 
 log = logging.getLogger(__name__)
 SETTLE_TIMEOUT_S = 5.0
+SIGNATURE_SHARE = 0.05  # receipts whose signature is checked as they come (all: ledger verify)
 
 
 class Accounts:
@@ -65,6 +67,7 @@ class Accounts:
         self.missing = 0  # replies without a receipt
         self.bad = 0  # receipts that did not check
         self.seq: dict[str, int] = defaultdict(int)  # node id -> last settlement's seq
+        self.rng = random.SystemRandom()  # which receipts' signatures are checked at once
 
     def learn(self, node_id: str, public_key: bytes) -> None:
         """The key of a node (its Info's public_key, checked by `check_info`)."""
@@ -93,7 +96,14 @@ class Accounts:
         elif not key:
             why = "no key known for the node"
         else:
-            why = check_receipt(receipt, key, node_id, self.model_id) or receipt_mismatch(
+            # The reply came over mutual TLS pinned to this node's key, so it is the node's:
+            # the signature matters to third parties, and `moeshard ledger verify` checks every
+            # one. Here a sample is checked (the first from each node, then SIGNATURE_SHARE),
+            # which keeps about 0.2 ms of CPU per reply off a 2-core coordinator.
+            with self.lock:
+                seen = node_id in self.totals  # (a lookup that adds no entry)
+            full = not seen or self.rng.random() < SIGNATURE_SHARE
+            why = check_receipt(receipt, key, node_id, self.model_id, full) or receipt_mismatch(
                 receipt, request, reply.out.data, self.record_nbytes
             )
         if why:

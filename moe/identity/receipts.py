@@ -98,9 +98,12 @@ def check_receipt(
     public_key: bytes,
     expected_node_id: str | None = None,
     model_id: str | None = None,
+    signature: bool = True,
 ) -> str:
     """'' if `receipt` is signed by `public_key` and that key is its node_id's (and the node
-    and model are the expected ones, when given), else why not."""
+    and model are the expected ones, when given), else why not. signature=False skips the
+    Ed25519 check (about 0.2 ms), for a caller that got the receipt over a channel already
+    authenticated as that node."""
     if receipt.ByteSize() > MAX_RECEIPT_BYTES:
         return f"receipt of {receipt.ByteSize()} bytes (at most {MAX_RECEIPT_BYTES})"
     if key_id(public_key) != receipt.node_id:
@@ -109,7 +112,7 @@ def check_receipt(
         return f"receipt from node {receipt.node_id}, expected {expected_node_id}"
     if model_id is not None and receipt.model_id != model_id:
         return f"receipt for model {receipt.model_id[:16] or '(none)'}, not {model_id[:16]}"
-    if not verify(public_key, receipt.signature, receipt_message(receipt)):
+    if signature and not verify(public_key, receipt.signature, receipt_message(receipt)):
         return "receipt's signature does not verify"
     return ""
 

@@ -196,7 +196,7 @@ def scenarios(bed: Bed, args) -> list[Result]:
     # 7. the killed node restarts mid-generation: a coordinator that never knew it finds it
     # through its still-running zeroconf browse ("joined"); one that kept the stale address
     # re-admits it through its prober ("re-admitted"). Either way it must take work again.
-    n = sized(6.0)
+    n = sized(15.0)  # a restart takes a few seconds (start-up, zeroconf, vetting audits)
     alive = [h for h in NODES if h != host]
     proc = bed.generate(model, args.prompt_ids, n)
     bed.wait_admitted(alive, proc)
