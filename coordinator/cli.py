@@ -1,5 +1,6 @@
-"""The `moeshard` command line. Exit codes: 0 ok, 1 internal error, 2 bad input, 3 cluster
-incomplete (`cluster`), 130 interrupted.
+"""The `moeshard` command line. Exit codes: 0 ok, 1 internal error (or a failed check: health,
+a node failing `audit`), 2 bad input (a ledger that does not verify too), 3 cluster incomplete
+(`cluster`) or a node that cannot be audited (`audit`), 130 interrupted.
 
 The subcommands live in `coordinator.commands` (one module per area); this module assembles
 the parser and maps errors to exit codes."""

@@ -2,8 +2,9 @@
 
 Each module has `add_<command>(subparsers)` functions that register a subcommand with its
 `cmd_<command>(args) -> exit code` handler. Exit codes: 0 ok, 1 internal error (or a failed
-health check), 2 bad input (any `MoeshardError`, printed as one line), 3 the cluster does not
-cover the model (`cluster`: some expert has no live node), 130 interrupted.
+health check, or a node failing `audit`), 2 bad input (any `MoeshardError`, printed as one
+line; also a ledger that does not verify), 3 the cluster does not cover the model (`cluster`:
+some expert has no live node) or a node cannot be audited (`audit`), 130 interrupted.
 """
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_UNCOVERED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130

@@ -6,11 +6,12 @@ A model directory holds:
                          tokenizer.json when the checkpoint had them)
   trunk.gguf             every dense tensor (embeddings, attention, norms, routers, shared experts)
   experts-NNNNN.gguf     expert shard files: one record per (layer, expert)
+  merkle.bin             per-record Merkle roots, for proofs of possession (moe/storage/merkle.py)
 
 A node's shard directory (`moeshard shard`) is the same without trunk.gguf. The model id is the
-sha256 of the config and of every tensor's and record's checksum, so two directories (or a
-node's shard directory and the coordinator's) agree on it only if they hold the same model in
-the same formats.
+sha256 of a content id (the sha256 of the config and of every tensor's and record's checksum)
+and of merkle.bin, so two directories (or a node's shard directory and the coordinator's) agree
+on it only if they hold the same model in the same formats with the same roots.
 """
 
 from __future__ import annotations
