@@ -22,7 +22,11 @@ def add_convert(sub) -> None:
     p.add_argument("out", help="model directory to create")
     p.add_argument("--experts", choices=EXPERT_FORMATS, default=DEFAULT_EXPERT_FORMAT)
     p.add_argument("--trunk", choices=TRUNK_FORMATS, default=DEFAULT_TRUNK_FORMAT)
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUT if it is an earlier model directory or empty, never anything else",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)
 
@@ -72,7 +76,11 @@ def add_synth(sub) -> None:
     p.add_argument("out", help="model directory to create")
     p.add_argument("--preset", choices=sorted(PRESETS), default="k3-mini")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUT if it is an earlier model directory or empty, never anything else",
+    )
     p.set_defaults(func=cmd_synth)
 
 

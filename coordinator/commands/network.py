@@ -168,7 +168,11 @@ def add_shard(sub) -> None:
         "--trace", help="usage to balance by: a trace (.npz), a --profile-out JSON, or {'L:E': n}"
     )
     p.add_argument("--out", required=True, help="directory to create (node-00, node-01, ...)")
-    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUT if it is an earlier shard set or empty, never anything else",
+    )
     p.set_defaults(func=cmd_shard)
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from moe.convert.checkpoint import Checkpoint
-from moe.errors import CheckpointError, ConfigError, MoeshardError
+from moe.convert.outdir import check_output, replace_dir
+from moe.errors import CheckpointError, ConfigError
 from moe.kernels import quant
 from moe.model.config import read_json
 from moe.model.families import family_for, load_config
@@ -229,8 +230,7 @@ def convert(
         raise ConfigError(f"--trunk {trunk_fmt}: choose one of {', '.join(TRUNK_FORMATS)}")
     if not src.is_dir():
         raise CheckpointError(f"{src}: no such checkpoint directory")
-    if out.exists() and not force:
-        raise MoeshardError(f"{out}: already exists (pass --force to replace it)")
+    check_output(out, [src], force, "model")
     raw = read_json(src / "config.json")
     config = load_config(src)
     family = family_for(config.model_type, str(src / "config.json"))
@@ -250,24 +250,13 @@ def convert(
         plan = plan_conversion(config, family, ckpt, raw.get("quantization_config") or {})
         summary = _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, progress)
         summary.seconds = time.perf_counter() - started
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
         return summary
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         ckpt.close()
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    if out.exists():
-        old = out.parent / f".{out.name}.old-convert"
-        shutil.rmtree(old, ignore_errors=True)
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
 
 
 def _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, progress) -> ConvertSummary:

@@ -17,6 +17,7 @@ import json
 import shutil
 from pathlib import Path
 
+from moe.convert.outdir import PLAN_FILE, check_output, replace_dir
 from moe.errors import MoeshardError, StoreError
 from moe.experts.usage import read_usage
 from moe.model.model_dir import ModelDir
@@ -26,7 +27,6 @@ from moe.storage.shards import ShardWriter
 
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 SHARD_MAX_BYTES = 2 << 30  # one shard file holds at most this many record bytes
-PLAN_FILE = "plan.json"
 
 
 def read_trace(path: str | Path, keys, model_id: str | None = None) -> dict[tuple[int, int], float]:
@@ -120,12 +120,8 @@ def shard_model(
     force: bool = False,
 ) -> dict:
     """Write OUT/node-00 ... node-(N-1) and OUT/plan.json; returns the plan."""
+    out = check_output(out, [model_path], force, "shards")
     model = ModelDir(model_path)
-    out = Path(out)
-    if out.exists():
-        if not force:
-            raise MoeshardError(f"{out} exists (use --force to replace it)")
-        shutil.rmtree(out)
     keys = sorted(model.locations)
     if trace:
         loads = read_trace(trace, set(keys), model.model_id)
@@ -164,6 +160,6 @@ def shard_model(
         "plan_file": str(out / PLAN_FILE),
     }
     (tmp / PLAN_FILE).write_text(json.dumps(plan, indent=1) + "\n")
-    tmp.rename(out)
+    replace_dir(tmp, out)
     model.close()
     return plan

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from moe.convert.converter import trunk_format
+from moe.convert.outdir import check_output, replace_dir
 from moe.errors import MoeshardError
 from moe.kernels import quant
 from moe.model.families import load_config
@@ -134,11 +135,7 @@ def synth(out: str | Path, preset: str, force: bool = False, seed: int = 0) -> d
     if preset not in PRESETS:
         raise MoeshardError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     p = PRESETS[preset]
-    out = Path(out)
-    if out.exists():
-        if not force:
-            raise MoeshardError(f"{out} exists (use --force to replace it)")
-        shutil.rmtree(out)
+    out = check_output(out, [], force, "model")
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -217,7 +214,7 @@ def synth(out: str | Path, preset: str, force: bool = False, seed: int = 0) -> d
             "merkle": merkle.manifest_entry(content_id, roots_sha),
         },
     )
-    tmp.rename(out)
+    replace_dir(tmp, out)
     seconds = time.perf_counter() - t0
     total = sum(f.stat().st_size for f in out.iterdir())
     return {"bytes": total, "seconds": seconds, "gb_per_s": total / seconds / 1e9, "id": model_id}
