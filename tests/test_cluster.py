@@ -16,7 +16,16 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from helpers import PROMPT, ROOT, TOKENS, NodeProcess, node_process, remote_runtime, wait_until
+from helpers import (
+    FIXTURES,
+    PROMPT,
+    ROOT,
+    TOKENS,
+    NodeProcess,
+    node_process,
+    remote_runtime,
+    wait_until,
+)
 
 from coordinator.generate import SamplingOptions, generate
 from coordinator.remote.config import RemoteError
@@ -87,26 +96,38 @@ def test_generation_through_three_nodes_equals_single_node(
         remote.close()
 
 
-def test_many_experts_per_token_give_the_same_bits_as_one_machine(cluster_model, cluster, tmp_path):
+def test_many_experts_per_token_give_the_same_bits_as_one_machine(tmp_path):
     """Top-4 routing spreads a token's experts over all three nodes; the partial sums come back
-    unrounded (f64), so the total is bit-identical to the single-process sum."""
+    unrounded (f64), so the total is bit-identical to the single-process sum. (A top-4 model is
+    another model: its own conversion, with its own id, on its own nodes.)"""
     import shutil
 
-    wide = tmp_path / "top4"
-    shutil.copytree(cluster_model, wide)
-    config = json.loads((wide / "config.json").read_text())
+    from moe.convert.converter import convert
+
+    src = tmp_path / "top4-hf"
+    shutil.copytree(FIXTURES / "qwen3_moe", src)
+    config = json.loads((src / "config.json").read_text())
     config["num_experts_per_tok"] = 4
-    (wide / "config.json").write_text(json.dumps(config))
+    (src / "config.json").write_text(json.dumps(config))
+    wide = tmp_path / "top4"
+    convert(src, wide, "f32", "f32", progress=False)
+    plan = shard_model(wide, 3, 2, tmp_path / "top4-shards")
     opts = SamplingOptions(max_tokens=TOKENS, keep_logits=True)
     local = generate(open_local(wide).transformer, PROMPT, opts)
-    transformer, remote = remote_runtime(wide, [n.spec for n in cluster])
+    nodes = [node_process(n["dir"]) for n in plan["nodes"]]
     try:
-        result = generate(transformer, PROMPT, opts)
-        assert result.tokens == local.tokens
-        assert all(np.array_equal(a, b) for a, b in zip(result.logits, local.logits, strict=True))
-        assert sum(n["calls"] > 0 for n in remote.stats()["nodes"]) == 3
+        transformer, remote = remote_runtime(wide, [n.spec for n in nodes])
+        try:
+            result = generate(transformer, PROMPT, opts)
+            calls = [n["calls"] for n in remote.stats()["nodes"]]
+        finally:
+            remote.close()
     finally:
-        remote.close()
+        for n in nodes:
+            n.stop()
+    assert result.tokens == local.tokens
+    assert all(np.array_equal(a, b) for a, b in zip(result.logits, local.logits, strict=True))
+    assert sum(c > 0 for c in calls) == 3
 
 
 def test_bf16_wire_is_close(cluster_model, cluster, cluster_reference):

@@ -124,6 +124,7 @@ class Auditor:
         self.pending: set[Future] = set()
         self.stats = AuditStats()
         self.suspects: set[str] = set()
+        self.distrusted: set[str] = set()  # node ids disqualified by this auditor
         self.audited: Counter = Counter()  # node id -> audits this run
         self.step = 0
         self.uses: list[tuple[str, int, int]] = []  # (node id, step, case id) this generation
@@ -375,8 +376,9 @@ class Auditor:
     def distrust(self, peer: Peer, why: str) -> bool:
         """Disqualify `peer` and mark the earliest step that used its unaudited work for
         recomputation (also for a failed possession challenge); True the first time."""
-        with self.lock:
-            first = peer.node_id not in self.peers.disqualified
+        with self.lock:  # check and mark at once: two audit threads may catch it together
+            first = peer.node_id not in self.distrusted
+            self.distrusted.add(peer.node_id)
             self.suspects.discard(peer.node_id)
             steps = [
                 s for node, s, cid in self.uses if node == peer.node_id and cid not in self.verified

@@ -9,7 +9,6 @@ so a failure leaves nothing behind.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
 import shutil
@@ -27,7 +26,14 @@ from moe.kernels import quant
 from moe.model.config import read_json
 from moe.model.families import family_for, load_config
 from moe.storage import merkle
-from moe.storage.manifest import FORMAT_VERSION, TRUNK_FILE, write_manifest
+from moe.storage.manifest import (
+    FORMAT_VERSION,
+    TRUNK_FILE,
+    config_digest,
+    content_id,
+    covers_entry,
+    write_manifest,
+)
 from moe.storage.shards import ShardWriter
 from moe.storage.trunk_file import TrunkWriter
 
@@ -293,8 +299,8 @@ def _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, progress) -> 
         config.n_experts * 3 * config.hidden_size * config.expert_intermediate * 4
     )
     bar = Progress(total, "convert") if progress else None
-    digest = hashlib.sha256()
-    digest.update(json.dumps(read_json(src / "config.json"), sort_keys=True).encode())
+    config_sha = config_digest(read_json(src / "config.json"))
+    digest = hashlib.sha256()  # the data id: formats and every checksum
     digest.update(f"experts={expert_format};v={FORMAT_VERSION}".encode())
 
     trunk.begin()
@@ -322,9 +328,10 @@ def _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, progress) -> 
                 bar.advance((gate.size + up.size + down.size) * 4)
     if bar:
         bar.close()
-    content_id = digest.hexdigest()
+    data_id = digest.hexdigest()
+    content = content_id(config_sha, data_id)  # a changed config.json changes the id
     roots_sha = merkle.write_roots(tmp, merkle.Roots(merkle.BLOCK_SIZE, record_bytes, roots))
-    model_id = merkle.covered_id(content_id, roots_sha)  # a changed roots file changes the id
+    model_id = merkle.covered_id(content, roots_sha)  # a changed roots file changes the id
     trunk.finish(model_id)
     for shard in shards:
         shard.finish(model_id)
@@ -348,7 +355,8 @@ def _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, progress) -> 
         "params": {"trunk": trunk_params, "experts": expert_params},
         "converted_from": str(src),
         "skipped_tensors": plan.skipped,
-        "merkle": merkle.manifest_entry(content_id, roots_sha),
+        "merkle": merkle.manifest_entry(content, roots_sha),
+        "covers": covers_entry(config_sha, data_id),
     }
     write_manifest(tmp, manifest)
     return ConvertSummary(

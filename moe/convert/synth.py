@@ -31,7 +31,14 @@ from moe.errors import MoeshardError
 from moe.kernels import quant
 from moe.model.families import load_config
 from moe.storage import merkle
-from moe.storage.manifest import FORMAT_VERSION, TRUNK_FILE, write_manifest
+from moe.storage.manifest import (
+    FORMAT_VERSION,
+    TRUNK_FILE,
+    config_digest,
+    content_id,
+    covers_entry,
+    write_manifest,
+)
 from moe.storage.shards import ShardWriter
 from moe.storage.trunk_file import TrunkWriter
 
@@ -144,8 +151,8 @@ def synth(out: str | Path, preset: str, force: bool = False, seed: int = 0) -> d
     (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     config = load_config(tmp)
     rng = np.random.default_rng(seed)
-    digest = hashlib.sha256()
-    digest.update(json.dumps(raw, sort_keys=True).encode())
+    config_sha = config_digest(raw)
+    digest = hashlib.sha256()  # the data id: formats and every checksum
     digest.update(f"experts={p.experts_fmt};v={FORMAT_VERSION}".encode())
 
     shapes = config.trunk_shapes()
@@ -184,9 +191,10 @@ def synth(out: str | Path, preset: str, force: bool = False, seed: int = 0) -> d
             digest.update(f"{layer}.{expert}:{crc};".encode())
             written += maker.nbytes
         log.info("synth: %s written (%.1f GB so far)", shard.file.path.name, written / 1e9)
-    content_id = digest.hexdigest()
+    data_id = digest.hexdigest()
+    content = content_id(config_sha, data_id)  # a changed config.json changes the id
     roots_sha = merkle.write_roots(tmp, merkle.Roots(merkle.BLOCK_SIZE, maker.nbytes, roots))
-    model_id = merkle.covered_id(content_id, roots_sha)  # a changed roots file changes the id
+    model_id = merkle.covered_id(content, roots_sha)  # a changed roots file changes the id
     trunk.finish(model_id)
     for shard in shards:
         shard.finish(model_id)
@@ -211,7 +219,8 @@ def synth(out: str | Path, preset: str, force: bool = False, seed: int = 0) -> d
             },
             "converted_from": f"synth:{preset}",
             "skipped_tensors": {},
-            "merkle": merkle.manifest_entry(content_id, roots_sha),
+            "merkle": merkle.manifest_entry(content, roots_sha),
+            "covers": covers_entry(config_sha, data_id),
         },
     )
     replace_dir(tmp, out)

@@ -16,7 +16,7 @@ from moe.model.config import read_json
 from moe.model.families import family_for, load_config
 from moe.model.trunk import Trunk
 from moe.storage import merkle
-from moe.storage.manifest import TRUNK_FILE, read_manifest
+from moe.storage.manifest import TRUNK_FILE, check_config, read_manifest
 from moe.storage.shards import ShardSet
 from moe.storage.trunk_file import TrunkLayout, read_trunk_tensors
 
@@ -32,6 +32,8 @@ class ModelDir:
             raise StoreError(f"{self.path}: no such model directory")
         self.manifest = read_manifest(self.path)
         self.model_id: str = self.manifest["model_id"]
+        # the config must be the one the model id covers (an edited top-k changes the text)
+        check_config(self.path, self.manifest, read_json(self.path / "config.json"))
         self.config = load_config(self.path)
         self.family: ModuleType = family_for(self.config.model_type, str(self.path))
         self.expert_format: str = self.manifest["expert_format"]

@@ -16,6 +16,7 @@ on it only if they hold the same model in the same formats with the same roots.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -26,6 +27,47 @@ FORMAT_VERSION = 1
 MANIFEST = "moeshard.json"
 TRUNK_FILE = "trunk.gguf"
 PLACEHOLDER_ID = "0" * 64  # the model id written first and replaced once the data is hashed
+
+
+CONTENT_PREFIX = b"moeshard-content-v1\n"
+
+
+def config_digest(raw: dict) -> str:
+    """sha256 of a config as loaded (canonical JSON: sorted keys), what the model id covers."""
+    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()
+
+
+def content_id(config_sha256: str, data_id: str) -> str:
+    """The id of a model's content: its config's digest and the digest of its formats and
+    every tensor's and record's checksum (`data_id`)."""
+    return hashlib.sha256(CONTENT_PREFIX + f"{config_sha256}\n{data_id}".encode()).hexdigest()
+
+
+def covers_entry(config_sha256: str, data_id: str) -> dict:
+    """The manifest's "covers" field: what the content id is made of, so a loader can check
+    the config it reads is the one the model id covers without reading every record."""
+    return {"config_sha256": config_sha256, "data_id": data_id}
+
+
+def check_config(directory: Path, manifest: dict, raw_config: dict) -> None:
+    """StoreError (one line naming the file) unless `raw_config` (the directory's config.json
+    as loaded) is the one the model id covers. Directories converted before the manifest had
+    a "covers" field are not checked."""
+    covers = manifest.get("covers")
+    if not isinstance(covers, dict):
+        return
+    path = Path(directory) / "config.json"
+    if config_digest(raw_config) != covers.get("config_sha256"):
+        raise StoreError(
+            f"{path}: changed since conversion (the model id covers another config); "
+            "restore it or convert the checkpoint again"
+        )
+    merkle = manifest.get("merkle") or {}
+    made = content_id(str(covers.get("config_sha256")), str(covers.get("data_id")))
+    if made != merkle.get("content_id"):
+        raise StoreError(
+            f"{Path(directory) / MANIFEST}: its config digest is not the one the model id covers"
+        )
 
 
 def write_manifest(directory: Path, manifest: dict) -> None:
