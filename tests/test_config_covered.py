@@ -1,6 +1,7 @@
 """The model id covers the config as loaded (issue 16): a converted model whose config.json was
 edited afterwards (top-k, an epsilon, a type) is refused with one line naming the file, exit 2,
-by every command that opens it; restored, it loads again."""
+by every command that opens it; restored, it loads again. And bad generate options that
+used to end in a traceback or be accepted are one line, exit 2."""
 
 from __future__ import annotations
 
@@ -47,3 +48,21 @@ def test_reformatting_the_config_is_not_a_change(model):
     config = json.loads(path.read_text())
     path.write_text(json.dumps(dict(reversed(list(config.items()))), indent=7))
     ModelDir(model).close()
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--prompt-ids", ""], "--prompt-ids: no token ids given"),
+        (["--prompt", ""], "--prompt: the prompt is empty"),
+        (["--prompt-ids", "1,2", "--temperature", "nan"], "--temperature nan"),
+        (["--prompt-ids", "1,2", "--temperature", "inf"], "--temperature inf"),
+        (["--prompt-ids", "1,2", "--top-p", "nan"], "--top-p"),
+    ],
+)
+def test_bad_generate_options_are_one_line_and_exit_2(converted, capsys, args, says):
+    """Issue 16: these ended in a traceback (empty prompt) or were accepted (uniform random
+    text at temperature inf)."""
+    code = main(["generate", str(converted("qwen3_moe")), "--max-tokens", "2", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and says in err[0], err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import numpy as np
@@ -70,8 +71,10 @@ def cmd_generate(args) -> int:
 
     if args.max_tokens < 1:
         raise MoeshardError("--max-tokens must be at least 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
-        raise MoeshardError("need --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise MoeshardError(f"--temperature {args.temperature}: need a finite number >= 0")
+    if not 0 < args.top_p <= 1 or args.top_k < 0:  # (NaN fails the comparison)
+        raise MoeshardError("need 0 < --top-p <= 1 and --top-k >= 0")
     monitor = reputation = None
     if args.peers or args.discover:
         if args.ram:
@@ -109,11 +112,15 @@ def cmd_generate(args) -> int:
             raise MoeshardError(
                 f"--prompt-ids: not a comma-separated list: {args.prompt_ids}"
             ) from None
+        if not prompt_ids:
+            raise MoeshardError("--prompt-ids: no token ids given")
         bad = [t for t in prompt_ids if not 0 <= t < rt.config.vocab_size]
         if bad:
             raise MoeshardError(f"--prompt-ids: {bad[0]} is outside the vocabulary")
     else:
         prompt_ids = rt.encode(args.prompt)
+        if not prompt_ids:
+            raise MoeshardError("--prompt: the prompt is empty (it encodes to no tokens)")
     opts = SamplingOptions(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
