@@ -162,6 +162,7 @@ class Node:
             access,
             self.key,
             limits=self.limits,
+            shards=self.model.shard_set,
         )
         self.servicer.bad.update(bad)
         self.servicer.ledger = ledger

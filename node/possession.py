@@ -20,6 +20,7 @@ from moe.identity.keys import Identity
 from moe.storage import merkle
 from moe.storage.shards import ShardSet
 from moe.wire import moeshard_pb2 as pb
+from node.holdings import unavailable
 from node.limits import Refused
 
 MAX_BLOCKS = 64  # blocks one challenge may ask for
@@ -103,16 +104,9 @@ class Prover:
         with self.lock:
             for i, at in enumerate(request.blocks):
                 key = (at.layer, at.expert)
-                if key in self.bad:
-                    raise ChallengeRefused(
-                        grpc.StatusCode.DATA_LOSS,
-                        f"expert {at.expert} of layer {at.layer} failed its checksum on this node",
-                    )
-                if key not in self.held:
-                    raise ChallengeRefused(
-                        grpc.StatusCode.NOT_FOUND,
-                        f"this node does not hold expert {at.expert} of layer {at.layer}",
-                    )
+                refused = unavailable(at.layer, at.expert, self.held, self.bad)
+                if refused:
+                    raise ChallengeRefused(*refused)
                 if at.block >= count:
                     raise ChallengeRefused(
                         invalid, f"block {at.block} out of range (a record has {count} blocks)"

@@ -27,11 +27,13 @@ from moe.identity.receipts import SESSION_BYTES, check_settlement, make_receipt
 from moe.identity.signed import sign_info
 from moe.kernels.build import cpu_level, kernel_build
 from moe.ledger import BackgroundLedger, LedgerError, receipt_body, settlement_body
+from moe.storage.shards import ShardSet
 from moe.wire import codec, health_pb2, health_pb2_grpc
 from moe.wire import moeshard_pb2 as pb
 from moe.wire.constants import MAX_ACTIVATION, MAX_SLOTS, WIRE_VERSION
 from node import failpoints
 from node.access import AccessDenied, AccessPolicy
+from node.holdings import unavailable
 from node.limits import Guard, Limits, Refused
 from node.possession import Prover
 
@@ -81,6 +83,7 @@ class ExpertNodeServicer:
         key: Identity | None = None,  # signs Info replies
         *,
         limits: Limits,  # resolved (Limits.resolve)
+        shards: ShardSet | None = None,  # the records served: receipts' sizes, possession proofs
     ):
         self.access = access or AccessPolicy(tls=False)
         self.key = key
@@ -98,11 +101,11 @@ class ExpertNodeServicer:
         self.served = 0
         # receipts and settlements (issue 15; moe/identity/receipts.py, moe/ledger)
         self.ledger: BackgroundLedger | None = None  # set by the daemon: receipts, settlements
-        self.record_nbytes = getattr(getattr(backend, "shards", None), "record_nbytes", 0)
+        self.record_nbytes = shards.record_nbytes if shards is not None else 0
         self.settle_lock = threading.Lock()
         self.settled: dict[tuple[bytes, str], int] = {}  # (session, coordinator) -> last seq
         self.prover = Prover(  # possession challenges (node/possession.py)
-            getattr(backend, "shards", None),
+            shards,
             key,
             identity.model_id,
             self.held,
@@ -368,17 +371,9 @@ class ExpertNodeServicer:
             raise RequestError(bad_arg, f"row {row} names an expert in two slots")
         with self.state_lock:
             for expert in np.unique(ids[ids >= 0]):
-                key = (layer, int(expert))
-                if key in self.bad:
-                    raise RequestError(
-                        grpc.StatusCode.DATA_LOSS,
-                        f"expert {expert} of layer {layer} failed its checksum on this node",
-                    )
-                if key not in self.held:
-                    raise RequestError(
-                        grpc.StatusCode.NOT_FOUND,
-                        f"this node does not hold expert {expert} of layer {layer}",
-                    )
+                refused = unavailable(layer, int(expert), self.held, self.bad)
+                if refused:
+                    raise RequestError(*refused)
         return layer, hidden, ids, weights, out_dtype
 
     def _forward(self, request) -> pb.ForwardReply:

@@ -22,16 +22,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from coordinator.bench.rpc_nodes import Launched, NodeProcs, layouts_for
+from coordinator.bench.rpc_nodes import NodeProcs, layouts_for
 from coordinator.generate import SamplingOptions, generate
 from coordinator.remote.audit import Auditor, agree
 from coordinator.remote.config import RemoteConfig
@@ -172,7 +169,7 @@ def _real_liar(model: ModelDir, specs, procs: NodeProcs, args) -> None:
     median = math.log(0.5) / math.log(1 - p * f)
     print(f"== 3. a real liar (lie=scale:1.01:{f}, p = {p}, no rate-1 start)")
     for run in range(args.real_runs):
-        liar = _launch_liar(procs, Path(args.model), f"lie=scale:1.01:{f}")
+        liar = procs.launch(Path(args.model), None, {ENV: f"lie=scale:1.01:{f}"})
         liar_spec = liar.spec()
         remote = _remote(model, [*specs, liar_spec], audit=p, audit_new=0)
         transformer = model.family.Transformer(model.config, model.load_trunk(), remote)
@@ -193,17 +190,6 @@ def _real_liar(model: ModelDir, specs, procs: NodeProcs, args) -> None:
             remote.close()
             liar.proc.terminate()
             liar.proc.wait()
-
-
-def _launch_liar(procs: NodeProcs, path: Path, lie: str) -> Launched:
-    cmd = [sys.executable, "-m", "coordinator.cli", "node", str(path), "--no-advertise"]
-    cmd += ["--insecure"]
-    log = procs.log_dir / f"liar-{len(procs.procs)}.log"
-    env = dict(os.environ, **{ENV: lie})
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    procs.procs.append(proc)
-    return Launched(proc, path, log, tls=False)
 
 
 def _cost(model: ModelDir, specs, args) -> None:

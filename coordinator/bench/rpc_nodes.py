@@ -8,6 +8,7 @@ Nodes are launched together and waited for afterwards, so they start in parallel
 
 from __future__ import annotations
 
+import os
 import queue
 import re
 import subprocess
@@ -78,13 +79,20 @@ class NodeProcs:
         self.log_dir = Path(log_dir)
         self.procs: list[subprocess.Popen] = []
 
-    def launch(self, path: Path, allow: Identity | None) -> Launched:
-        """A node on `path`: TLS serving only `allow`'s key, or plaintext without it."""
+    def launch(self, path: Path, allow: Identity | None, env: dict | None = None) -> Launched:
+        """A node on `path`: TLS serving only `allow`'s key, or plaintext without it; `env`:
+        more environment (`bench audit`'s liar has its failpoints there)."""
         cmd = [sys.executable, "-m", "coordinator.cli", "node", str(path), "--no-advertise"]
         cmd += ["--insecure"] if allow is None else ["--allow", allow.id]
         log = self.log_dir / f"node-{len(self.procs)}.log"
         with open(log, "wb") as err:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+            proc = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env={**os.environ, **(env or {})},
+            )
         self.procs.append(proc)
         return Launched(proc, Path(path), log, tls=allow is not None)
 
