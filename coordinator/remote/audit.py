@@ -160,18 +160,24 @@ class Auditor:
 
     # -- picking ------------------------------------------------------------------------------
 
-    def submit(self, peer: Peer, experts: list[int], request, part: np.ndarray) -> None:
-        """A reply of `peer` was used: remember it, and maybe audit it (in the background)."""
+    def submit(self, peer: Peer, experts: list[int], request, part: np.ndarray) -> bool:
+        """A reply of `peer` is about to be used: remember it, and maybe audit it (in the
+        background). False if `peer` was caught lying meanwhile (its reply was in flight): the
+        caller must not use it. Under the same lock as `distrust`, so a use is either refused
+        or seen by the rollback that a conviction computes."""
         with self.lock:
+            if peer.node_id in self.distrusted:
+                return False
             self._next_case += 1
             case = Case(self.step, peer, experts, request, part, self._next_case)
             self.uses.append((peer.node_id, case.step, case.id))
             if not self._picked(peer.node_id):
-                return
+                return True
             self.audited[peer.node_id] += 1
             future = self.pool.submit(self._audit, case)
             self.pending.add(future)
         future.add_done_callback(self._done)
+        return True
 
     def _picked(self, node_id: str) -> bool:
         if self.rate <= 0:

@@ -208,12 +208,16 @@ class RemoteExperts(ExpertsBase):
             for addr, results in got.items():
                 if addr in bad:
                     continue
-                for peer, experts, rows, request, reply, part in results:
+                peer, experts = results[0][0], results[0][1]
+                used = [r for r in results if self.auditor.submit(r[0], r[1], r[3], r[5])]
+                if len(used) < len(results):  # caught lying while these replies were in flight
+                    _exclude(excluded, experts, peer)
+                    continue
+                for peer, experts, rows, request, reply, part in used:
                     parts.append((experts[0], rows, part))
-                    self.auditor.submit(peer, experts, request, part)
                     if self.accounts is not None:  # enqueued: checked and kept off this path
                         self.accounts.record(peer.node_id, request, reply, peer.public_key)
-                done.extend(results[0][1])
+                done.extend(experts)
             if fatal is not None:
                 raise fatal
             if len(done) < len(todo):
