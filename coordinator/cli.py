@@ -1,6 +1,7 @@
 """The `moeshard` command line. Exit codes: 0 ok, 1 internal error (or a failed check: health,
 a node failing `audit`), 2 bad input (a ledger that does not verify too), 3 cluster incomplete
-(`cluster`) or a node that cannot be audited (`audit`), 130 interrupted.
+(`cluster`), a node that cannot be audited (`audit`) or a generation the nodes cannot finish
+(`generate`: no live node holds an expert), 130 interrupted (SIGINT), 143 terminated (SIGTERM).
 
 The subcommands live in `coordinator.commands` (one module per area); this module assembles
 the parser and maps errors to exit codes."""
@@ -10,11 +11,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import textwrap
 
 from coordinator.commands import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_TERMINATED,
     audit,
     generate,
     ledger,
@@ -22,7 +25,64 @@ from coordinator.commands import (
     network,
     traces,
 )
+from coordinator.generate import Terminated
 from moe.errors import MoeshardError
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to an option's help, except where X says nothing: flags (nargs 0:
+    store_true, help), and None or "" defaults, whose help says what no value means. A help
+    that places %(default)s itself is left as it is. Lines break at spaces only, never inside
+    an option's name (--max-request-mb) or a value, nor between "(default:" and its value."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        text = " ".join(text.split()).replace("(default: ", "(default:\xa0")  # textwrap keeps it
+        lines = textwrap.wrap(text, width, break_on_hyphens=False)
+        return [line.replace("\xa0", " ") for line in lines]
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return textwrap.fill(
+            " ".join(text.split()),
+            width,
+            initial_indent=indent,
+            subsequent_indent=indent,
+            break_on_hyphens=False,
+        )
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or not _says_something(action):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _says_something(action: argparse.Action) -> bool:
+    """Whether an action's default is worth showing: not a flag's, nor None, "" or SUPPRESS (a
+    positional's only if it may be left out)."""
+    default = action.default
+    if action.nargs == 0 or default is None or default is argparse.SUPPRESS or default == "":
+        return False
+    return bool(action.option_strings) or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE)
+
+
+class _Commands(argparse._SubParsersAction):
+    """Subcommands whose --help opens with the one-line help they have in their parent's list."""
+
+    def add_parser(self, name: str, **kwargs) -> argparse.ArgumentParser:
+        if "help" in kwargs:
+            kwargs.setdefault("description", kwargs["help"])
+        return super().add_parser(name, **kwargs)
+
+
+class Parser(argparse.ArgumentParser):
+    """The parser of `moeshard` and of every subcommand: `add_subparsers` makes its subcommands
+    of the parser's own class (argparse's default), so all of them, nested ones too (`bench`,
+    `ledger`), show their options' defaults without each call site asking for it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.register("action", "parsers", _Commands)
 
 
 def _add_bench(sub) -> None:
@@ -30,7 +90,7 @@ def _add_bench(sub) -> None:
     from coordinator.bench import disk, kernels, modes, rpc, stream
 
     p = sub.add_parser("bench", help="benchmarks that print ratios against same-run baselines")
-    benches = p.add_subparsers(dest="bench", required=True)
+    benches = p.add_subparsers(dest="bench", required=True, metavar="BENCH", help="what to measure")
     for name, module, text in [
         ("kernels", kernels, "Q4_0/Q8_0 matmul GB/s vs DRAM bandwidth"),
         ("rpc", rpc, "gRPC round trips, per-layer fan-out, tok/s on 1..N nodes"),
@@ -46,11 +106,14 @@ def _add_bench(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="moeshard", description="Run mixture-of-experts models larger than RAM."
-    )
+    parser = Parser(prog="moeshard", description="Run mixture-of-experts models larger than RAM.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(
+        dest="command",
+        required=True,
+        metavar="COMMAND",
+        help="run `moeshard COMMAND -h` for its options",
+    )
     models.add_convert(sub)
     generate.add_generate(sub)
     models.add_inspect(sub)
@@ -88,10 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except MoeshardError as exc:
         print(f"moeshard: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return getattr(exc, "exit_code", EXIT_BAD_INPUT)
     except KeyboardInterrupt:
         print("moeshard: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Terminated:
+        print("moeshard: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
     except BrokenPipeError:
         return EXIT_OK
 

@@ -2,14 +2,41 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
+from moe.errors import MoeshardError
 from moe.storage.traces import DECODE, PREFILL
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived during a generation (raised like KeyboardInterrupt for SIGINT, so no
+    `except Exception` swallows it); the CLI exits 143 after writing the partial result."""
+
+
+@contextmanager
+def terminate_on_sigterm() -> Iterator[None]:
+    """Within the block, SIGTERM raises Terminated in the main thread (default: the process
+    dies at once and the tokens so far are lost)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated("terminated (SIGTERM)")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass
@@ -30,8 +57,15 @@ class GenerationResult:
     logits: list[np.ndarray] = field(default_factory=list)  # [V] per generated token
     prefill_s: float = 0.0
     decode_s: list[float] = field(default_factory=list)  # seconds per decode step
-    stopped_by: str = "max_tokens"  # "eos" or "max_tokens"
+    stopped_by: str = "max_tokens"  # "eos", "max_tokens", "interrupted", "terminated", "error"
     rollbacks: int = 0  # times a lying node's work was undone and recomputed
+    error: BaseException | None = None  # what stopped the generation early, if anything
+
+    @property
+    def positions_done(self) -> int:
+        """Positions whose forward pass yielded a kept token: the prefill (the prompt's
+        positions) made token 0, and each later token's pass added one position."""
+        return len(self.prompt_ids) + len(self.tokens) - 1 if self.tokens else 0
 
 
 def sample(logits: np.ndarray, opts: SamplingOptions, rng: np.random.Generator) -> int:
@@ -77,6 +111,7 @@ def generate(
     on_forward: Callable[[int, int], None] | None = None,
     verifier: Verifier | None = None,
     on_rollback: Callable[[int], None] | None = None,
+    keep_partial: bool = False,
 ) -> GenerationResult:
     """Run `model` (a family Transformer) on the prompt and generate up to opts.max_tokens.
 
@@ -84,57 +119,90 @@ def generate(
     forward pass (PREFILL or DECODE; a TraceRecorder's `mark`). With a `verifier`, a step
     found to rest on a lying node's work is undone: the KV cache is truncated to where that
     step began, its tokens (and the sampler's state) are forgotten, `on_rollback(tokens kept)`
-    is called and the steps run again, so the tokens are those of an honest run."""
+    is called and the steps run again, so the tokens are those of an honest run.
+
+    keep_partial: a stop before the end (KeyboardInterrupt, Terminated, a MoeshardError such
+    as a node or disk failure) returns the tokens so far, with `stopped_by` and `error` set,
+    instead of raising."""
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")
-    rng = np.random.default_rng(opts.seed)
-    cache = model.new_cache(len(prompt_ids) + opts.max_tokens)
+    loop = _DecodeLoop(model, opts, on_token, on_forward, verifier, on_rollback)
     result = GenerationResult(prompt_ids=list(prompt_ids), tokens=[])
-    starts: list[tuple[int, dict]] = []  # per step: cache length and sampler state before it
-    step = 0
-    while True:
-        if step == len(starts):
-            starts.append((cache.length, rng.bit_generator.state))
-        ids = prompt_ids if step == 0 else [result.tokens[step - 1]]
-        t0 = time.perf_counter()
-        if on_forward:
-            on_forward(cache.length, PREFILL if step == 0 else DECODE)
-        if verifier:
-            verifier.begin_step(step)
-        logits = model.forward(np.asarray(ids, dtype=np.int64), cache)[-1]  # [V]
-        if step == 0:
-            result.prefill_s = time.perf_counter() - t0
-        else:
-            result.decode_s.append(time.perf_counter() - t0)
-        token = sample(logits, opts, rng)
-        result.tokens.append(token)
-        if opts.keep_logits:
-            result.logits.append(logits.astype(np.float32))
-        if on_token:
-            on_token(token)
-        done = token in opts.eos_ids or len(result.tokens) == opts.max_tokens
-        if done and verifier:
-            verifier.drain()  # the last tokens' checks, before calling the text final
+    cache = model.new_cache(len(prompt_ids) + opts.max_tokens)
+    try:
+        loop.run(result, cache)
+    except (KeyboardInterrupt, Terminated, MoeshardError) as exc:
+        if not keep_partial:
+            raise
+        # stopped early (Ctrl-C, SIGTERM, a node or disk failure): the tokens so far are the
+        # result, less those resting on work already known to be a lie
         back = verifier.rollback_step() if verifier else None
-        if back is not None and back <= step:
-            step = _roll_back(result, cache, rng, starts, back)
-            result.rollbacks += 1
-            if on_rollback:
-                on_rollback(len(result.tokens))
-            continue
-        if done:
-            result.stopped_by = "eos" if token in opts.eos_ids else "max_tokens"
-            return result
-        step += 1
+        if back is not None and back < len(loop.starts):
+            loop.roll_back(result, cache, back)
+        result.error = exc
+        result.stopped_by = _STOPPED_BY.get(type(exc), "error")
+    return result
 
 
-def _roll_back(result: GenerationResult, cache, rng, starts: list, step: int) -> int:
-    """Undo steps `step`.. : cache, tokens, logits, timings and the sampler; returns `step`."""
-    length, state = starts[step]
-    cache.truncate(length)
-    rng.bit_generator.state = state
-    del starts[step + 1 :]
-    del result.tokens[step:]
-    del result.logits[step:]
-    del result.decode_s[max(step - 1, 0) :]
-    return step
+_STOPPED_BY = {KeyboardInterrupt: "interrupted", Terminated: "terminated"}
+
+
+class _DecodeLoop:
+    """One generation's steps; keeps what a rollback needs (cache length, sampler state)."""
+
+    def __init__(self, model, opts, on_token, on_forward, verifier, on_rollback):
+        self.model, self.opts = model, opts
+        self.on_token, self.on_forward = on_token, on_forward
+        self.verifier, self.on_rollback = verifier, on_rollback
+        self.rng = np.random.default_rng(opts.seed)
+        self.starts: list[tuple[int, dict]] = []  # per step: cache length, sampler state
+
+    def run(self, result: GenerationResult, cache) -> None:
+        opts, verifier = self.opts, self.verifier
+        step = 0
+        while True:
+            if step == len(self.starts):
+                self.starts.append((cache.length, self.rng.bit_generator.state))
+            ids = result.prompt_ids if step == 0 else [result.tokens[step - 1]]
+            t0 = time.perf_counter()
+            if self.on_forward:
+                self.on_forward(cache.length, PREFILL if step == 0 else DECODE)
+            if verifier:
+                verifier.begin_step(step)
+            logits = self.model.forward(np.asarray(ids, dtype=np.int64), cache)[-1]  # [V]
+            if step == 0:
+                result.prefill_s = time.perf_counter() - t0
+            else:
+                result.decode_s.append(time.perf_counter() - t0)
+            token = sample(logits, opts, self.rng)
+            result.tokens.append(token)
+            if opts.keep_logits:
+                result.logits.append(logits.astype(np.float32))
+            if self.on_token:
+                self.on_token(token)
+            done = token in opts.eos_ids or len(result.tokens) == opts.max_tokens
+            if done and verifier:
+                verifier.drain()  # the last tokens' checks, before calling the text final
+            back = verifier.rollback_step() if verifier else None
+            if back is not None and back <= step:
+                step = self.roll_back(result, cache, back)
+                continue
+            if done:
+                result.stopped_by = "eos" if token in opts.eos_ids else "max_tokens"
+                return
+            step += 1
+
+    def roll_back(self, result: GenerationResult, cache, step: int) -> int:
+        """Undo steps `step`.. : cache, tokens, logits, timings and the sampler; returns
+        `step`, the one to run next."""
+        length, state = self.starts[step]
+        cache.truncate(length)
+        self.rng.bit_generator.state = state
+        del self.starts[step + 1 :]
+        del result.tokens[step:]
+        del result.logits[step:]
+        del result.decode_s[max(step - 1, 0) :]
+        result.rollbacks += 1
+        if self.on_rollback:
+            self.on_rollback(len(result.tokens))
+        return step

@@ -112,6 +112,9 @@ class Runtime:
             stats.update(self.streaming_stats())
         if "audit" in experts:
             stats["audit"] = experts["audit"]
+        dropped = experts.get("dropped_per_layer") or {}
+        stats["degraded"] = bool(dropped)  # --degrade dropped experts: not the model's output
+        stats["dropped_expert_slots"] = {str(layer): n for layer, n in dropped.items()}
         return stats
 
     def streaming_stats(self) -> dict:
@@ -133,27 +136,44 @@ class Runtime:
         self.model.close()
 
 
+def load_tokenizer(model: ModelDir) -> Tokenizer | None:
+    """The model directory's tokenizer.json, or None when it has none (--prompt-ids only)."""
+    path = model.path / "tokenizer.json"
+    if not path.exists():
+        return None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises its own bare Exception
+        raise StoreError(f"{path}: not a tokenizer file: {exc}") from None
+
+
+def _model_dir(path: str | Path | ModelDir) -> ModelDir:
+    """An opened ModelDir as given, else the directory at `path` opened (and checked)."""
+    return path if isinstance(path, ModelDir) else ModelDir(path)
+
+
 def _finish(model, transformer, experts, warmup_s: float, started: float, **fields) -> Runtime:
     """The parts every mode shares: tokenizer, end-of-sequence ids, start-up time."""
-    tok_path = model.path / "tokenizer.json"
-    tokenizer = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
+    tokenizer = load_tokenizer(model)
     eos = eos_ids(read_json(model.path / "config.json"), model.generation_config())
     startup = time.perf_counter() - started
     return Runtime(model, transformer, experts, tokenizer, eos, warmup_s, startup, **fields)
 
 
-def open_local(path: str | Path) -> Runtime:
+def open_local(path: str | Path | ModelDir) -> Runtime:
     """Single process: trunk and every expert it uses in RAM."""
     started = time.perf_counter()
     warmup_s = quant.warmup()  # compile (or load from numba's disk cache) before token one
-    model = ModelDir(path)
+    model = _model_dir(path)
     model.require_trunk()
     experts = LocalExperts(model.shard_set)
     transformer = model.family.Transformer(model.config, model.load_trunk(), experts)
     return _finish(model, transformer, experts, warmup_s, started)
 
 
-def open_streaming(path: str | Path, budget: int, context: int, **store_options) -> Runtime:
+def open_streaming(
+    path: str | Path | ModelDir, budget: int, context: int, **store_options
+) -> Runtime:
     """Single process under a hard RAM budget (`moe.storage.budget`): O_DIRECT-streamed experts
     through an ExpertStore, the trunk resident or streamed layer by layer.
 
@@ -165,7 +185,7 @@ def open_streaming(path: str | Path, budget: int, context: int, **store_options)
     t0 = time.perf_counter()
     overhead = measure_overhead()  # includes the numba warm-up
     warmup_s = time.perf_counter() - t0
-    model = ModelDir(path)
+    model = _model_dir(path)
     model.require_trunk()
     prefetch = store_options.pop("prefetch", True)
     layout = model.trunk_layout()
@@ -193,7 +213,7 @@ def open_streaming(path: str | Path, budget: int, context: int, **store_options)
 
 
 def open_remote(
-    path: str | Path,
+    path: str | Path | ModelDir,
     peers: str | None = None,
     discover: bool = False,
     discover_timeout: float = 2.0,
@@ -207,7 +227,7 @@ def open_remote(
 
     started = time.perf_counter()
     warmup_s = quant.warmup()  # the trunk's kernels run here
-    model = ModelDir(path)
+    model = _model_dir(path)
     model.require_trunk()
     insecure = remote_config is not None and remote_config.identity is None
     specs = resolve_peers(model.model_id, peers, discover, discover_timeout, insecure)

@@ -18,14 +18,14 @@ class StreamMonitor:
     Made before the store (its `layer_done` is the store's `on_layer` callback), started once
     the store and the text streamer exist."""
 
-    def __init__(self, stats_path: str | None = None, err: TextIO = sys.stderr):
-        self.err = err
+    def __init__(self, stats_path: str | None = None, err: TextIO | None = None):
+        self.err = err or sys.stderr  # (looked up per run: a default bound at import goes stale)
         self.out = open(stats_path, "w") if stats_path else None  # noqa: SIM115 (closed in finish)
         self.store: ExpertStore | None = None
         self.inner: Callable[[int], None] | None = None
         self.t_last = self.t0 = time.perf_counter()
         self.tokens = 0
-        self.live = err.isatty()
+        self.live = self.err.isatty()
 
     def start(self, store: ExpertStore, inner, prompt_tokens: int) -> None:
         self.store, self.inner = store, inner

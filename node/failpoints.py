@@ -9,6 +9,8 @@ once at start. A Forward reply is altered with probability RATE (default 1):
   wrong_expert  the rows computed with another expert this node holds
   duplicate     the reply sent twice on a stream
   forged_block  (possession challenges, not Forward) one byte of each block proof flipped
+  crash:N       not a lie: the process exits (status 1, no reply) on its (N+1)-th Forward
+                call, as a node dying in the middle of a generation
 The testbed and the tests use it to check that the coordinator catches each kind of lie.
 """
 
@@ -25,7 +27,7 @@ from moe.errors import MoeshardError
 
 log = logging.getLogger(__name__)
 
-MODES = ("zero", "scale", "noise", "nan", "wrong_expert", "duplicate", "forged_block")
+MODES = ("zero", "scale", "noise", "nan", "wrong_expert", "duplicate", "forged_block", "crash")
 ENV = "MOESHARD_FAILPOINTS"
 
 
@@ -67,7 +69,7 @@ def parse(text: str | None) -> Lie | None:
         numbers = [float(p) for p in parts[1:]]
     except ValueError:
         raise ValueError(f"{ENV}: {text!r}: not numbers after the mode") from None
-    takes_arg = mode in ("scale", "noise")
+    takes_arg = mode in ("scale", "noise", "crash")
     if takes_arg and not numbers:
         raise ValueError(f"{ENV}: lie {mode} needs a number ({mode}:F)")
     arg = numbers[0] if takes_arg else 0.0

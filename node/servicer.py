@@ -11,6 +11,7 @@ A Prefetch hint starts its reads at once. `HealthServicer` is the standard grpc.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -409,6 +410,11 @@ class ExpertNodeServicer:
     def _failpoint(self, layer, hidden, ids, weights, live, out) -> np.ndarray:
         """Tests only (MOESHARD_FAILPOINTS, node/failpoints.py): a lie instead of `out`."""
         lie = self.lie
+        if lie is not None and lie.mode == "crash":
+            if self.served > lie.arg:
+                log.warning("FAILPOINT: crash after %d Forward calls", self.served - 1)
+                os._exit(1)  # a node dying mid-generation: no reply, no clean-up
+            return out
         if lie is None or lie.mode in ("duplicate", "forged_block") or not lie.fires(self.lie_rng):
             return out
         if lie.mode != "wrong_expert":

@@ -139,13 +139,14 @@ def test_existing_output_is_kept(tmp_path, capsys):
 
 
 def test_failure_midway_removes_temporary_directory(tmp_path, capsys, monkeypatch):
-    """A crash while writing (here: a full disk) leaves neither OUT nor the temporary dir."""
+    """A crash while writing (here: an I/O error no real disk here can be made to give) leaves
+    neither OUT nor the temporary dir. A real full disk: tests/test_convert_faults.py."""
     from moe.storage import gguf_file
 
-    def disk_full(self, data):
-        raise OSError(28, "No space left on device")
+    def io_error(self, data):
+        raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(gguf_file.StreamingGGUF, "write", disk_full)
+    monkeypatch.setattr(gguf_file.StreamingGGUF, "write", io_error)
     out = tmp_path / "out"
     with pytest.raises(OSError):
         main(["convert", str(SRC), str(out), "--quiet"])

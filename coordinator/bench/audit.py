@@ -43,11 +43,13 @@ KEPT = 4000  # honest comparisons kept for the simulation
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="model directory (with trunk and experts)")
-    p.add_argument("--nodes", type=int, default=3, help="honest nodes (default 3)")
-    p.add_argument("--audit", type=float, default=0.05, help="audit rate p (default 0.05)")
-    p.add_argument("--lie-rate", type=float, default=0.01, help="liar's f (default 0.01)")
+    p.add_argument("--nodes", type=int, default=3, help="honest nodes")
+    p.add_argument("--audit", type=float, default=0.05, help="audit rate p")
+    p.add_argument(
+        "--lie-rate", type=float, default=0.01, help="share f of its calls the liar lies on"
+    )
     p.add_argument("--calls", type=int, default=10_000, help="calls per simulated run")
-    p.add_argument("--trials", type=int, default=1000, help="simulated runs (default 1000)")
+    p.add_argument("--trials", type=int, default=1000, help="simulated runs")
     p.add_argument(
         "--honest-calls", type=int, default=100_000, help="honest audits to compare (real)"
     )

@@ -203,7 +203,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--formats", default="q4_0,q8_0", help="comma-separated weight formats")
     p.add_argument("--quick", action="store_true", help="skip the big shapes")
     p.add_argument("--no-warmup-probe", action="store_true", help="skip child-process JIT timing")
-    p.add_argument("--threads", type=int, default=0, help="numba threads (default: all)")
+    p.add_argument("--threads", type=int, default=0, help="numba threads (0: all)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ram", required=True, help="budget of the streaming mode, e.g. 2G")
     p.add_argument("--tokens", type=int, default=48, help="decode steps per round")
     p.add_argument("--rounds", type=int, default=5, help="alternated rounds per mode")
-    p.add_argument("--prompt-ids", default="1,2,3,4,5,6,7,8")
+    p.add_argument(
+        "--prompt-ids", default="1,2,3,4,5,6,7,8", help="prompt as comma-separated token ids"
+    )
 
 
 def _round(rt, prompt: list[int], tokens: int) -> tuple[float, list[int]]:

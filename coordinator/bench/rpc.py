@@ -54,7 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=3, help="largest cluster to measure")
     p.add_argument("--iters", type=int, default=400, help="round trips per measurement")
     p.add_argument("--tokens", type=int, default=24, help="decode tokens per generation")
-    p.add_argument("--wire-dtype", choices=("f32", "bf16"), default="f32")
+    p.add_argument(
+        "--wire-dtype", choices=("f32", "bf16"), default="f32", help="activations on the wire"
+    )
 
 
 def _percentiles(ms: list[float]) -> tuple[float, float]:

@@ -112,9 +112,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="model directory (e.g. from `moeshard synth`)")
     p.add_argument("--ram", required=True, help="RAM budget, e.g. 2G")
     p.add_argument("--tokens", type=int, default=32, help="decode steps per row")
-    p.add_argument("--prompt-ids", default="1,2,3,4,5,6,7,8")
+    p.add_argument(
+        "--prompt-ids", default="1,2,3,4,5,6,7,8", help="prompt as comma-separated token ids"
+    )
     p.add_argument("--depth", type=int, default=4, help="O_DIRECT reads in flight")
-    p.add_argument("--policies", default="lru,lfu,pin,none")
+    p.add_argument("--policies", default="lru,lfu,pin,none", help="cache policies, one row each")
     p.add_argument(
         "--packed", metavar="DIR", help="also run every row on this `moeshard pack` copy of MODEL"
     )

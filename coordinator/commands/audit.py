@@ -25,15 +25,15 @@ def add_audit(sub) -> None:
         "--blocks",
         type=int,
         default=0,
-        help="blocks per challenge, at most 64 (default 0: 8, each of another record)",
+        help="blocks per challenge, at most 64 (0: 8, each of another record)",
     )
-    p.add_argument("--rounds", type=int, default=3, help="challenges per node (default 3)")
+    p.add_argument("--rounds", type=int, default=3, help="challenges per node")
     p.add_argument(
         "--deadline-ms",
         type=float,
         default=0.0,
-        help="time a node has to answer (default 0: 100 ms + its round trip + 10 ms per MB "
-        "of records it must read)",
+        help="time a node has to answer, in ms (0: 100 ms + its round trip + 10 ms per MB of "
+        "records it must read)",
     )
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to connect to a node")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")

@@ -19,11 +19,27 @@ def add_generate(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--max-tokens", type=int, default=64, help="tokens to generate, fewer if one ends the text"
+    )
+    p.add_argument(
+        "--beyond-context",
+        action="store_true",
+        help="allow prompt + --max-tokens past the model's context (max_position_embeddings)",
+    )
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)"
+    )
+    p.add_argument(
+        "--top-k", type=int, default=0, help="sample from the k likeliest tokens (0: all)"
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="sample from the likeliest tokens whose probabilities add up to p (1: all)",
+    )
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a new one)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--dump-logits", metavar="FILE.npy", help="save float32 [tokens, vocab]")
     p.add_argument(
@@ -33,14 +49,16 @@ def add_generate(sub) -> None:
     )
     add_peer_options(p, required=False)
     p.add_argument("--degrade", action="store_true", help="drop experts no live node holds")
-    p.add_argument("--wire-dtype", choices=("f32", "bf16"), default="f32", help="activations")
+    p.add_argument(
+        "--wire-dtype", choices=("f32", "bf16"), default="f32", help="activations on the wire"
+    )
     p.add_argument("--deadline", type=float, default=5.0, help="seconds per node call")
     p.add_argument(
         "--audit",
         type=float,
         default=0.05,
         metavar="P",
-        help="share of node calls re-run on another holder to catch liars (default 0.05; 0: off)",
+        help="share of node calls re-run on another holder to catch liars (0: off)",
     )
     p.add_argument(
         "--ledger",
@@ -58,31 +76,134 @@ def add_generate(sub) -> None:
         type=int,
         default=100,
         metavar="N",
-        help="a node's first N audits (this run plus its reputation's) are of every call "
-        "(default 100)",
+        help="a node's first N audits (this run plus its reputation's) are of every call",
     )
     add_streaming_options(p)
     p.set_defaults(func=cmd_generate)
 
 
 def cmd_generate(args) -> int:
-    from coordinator.generate import SamplingOptions, generate
-    from coordinator.runtime import open_local
+    from coordinator.generate import SamplingOptions, generate, terminate_on_sigterm
+    from coordinator.runtime import load_tokenizer
+    from moe.model.model_dir import ModelDir
+    from moe.storage.budget import check_context, check_memory
 
+    _check_sampling(args)
+    prompt_ids = _parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    # every check that needs only the model directory runs before anything is loaded,
+    # allocated or connected
+    model = ModelDir(args.model)
+    if prompt_ids is None:
+        prompt_ids = _encode_prompt(load_tokenizer(model), args.prompt, model.path)
+    bad = [t for t in prompt_ids if not 0 <= t < model.config.vocab_size]
+    if bad:
+        raise MoeshardError(f"--prompt-ids: {bad[0]} is outside the vocabulary")
+    context = len(prompt_ids) + args.max_tokens
+    check_context(model.config, len(prompt_ids), args.max_tokens, args.beyond_context)
+    if args.ram and args.context is not None and args.context < context:
+        raise MoeshardError(
+            f"--context {args.context} is less than the prompt ({len(prompt_ids)} tokens) "
+            f"+ --max-tokens {args.max_tokens}"
+        )
+    if not args.ram:
+        check_memory(model, context, len(prompt_ids), args.peers or args.discover)
+    rt, monitor, reputation = _open_runtime(args, model, len(prompt_ids), context)
+    try:
+        opts = SamplingOptions(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            eos_ids=tuple(rt.eos_ids),
+            keep_logits=bool(args.dump_logits),
+        )
+        recorder = None
+        if args.trace:
+            from moe.experts.recorder import TraceRecorder
+
+            recorder = TraceRecorder(rt.transformer.experts, trace_meta(rt))
+            rt.transformer.experts = recorder
+        stream = None if args.json else rt.text_streamer(sys.stdout)
+        if monitor:
+            print(rt.plan.describe(), file=sys.stderr)
+            monitor.start(rt.store, stream, len(prompt_ids))
+        on_forward = recorder.mark if recorder else None
+        on_rollback = stream.rollback if stream else None
+        with terminate_on_sigterm():
+            result = generate(
+                rt.transformer,
+                prompt_ids,
+                opts,
+                monitor or stream,
+                on_forward,
+                rt.verifier,
+                on_rollback,
+                keep_partial=True,
+            )
+        # what was made before a stop (Ctrl-C, SIGTERM, a node failure) is still written
+        if recorder:
+            recorder.trace(end=result.positions_done).save(args.trace)
+        if stream:
+            stream.finish()
+        stats = rt.stats(result)
+        if monitor:
+            monitor.finish(stats)
+            _report_streaming(args, rt, stats)
+        if args.dump_logits and result.logits:
+            np.save(args.dump_logits, np.stack(result.logits).astype(np.float32))
+        _print_result(args, rt, result, stats)
+    finally:
+        rt.close()
+        if reputation is not None:
+            reputation.close()
+    if result.error is not None:
+        raise result.error  # the CLI prints it and exits with its code (130, 143, 3, 2)
+    return EXIT_OK
+
+
+def _check_sampling(args) -> None:
     if args.max_tokens < 1:
         raise MoeshardError("--max-tokens must be at least 1")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise MoeshardError(f"--temperature {args.temperature}: need a finite number >= 0")
     if not 0 < args.top_p <= 1 or args.top_k < 0:  # (NaN fails the comparison)
         raise MoeshardError("need 0 < --top-p <= 1 and --top-k >= 0")
-    monitor = reputation = None
+    if (args.peers or args.discover) and args.ram:
+        raise MoeshardError("--ram is for single-node mode; give each node its own --ram")
+    if args.context is not None and args.context < 1:
+        raise MoeshardError("--context must be at least 1")
+
+
+def _parse_prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise MoeshardError(f"--prompt-ids: not a comma-separated list: {text}") from None
+    if not ids:
+        raise MoeshardError("--prompt-ids: no token ids given")
+    return ids
+
+
+def _encode_prompt(tokenizer, prompt: str, path) -> list[int]:
+    if tokenizer is None:
+        raise MoeshardError(f"{path}: no tokenizer.json; use --prompt-ids")
+    ids = tokenizer.encode(prompt).ids
+    if not ids:
+        raise MoeshardError("--prompt: the prompt is empty (it encodes to no tokens)")
+    return ids
+
+
+def _open_runtime(args, model, prompt_tokens: int, context: int):
+    """The runtime of the mode the options ask for; (runtime, stream monitor, reputation)."""
+    from coordinator.runtime import open_local
+
     if args.peers or args.discover:
-        if args.ram:
-            raise MoeshardError("--ram is for single-node mode; give each node its own --ram")
         from coordinator.commands.network import client_config
         from coordinator.remote.reputation import Reputation
         from coordinator.runtime import open_remote
 
+        reputation = Reputation(args.reputation)
         remote = client_config(
             args,
             deadline_s=args.deadline,
@@ -91,70 +212,36 @@ def cmd_generate(args) -> int:
             audit=args.audit,
             audit_new=args.audit_new,
             ledger=args.ledger or "",
-            reputation=(reputation := Reputation(args.reputation)),
+            reputation=reputation,
         )
         if args.ledger and remote.identity is None:
+            reputation.close()
             raise MoeshardError(
                 "--ledger needs this client's key: receipts are signed between keys"
             )
-        rt = open_remote(args.model, args.peers, args.discover, args.discover_timeout, remote)
-    elif args.ram:
+        try:
+            rt = open_remote(model, args.peers, args.discover, args.discover_timeout, remote)
+        except BaseException:
+            reputation.close()
+            raise
+        return rt, None, reputation
+    if args.ram:
         from coordinator.stream_monitor import StreamMonitor
 
         monitor = StreamMonitor(args.stats_json)
-        rt = _open_streaming(args, monitor.layer_done)
-    else:
-        rt = open_local(args.model)
-    if args.prompt_ids is not None:
-        try:
-            prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-        except ValueError:
-            raise MoeshardError(
-                f"--prompt-ids: not a comma-separated list: {args.prompt_ids}"
-            ) from None
-        if not prompt_ids:
-            raise MoeshardError("--prompt-ids: no token ids given")
-        bad = [t for t in prompt_ids if not 0 <= t < rt.config.vocab_size]
-        if bad:
-            raise MoeshardError(f"--prompt-ids: {bad[0]} is outside the vocabulary")
-    else:
-        prompt_ids = rt.encode(args.prompt)
-        if not prompt_ids:
-            raise MoeshardError("--prompt: the prompt is empty (it encodes to no tokens)")
-    opts = SamplingOptions(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        eos_ids=tuple(rt.eos_ids),
-        keep_logits=bool(args.dump_logits),
-    )
-    recorder = None
-    if args.trace:
-        from moe.experts.recorder import TraceRecorder
+        rt = _open_streaming(args, model, prompt_tokens, context, monitor.layer_done)
+        return rt, monitor, None
+    return open_local(model), None, None
 
-        recorder = TraceRecorder(rt.transformer.experts, trace_meta(rt))
-        rt.transformer.experts = recorder
-    stream = None if args.json else rt.text_streamer(sys.stdout)
-    if monitor:
-        print(rt.plan.describe(), file=sys.stderr)
-        monitor.start(rt.store, stream, len(prompt_ids))
-    on_forward = recorder.mark if recorder else None
-    on_rollback = stream.rollback if stream else None
-    result = generate(
-        rt.transformer, prompt_ids, opts, monitor or stream, on_forward, rt.verifier, on_rollback
-    )
-    if recorder:
-        recorder.trace().save(args.trace)
-    if stream:
-        stream.finish()
-    stats = rt.stats(result)
-    if monitor:
-        monitor.finish(stats)
-        _report_streaming(args, rt, stats)
-    if args.dump_logits:
-        np.save(args.dump_logits, np.stack(result.logits).astype(np.float32))
+
+def _error_text(error: BaseException | None) -> str | None:
+    """What stopped a generation early, for --json (None when nothing did)."""
+    if error is None:
+        return None
+    return str(error) or type(error).__name__  # (a KeyboardInterrupt has no message)
+
+
+def _print_result(args, rt, result, stats: dict) -> None:
     if args.json:
         print(
             json.dumps(
@@ -162,6 +249,9 @@ def cmd_generate(args) -> int:
                     "prompt_ids": result.prompt_ids,
                     "tokens": result.tokens,
                     "text": rt.decode(result.tokens),
+                    "stopped_by": result.stopped_by,
+                    "error": _error_text(result.error),
+                    "degraded": stats.get("degraded", False),
                     "stats": stats,
                 }
             )
@@ -177,10 +267,6 @@ def cmd_generate(args) -> int:
         )
     if args.peers or args.discover:
         _report_remote(rt.experts.stats(), len(result.tokens))
-    rt.close()
-    if reputation is not None:
-        reputation.close()
-    return EXIT_OK
 
 
 def _report_remote(summary: dict, tokens: int) -> None:
@@ -212,9 +298,14 @@ def _report_remote(summary: dict, tokens: int) -> None:
             f"{audit['mismatches']} mismatched, {audit['unresolved']} unresolved{caught}]",
             file=sys.stderr,
         )
-    if summary["dropped"]:
-        total = sum(summary["dropped"].values())
-        print(f"[--degrade: dropped {total} expert slots: {summary['dropped']}]", file=sys.stderr)
+    per_layer = summary["dropped_per_layer"]
+    if per_layer:
+        counts = ", ".join(f"layer {layer}: {n}" for layer, n in per_layer.items())
+        print(
+            f"[--degrade: the output is degraded: {sum(per_layer.values())} expert slots "
+            f"dropped ({counts}) because no live node held them]",
+            file=sys.stderr,
+        )
 
 
 def add_streaming_options(p) -> None:
@@ -237,29 +328,25 @@ def add_streaming_options(p) -> None:
     g.add_argument("--stats-json", metavar="FILE", help="one JSON line of stats per token")
 
 
-def _open_streaming(args, on_layer):
+def _open_streaming(args, model, prompt_tokens: int, context: int, on_layer):
     from coordinator.runtime import open_streaming
     from moe.experts.usage import read_usage
-    from moe.model.model_dir import ModelDir
     from moe.units import parse_size
 
     if args.read_depth < 1:
         raise MoeshardError("--read-depth must be at least 1")
-    prompt = len(args.prompt_ids.split(",")) if args.prompt_ids else len(args.prompt.encode())
-    context = args.context or prompt + args.max_tokens
-    profile = None
-    if args.profile_in:
-        profile = read_usage(args.profile_in, ModelDir(args.model).model_id)
+    budget = parse_size(args.ram)
+    profile = read_usage(args.profile_in, model.model_id) if args.profile_in else None
     return open_streaming(
-        args.model,
-        parse_size(args.ram),
-        context,
+        model,
+        budget,
+        args.context or context,
         policy=args.cache_policy,
         prefetch=not args.no_prefetch,
         prefetch_top=args.prefetch_top,
         depth=args.read_depth,
         profile=profile,
-        prefill_tokens=prompt,
+        prefill_tokens=prompt_tokens,
         on_layer=on_layer,
     )
 

@@ -10,7 +10,9 @@ from coordinator.commands import EXIT_BAD_INPUT, EXIT_OK
 
 def add_ledger(sub) -> None:
     p = sub.add_parser("ledger", help="check a ledger of receipts, or sum up the work in it")
-    cmds = p.add_subparsers(dest="ledger_command", required=True)
+    cmds = p.add_subparsers(
+        dest="ledger_command", required=True, metavar="ACTION", help="what to do with the ledger"
+    )
     v = cmds.add_parser(
         "verify",
         help="check the hash chain and every signature (exit 2 naming the first bad entry)",

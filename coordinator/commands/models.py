@@ -20,8 +20,18 @@ def add_convert(sub) -> None:
     p = sub.add_parser("convert", help="Hugging Face checkpoint directory -> model directory")
     p.add_argument("src", help="checkpoint directory (config.json + *.safetensors)")
     p.add_argument("out", help="model directory to create")
-    p.add_argument("--experts", choices=EXPERT_FORMATS, default=DEFAULT_EXPERT_FORMAT)
-    p.add_argument("--trunk", choices=TRUNK_FORMATS, default=DEFAULT_TRUNK_FORMAT)
+    p.add_argument(
+        "--experts",
+        choices=EXPERT_FORMATS,
+        default=DEFAULT_EXPERT_FORMAT,
+        help="weight format of the experts",
+    )
+    p.add_argument(
+        "--trunk",
+        choices=TRUNK_FORMATS,
+        default=DEFAULT_TRUNK_FORMAT,
+        help="weight format of the trunk (everything but the experts)",
+    )
     p.add_argument(
         "--force",
         action="store_true",
@@ -74,8 +84,13 @@ def add_synth(sub) -> None:
 
     p = sub.add_parser("synth", help="write a large random-weight model (streaming benchmarks)")
     p.add_argument("out", help="model directory to create")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="k3-mini")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="k3-mini",
+        help="geometry (moe/convert/synth.py)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument(
         "--force",
         action="store_true",

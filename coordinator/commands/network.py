@@ -14,7 +14,7 @@ def add_node(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
     p.add_argument("--port", type=int, default=0, help="port (0: any free port, printed)")
     p.add_argument("--ram", default="0", help="expert cache budget, e.g. 8G (0: unbounded)")
-    p.add_argument("--name", default="", help="display name (default hostname-port)")
+    p.add_argument("--name", default="", help="display name (default: hostname-port)")
     p.add_argument("--no-advertise", action="store_true", help="do not announce via zeroconf")
     p.add_argument("--no-verify", action="store_true", help="skip the start-up checksum pass")
     p.add_argument(
@@ -45,49 +45,47 @@ def add_node(sub) -> None:
         "--max-request-mb",
         type=float,
         default=0,
-        help="largest request message in MiB, refused by grpc before decoding (default 0: "
-        "derived, a quarter of the RAM budget (--ram, or the held records) over the requests "
-        "the node may hold at once, 8..64)",
+        help="largest request message in MiB, refused by grpc before decoding (0: derived, a "
+        "quarter of the RAM budget (--ram, or the held records) over the requests the node may "
+        "hold at once, 8..64)",
     )
     lim.add_argument(
         "--max-rows",
         type=int,
         default=0,
-        help="rows of one Forward (default 0: the f32 rows --max-request-mb holds, <= 65536)",
+        help="rows of one Forward (0: the f32 rows --max-request-mb holds, <= 65536)",
     )
     lim.add_argument(
         "--max-inflight",
         type=int,
         default=8,
         help="Forward requests that may wait for the 2 computing ones; more get "
-        "RESOURCE_EXHAUSTED 'node busy' at once (default 8)",
+        "RESOURCE_EXHAUSTED 'node busy' at once",
     )
-    lim.add_argument(
-        "--max-streams", type=int, default=32, help="ForwardStreams open at once (default 32)"
-    )
+    lim.add_argument("--max-streams", type=int, default=32, help="ForwardStreams open at once")
     lim.add_argument(
         "--per-client",
         type=int,
         default=4,
-        help="calls + streams one client may have open at once (default 4)",
+        help="calls + streams one client may have open at once",
     )
     lim.add_argument(
         "--rate",
         type=float,
         default=5000.0,
-        help="calls per second per client, each stream message counting (default 5000)",
+        help="calls per second per client, each stream message counting",
     )
     lim.add_argument(
         "--rate-rows",
         type=float,
         default=0,
-        help="rows per second per client (default 0: --max-rows times the MoE layers)",
+        help="rows per second per client (0: --max-rows times the MoE layers)",
     )
     lim.add_argument(
         "--idle-timeout",
         type=float,
         default=60.0,
-        help="seconds a call or stream may send nothing before it is ended (default 60)",
+        help="seconds a call or stream may send nothing before it is ended",
     )
     p.set_defaults(func=cmd_node)
 
@@ -192,7 +190,7 @@ def cmd_shard(args) -> int:
 def add_health(sub) -> None:
     p = sub.add_parser("health", help="grpc.health.v1 check of a node (exit 0 if SERVING)")
     p.add_argument("addr", help="[ID@]HOST:PORT (with an id, the node must present that key)")
-    p.add_argument("--timeout", type=float, default=2.0, help="seconds")
+    p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
     add_client_identity(p)
     p.set_defaults(func=cmd_health)
 

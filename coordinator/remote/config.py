@@ -11,6 +11,8 @@ from moe.identity.keys import Identity
 class RemoteError(MoeshardError):
     """The cluster cannot compute a layer: no live node holds a needed expert, or a bug."""
 
+    exit_code = 3  # the cluster does not cover the model (the CLI's EXIT_UNCOVERED)
+
 
 @dataclass
 class RemoteConfig:

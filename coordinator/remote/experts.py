@@ -323,9 +323,11 @@ class RemoteExperts(ExpertsBase):
     def _drop(self, layer, ids, weights, experts) -> tuple[np.ndarray, np.ndarray]:
         """--degrade: remove `experts` from the routing, rescale the rest to the same total."""
         gone = np.isin(ids, experts)  # [T, k]
+        if not self.dropped:  # one warning per run; the counts per layer come at the end
+            log.warning("--degrade: dropping experts no live node holds; the output is degraded")
         for expert in experts:
             self.dropped[(layer, int(expert))] += int((ids == expert).sum())
-            log.warning("layer %d: dropped expert %d (no live node holds it)", layer, expert)
+            log.debug("layer %d: dropped expert %d (no live node holds it)", layer, expert)
         total = weights.sum(axis=1, keepdims=True)  # [T, 1]
         kept = np.where(gone, np.float32(0), weights)  # [T, k]
         kept_sum = kept.sum(axis=1, keepdims=True)  # [T, 1]
@@ -356,6 +358,13 @@ class RemoteExperts(ExpertsBase):
 
     # -- reporting ----------------------------------------------------------------------------
 
+    def _dropped_per_layer(self) -> dict[int, int]:
+        """--degrade: expert slots dropped per layer (token x slot pairs), layers in order."""
+        per_layer: dict[int, int] = defaultdict(int)
+        for (layer, _), n in self.dropped.items():
+            per_layer[layer] += n
+        return dict(sorted(per_layer.items()))
+
     def stats(self) -> dict:
         return {
             "expert_bytes_read": 0,  # the nodes read the experts
@@ -364,6 +373,7 @@ class RemoteExperts(ExpertsBase):
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "dropped": {f"{a}:{b}": n for (a, b), n in self.dropped.items()},
+            "dropped_per_layer": self._dropped_per_layer(),
             "audit": self.auditor.stats.as_dict(),
             "possession": self.patrol.stats.as_dict() if self.patrol is not None else None,
             "accounts": self.accounts.stats() if self.accounts is not None else None,

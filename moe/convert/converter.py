@@ -11,21 +11,23 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import shutil
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
 from moe.convert.checkpoint import Checkpoint
-from moe.convert.outdir import check_output, replace_dir
+from moe.convert.outdir import check_output, staged
 from moe.errors import CheckpointError, ConfigError
 from moe.kernels import quant
 from moe.model.config import read_json
 from moe.model.families import family_for, load_config
 from moe.storage import merkle
+from moe.storage.io import copy_file
 from moe.storage.manifest import (
     FORMAT_VERSION,
     TRUNK_FILE,
@@ -181,31 +183,64 @@ def trunk_format(name: str, shape: tuple[int, ...], requested: str) -> str:
 
 
 class Progress:
-    """A one-line progress bar on stderr (redrawn on a terminal, every 10% otherwise)."""
+    """Output bytes written against the planned total, with rate and ETA, redrawn in place on
+    one line of `stream` (default stderr) - only when that is a terminal (`interactive`
+    defaults to stream.isatty()): piped or redirected, it prints nothing.
 
-    def __init__(self, total_bytes: int, label: str):
-        self.total, self.done, self.label = max(total_bytes, 1), 0, label
+    `begin(total)` once the output files are declared (their planned sizes), `advance(n)` per
+    write with the bytes the files grew by, `close()` draws the final state and ends the line.
+    """
+
+    REDRAW_S = 0.1  # at most this often, and always on close
+
+    def __init__(self, label: str, stream: TextIO | None = None, interactive: bool | None = None):
+        self.label = label
+        self.stream = stream if stream is not None else sys.stderr
+        self.interactive = self.stream.isatty() if interactive is None else interactive
+        self.total = self.done = 0
+        self.start = self.drawn = time.perf_counter()
+
+    def begin(self, total: int) -> None:
+        self.total, self.done = total, 0
         self.start = time.perf_counter()
-        self.tty = sys.stderr.isatty()
-        self.last_decile = -1
+        self._draw(self.start)
 
     def advance(self, nbytes: int) -> None:
         self.done += nbytes
-        share = self.done / self.total
-        elapsed = time.perf_counter() - self.start
-        rate = self.done / max(elapsed, 1e-9) / 1e6
-        line = f"{self.label}: {share:6.1%}  {self.done / 1e6:9.1f} MB  {rate:7.1f} MB/s"
-        if self.tty:
-            bar = "#" * int(share * 30)
-            sys.stderr.write(f"\r[{bar:<30}] {line}")
-            sys.stderr.flush()
-        elif int(share * 10) > self.last_decile:
-            self.last_decile = int(share * 10)
-            sys.stderr.write(line + "\n")
+        now = time.perf_counter()
+        if now - self.drawn >= self.REDRAW_S:
+            self._draw(now)
+
+    def line(self, now: float) -> str:
+        """`convert [####      ]  42.0%  4.3/10.3 MB  21.5 MB/s  ETA 0:00`"""
+        share = self.done / self.total if self.total else 1.0
+        elapsed = now - self.start
+        rate = self.done / elapsed if elapsed > 0 else 0.0  # bytes/s
+        eta = _clock((self.total - self.done) / rate) if rate > 0 else "?"
+        bar = "#" * int(share * 30)
+        return (
+            f"{self.label} [{bar:<30}] {share:6.1%}  {self.done / 1e6:.1f}/{self.total / 1e6:.1f}"
+            f" MB  {rate / 1e6:.1f} MB/s  ETA {eta}"
+        )
+
+    def _draw(self, now: float) -> None:
+        self.drawn = now
+        if self.interactive:
+            self.stream.write("\r" + self.line(now) + "\x1b[K")  # [K: clear the rest
+            self.stream.flush()
 
     def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
+        self._draw(time.perf_counter())
+        if self.interactive:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    """h:mm:ss or m:ss."""
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
 @dataclass
@@ -225,9 +260,12 @@ def convert(
     expert_format: str = DEFAULT_EXPERT_FORMAT,
     trunk_fmt: str = DEFAULT_TRUNK_FORMAT,
     force: bool = False,
-    progress: bool = True,
+    progress: bool | Progress = True,
 ) -> ConvertSummary:
-    """Convert checkpoint directory `src` into model directory `out` (see module docstring)."""
+    """Convert checkpoint directory `src` into model directory `out` (see module docstring).
+
+    progress: True for a progress bar on stderr (drawn only if it is a terminal), False for
+    none, or a `Progress` to draw on."""
     started = time.perf_counter()
     src, out = Path(src), Path(out)
     if expert_format not in EXPERT_FORMATS:
@@ -248,26 +286,28 @@ def convert(
                     f"cannot be {expert_format}; use --experts bf16 or f32"
                 )
     ckpt = Checkpoint(src)
-    tmp = out.parent / f".{out.name}.tmp-convert"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    bar = progress if isinstance(progress, Progress) else Progress("convert") if progress else None
     try:
-        plan = plan_conversion(config, family, ckpt, raw.get("quantization_config") or {})
-        summary = _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, progress)
-        summary.seconds = time.perf_counter() - started
-        replace_dir(tmp, out)
+        with staged(out, out.parent / f".{out.name}.tmp-convert") as tmp:
+            plan = plan_conversion(config, family, ckpt, raw.get("quantization_config") or {})
+            summary = _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, bar)
+            summary.seconds = time.perf_counter() - started
         return summary
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     finally:
         ckpt.close()
 
 
-def _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, progress) -> ConvertSummary:
+def _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, bar) -> ConvertSummary:
+    with ExitStack() as closing:  # a failure closes the files it leaves unfinished
+        return _write_files(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, bar, closing)
+
+
+def _write_files(
+    config, plan, ckpt, src, tmp, expert_format, trunk_fmt, bar, closing
+) -> ConvertSummary:
     shapes = config.trunk_shapes()
     trunk = TrunkWriter(tmp / TRUNK_FILE, config.model_type)
+    closing.callback(trunk.close)
     trunk_names = sorted(shapes)
     for name in trunk_names:
         trunk.declare(name, trunk_format(name, shapes[name], trunk_fmt), shapes[name])
@@ -292,42 +332,46 @@ def _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, progress) -> 
                     config.model_type,
                 )
             )
+            closing.callback(shards[-1].close)
         for expert in range(config.n_experts):
             shards[-1].declare(layer, expert)
 
-    total = sum(int(np.prod(s)) * 4 for s in shapes.values()) + len(config.moe_layers) * (
-        config.n_experts * 3 * config.hidden_size * config.expert_intermediate * 4
-    )
-    bar = Progress(total, "convert") if progress else None
+    if bar:  # the .gguf files' final sizes: headers, packed tensors, records, padding
+        bar.begin(trunk.planned_size() + sum(shard.planned_size() for shard in shards))
+        closing.callback(bar.close)
     config_sha = config_digest(read_json(src / "config.json"))
     digest = hashlib.sha256()  # the data id: formats and every checksum
     digest.update(f"experts={expert_format};v={FORMAT_VERSION}".encode())
 
     trunk.begin()
+    if bar:
+        bar.advance(trunk.file.bytes_written)
     trunk_params = 0
     for name, (_, fmt, shape) in zip(trunk_names, trunk.entries, strict=True):
         value = ckpt.float32(plan.trunk[name], plan.fp8_block).reshape(shape)
         matrix = value.reshape(1, -1) if value.ndim == 1 else value
+        before = trunk.file.bytes_written
         crc = trunk.write(quant.pack(np.ascontiguousarray(matrix), fmt))
         digest.update(f"{name}:{fmt}:{crc};".encode())
         trunk_params += value.size
         if bar:
-            bar.advance(value.size * 4)
+            bar.advance(trunk.file.bytes_written - before)
     expert_params = 0
     roots: dict[tuple[int, int], bytes] = {}  # possession roots, one per record
     for shard in shards:
         shard.begin()
+        if bar:
+            bar.advance(shard.file.bytes_written)
         for layer, expert in zip(shard.index.layers, shard.index.experts, strict=True):
             gate, up, down = expert_shapes(config, plan, ckpt, layer, expert)
             record = quant.pack_expert(gate, up, down, expert_format)
+            before = shard.file.bytes_written
             crc = shard.write(record)
             roots[(layer, expert)] = merkle.root(record)
             digest.update(f"{layer}.{expert}:{crc};".encode())
             expert_params += gate.size + up.size + down.size
             if bar:
-                bar.advance((gate.size + up.size + down.size) * 4)
-    if bar:
-        bar.close()
+                bar.advance(shard.file.bytes_written - before)
     data_id = digest.hexdigest()
     content = content_id(config_sha, data_id)  # a changed config.json changes the id
     roots_sha = merkle.write_roots(tmp, merkle.Roots(merkle.BLOCK_SIZE, record_bytes, roots))
@@ -338,7 +382,7 @@ def _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, progress) -> 
 
     for name in COPIED_FILES:
         if (src / name).exists():
-            shutil.copyfile(src / name, tmp / name)
+            copy_file(src / name, tmp / name)
     bytes_written = sum(p.stat().st_size for p in tmp.iterdir())
     manifest = {
         "format_version": FORMAT_VERSION,

@@ -7,15 +7,20 @@ A writer (`convert`, `synth`, `shard`) never deletes what it did not create:
 * an existing output is replaced only with `--force`, and only when it is itself an output of
   the same kind (a model directory with its manifest, a shard set with its plan) or empty;
 * the replacement is atomic: the new tree is written beside it under a temporary name, the old
-  one renamed aside, the new one renamed in, and only then the old one removed.
+  one renamed aside, the new one renamed in, and only then the old one removed (`staged`);
+* if writing fails, the temporary tree is removed and the old output is left as it was; a disk
+  that fills up (or a quota, or a file size limit) is one line naming the file, not a traceback.
 """
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from moe.errors import MoeshardError
+from moe.storage.io import DiskFullError, out_of_space
 from moe.storage.manifest import MANIFEST
 
 PLAN_FILE = "plan.json"  # what marks a shard set (`moeshard shard`)
@@ -66,3 +71,24 @@ def replace_dir(tmp: Path, out: Path) -> None:
         old.rename(out)  # put it back: nothing lost
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def staged(out: Path, tmp: Path) -> Iterator[Path]:
+    """Build the new tree for `out` in `tmp` (made empty here), put in place by `replace_dir`
+    when the block ends. If the block (or the replacement) fails, `tmp` is removed and `out`
+    is left as it was; a write that ran out of room (ENOSPC, EDQUOT, EFBIG) becomes a
+    DiskFullError (one line, exit 2) naming the file it was writing and `out`."""
+    existed = out.exists()
+    shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted earlier run
+    try:
+        tmp.mkdir(parents=True)
+        yield tmp
+        replace_dir(tmp, out)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        full = out_of_space(exc, tmp)
+        if full is None:
+            raise
+        kept = "left as it was" if existed else "not written"
+        raise DiskFullError(f"{full}; {out} {kept}") from None

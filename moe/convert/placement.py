@@ -14,13 +14,14 @@ expert gets a floor of 1e-3 of the mean so unseen experts are still spread.
 from __future__ import annotations
 
 import json
-import shutil
+from contextlib import ExitStack
 from pathlib import Path
 
-from moe.convert.outdir import PLAN_FILE, check_output, replace_dir
+from moe.convert.outdir import PLAN_FILE, check_output, staged
 from moe.errors import MoeshardError, StoreError
 from moe.experts.usage import read_usage
 from moe.model.model_dir import ModelDir
+from moe.storage.io import copy_file, write_file
 from moe.storage.manifest import FORMAT_VERSION, write_manifest
 from moe.storage.merkle import ROOTS_FILE
 from moe.storage.shards import ShardWriter
@@ -65,9 +66,14 @@ def plan_placement(
 def _write_node_dir(model: ModelDir, keys, out: Path) -> int:
     """One node directory holding `keys`; returns bytes of records written."""
     out.mkdir(parents=True)
+    with ExitStack() as closing:  # a failure closes the shard files it leaves unfinished
+        return _write_node_files(model, keys, out, closing)
+
+
+def _write_node_files(model: ModelDir, keys, out: Path, closing: ExitStack) -> int:
     for name in (*COPIED_FILES, ROOTS_FILE):  # the roots: the manifest copy names them
         if (model.path / name).exists():
-            shutil.copyfile(model.path / name, out / name)
+            copy_file(model.path / name, out / name)
     c = model.config
     files: list[str] = []
     writers: list[tuple[ShardWriter, list[tuple[int, int]]]] = []
@@ -88,6 +94,7 @@ def _write_node_dir(model: ModelDir, keys, out: Path) -> int:
                     [],
                 )
             )
+            closing.callback(writers[-1][0].close)
         writers[-1][0].declare(*key)
         writers[-1][1].append(key)
     for writer, mine in writers:
@@ -122,6 +129,15 @@ def shard_model(
     """Write OUT/node-00 ... node-(N-1) and OUT/plan.json; returns the plan."""
     out = check_output(out, [model_path], force, "shards")
     model = ModelDir(model_path)
+    try:
+        with staged(out, out.with_name(out.name + ".partial")) as tmp:
+            return _write_shard_set(model, nodes, replicas, out, tmp, trace)
+    finally:
+        model.close()
+
+
+def _write_shard_set(model: ModelDir, nodes, replicas, out: Path, tmp: Path, trace) -> dict:
+    """The shard set for `out`, written into `tmp`; returns the plan."""
     keys = sorted(model.locations)
     if trace:
         loads = read_trace(trace, set(keys), model.model_id)
@@ -129,10 +145,6 @@ def shard_model(
         loads = dict.fromkeys(keys, 1.0)
     record_bytes = max(loc.nbytes for _, loc in model.locations.values())
     placed = plan_placement(loads, record_bytes, nodes, replicas)
-    tmp = out.with_name(out.name + ".partial")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
     node_plans = []
     for n, mine in enumerate(placed):
         name = f"node-{n:02d}"
@@ -159,7 +171,5 @@ def shard_model(
         "holders": holders,
         "plan_file": str(out / PLAN_FILE),
     }
-    (tmp / PLAN_FILE).write_text(json.dumps(plan, indent=1) + "\n")
-    replace_dir(tmp, out)
-    model.close()
+    write_file(tmp / PLAN_FILE, (json.dumps(plan, indent=1) + "\n").encode())
     return plan

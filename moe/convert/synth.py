@@ -18,19 +18,20 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from moe.convert.converter import trunk_format
-from moe.convert.outdir import check_output, replace_dir
+from moe.convert.outdir import check_output, staged
 from moe.errors import MoeshardError
 from moe.kernels import quant
 from moe.model.families import load_config
 from moe.storage import merkle
+from moe.storage.io import write_file
 from moe.storage.manifest import (
     FORMAT_VERSION,
     TRUNK_FILE,
@@ -143,12 +144,19 @@ def synth(out: str | Path, preset: str, force: bool = False, seed: int = 0) -> d
         raise MoeshardError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     p = PRESETS[preset]
     out = check_output(out, [], force, "model")
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     t0 = time.perf_counter()
+    with staged(out, out.with_name(out.name + ".partial")) as tmp, ExitStack() as closing:
+        model_id = _write(tmp, p, preset, seed, closing)
+    seconds = time.perf_counter() - t0
+    total = sum(f.stat().st_size for f in out.iterdir())
+    return {"bytes": total, "seconds": seconds, "gb_per_s": total / seconds / 1e9, "id": model_id}
+
+
+def _write(tmp: Path, p: Preset, preset: str, seed: int, closing: ExitStack) -> str:
+    """Every file of the model directory into `tmp`; returns the model id. Writers are closed
+    by `closing` (a failure leaves none open)."""
     raw = hf_config(p)
-    (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    write_file(tmp / "config.json", (json.dumps(raw, indent=2) + "\n").encode())
     config = load_config(tmp)
     rng = np.random.default_rng(seed)
     config_sha = config_digest(raw)
@@ -157,6 +165,7 @@ def synth(out: str | Path, preset: str, force: bool = False, seed: int = 0) -> d
 
     shapes = config.trunk_shapes()
     trunk = TrunkWriter(tmp / TRUNK_FILE, config.model_type)
+    closing.callback(trunk.close)
     names = sorted(shapes)
     fmts = {n: trunk_format(n, shapes[n], p.trunk_fmt) for n in names}
     for n in names:
@@ -178,6 +187,7 @@ def synth(out: str | Path, preset: str, force: bool = False, seed: int = 0) -> d
             shards.append(
                 ShardWriter(tmp / files[-1], p.experts_fmt, p.hidden, p.inter, config.model_type)
             )
+            closing.callback(shards[-1].close)
         for expert in range(p.n_experts):
             shards[-1].declare(layer, expert)
     written = 0
@@ -223,7 +233,4 @@ def synth(out: str | Path, preset: str, force: bool = False, seed: int = 0) -> d
             "covers": covers_entry(config_sha, data_id),
         },
     )
-    replace_dir(tmp, out)
-    seconds = time.perf_counter() - t0
-    total = sum(f.stat().st_size for f in out.iterdir())
-    return {"bytes": total, "seconds": seconds, "gb_per_s": total / seconds / 1e9, "id": model_id}
+    return model_id

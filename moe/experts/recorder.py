@@ -44,15 +44,18 @@ class TraceRecorder:
     def close(self) -> None:
         self.inner.close()
 
-    def trace(self) -> Trace:
+    def trace(self, end: int | None = None) -> Trace:
+        """The rows recorded so far; with `end`, only positions below it (a generation stopped
+        early keeps the passes whose tokens it kept, not the pass it was cut off in)."""
+        rows = self.rows if end is None else [r for r in self.rows if r[0] < end]
         k = int(self.meta["top_k"])
-        n = len(self.rows)
+        n = len(rows)
         return Trace(
-            np.array([r[0] for r in self.rows], np.int32),
-            np.array([r[1] for r in self.rows], np.int16),
-            np.array([r[2] for r in self.rows], np.uint8),
+            np.array([r[0] for r in rows], np.int32),
+            np.array([r[1] for r in rows], np.int16),
+            np.array([r[2] for r in rows], np.uint8),
             np.zeros(n, np.uint16),
-            np.array([r[3] for r in self.rows], np.int16).reshape(n, k),
-            np.array([r[4] for r in self.rows], np.float16).reshape(n, k),
+            np.array([r[3] for r in rows], np.int16).reshape(n, k),
+            np.array([r[4] for r in rows], np.float16).reshape(n, k),
             self.meta,
         )

@@ -13,8 +13,10 @@ peak RSS <= budget + overhead.
 
 from __future__ import annotations
 
+import os
 import resource
 from dataclasses import dataclass
+from pathlib import Path
 
 from moe.errors import MoeshardError
 from moe.kernels import quant
@@ -49,6 +51,62 @@ def scratch_bytes(config, tokens: int, context: int) -> int:
     per_token = (config.vocab_size + 12 * h + 2 * config.n_experts + config.top_k * h) * 4
     attention = heads * tokens * context * 4 * 2  # scores and probabilities [heads, T, S]
     return SCRATCH_FIXED + tokens * per_token + attention
+
+
+def available_memory() -> int | None:
+    """Bytes this process could still allocate: the kernel's MemAvailable, lowered to the
+    room left under a cgroup v2 memory limit when there is one; None when neither is known."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    cgroup = Path("/sys/fs/cgroup")
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            used = int((cgroup / "memory.current").read_text())
+            found.append(max(int(limit) - used, 0))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def check_context(config, prompt_tokens: int, max_tokens: int, beyond: bool = False) -> None:
+    """Refuse a generation longer than the model's context (`max_position_embeddings`): past
+    it, positions the model never saw in training give text that silently degrades."""
+    limit = getattr(config, "max_position_embeddings", None)
+    total = prompt_tokens + max_tokens
+    if limit and total > limit and not beyond:
+        raise MoeshardError(
+            f"--max-tokens {max_tokens}: the prompt ({prompt_tokens} tokens) + --max-tokens is "
+            f"{total} tokens, beyond the model's context of {limit} (max_position_embeddings); "
+            f"lower --max-tokens or pass --beyond-context"
+        )
+
+
+def check_memory(model, context: int, prompt_tokens: int, remote: bool) -> None:
+    """Refuse, before allocating anything, a run without --ram whose RAM need is larger than
+    the memory available: the whole trunk, every expert (in-RAM mode reads them all sooner or
+    later; with nodes they stay remote), the KV cache for `context` tokens and the scratch."""
+    c = model.config
+    kv = c.kv_bytes_per_token() * context
+    scratch = scratch_bytes(c, prompt_tokens, context)
+    trunk = TrunkLayout(model.path / "trunk.gguf", model.model_id).total_bytes()
+    experts = 0 if remote else sum(os.path.getsize(shard.path) for shard in model.shards)
+    need = kv + scratch + trunk + experts
+    available = available_memory()
+    if available is not None and need > available:
+        fix = "lower --max-tokens" if remote else "use --ram SIZE to stream the experts"
+        raise MoeshardError(
+            f"this run needs {fmt_bytes(need)} of RAM (KV cache for {context} tokens "
+            f"{fmt_bytes(kv)}, scratch {fmt_bytes(scratch)}, trunk {fmt_bytes(trunk)}"
+            + ("" if remote else f", experts {fmt_bytes(experts)}")
+            + f") and {fmt_bytes(available)} is available: {fix}"
+        )
 
 
 @dataclass

@@ -1,24 +1,27 @@
 """moeshard's GGUF files: a streaming writer and the opener that checks a file is ours.
 
-All .gguf files are written with the `gguf` package, aligned to 4096 bytes (O_DIRECT reads
-need it), and read back with our own header reader (`moe.storage.gguf_header`), which never
-touches tensor data, so a truncated file still opens far enough for the error to name the
-record that is cut off. Records and trunk tensors are stored as opaque I8 tensors in the
-kernel layout of `moe.kernels.quant`; the metadata carries the format version, the file kind
-("trunk" or "experts"), the model id and the index of what is where.
+All .gguf files are laid out by the `gguf` package and written by `StreamingGGUF`, aligned to
+4096 bytes (O_DIRECT reads need it), and read back with our own header reader
+(`moe.storage.gguf_header`), which never touches tensor data, so a truncated file still opens
+far enough for the error to name the record that is cut off. Records and trunk tensors are
+stored as opaque I8 tensors in the kernel layout of `moe.kernels.quant`; the metadata carries
+the format version, the file kind ("trunk" or "experts"), the model id and the index of what
+is where.
 """
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf.gguf_writer import WriterState
 
 from moe.errors import StoreError
 from moe.storage.gguf_header import GGUFHeader, HeaderError, read_header
-from moe.storage.io import align_up
+from moe.storage.io import align_up, with_filename, write_all
 from moe.storage.manifest import FORMAT_VERSION
 
 ALIGNMENT = 4096
@@ -31,6 +34,11 @@ class StreamingGGUF:
     GGUF puts metadata before the data, but checksums and the model id are known only after
     the data is written. So the header is first written with fixed-size placeholders, and
     `finish` rewrites it in place with the real values (same byte length, checked).
+
+    The `gguf` package only lays out the header (in memory); every byte is written here,
+    through `moe.storage.io.write_all`, so a short write is continued and a full disk is an
+    OSError naming this file. `bytes_written` counts the bytes the file has grown by (header,
+    data, alignment padding); when finished it equals `planned_size()`, the file's size.
     """
 
     def __init__(self, path: Path, kind: str):
@@ -39,8 +47,9 @@ class StreamingGGUF:
         self.kv: dict[str, tuple[object, GGUFValueType, GGUFValueType | None]] = {}
         self.tensors: list[tuple[str, int]] = []  # (name, nbytes) in write order
         self.header_len = 0
-        self.writer: GGUFWriter | None = None
-        self.written = 0
+        self.fout: io.FileIO | None = None
+        self.written = 0  # tensors written
+        self.bytes_written = 0  # bytes the file has grown by
 
     def set(self, key: str, value, vtype: GGUFValueType, sub: GGUFValueType | None = None):
         self.kv[key] = (value, vtype, sub)
@@ -51,8 +60,9 @@ class StreamingGGUF:
         self.tensors.append((name, nbytes))
         return offset
 
-    def _make_writer(self, path: Path) -> GGUFWriter:
-        w = GGUFWriter(path, ARCH)
+    def header(self) -> bytes:
+        """The header (magic, metadata, tensor infos) for the current metadata values, unpadded."""
+        w = GGUFWriter(None, ARCH)
         w.add_custom_alignment(ALIGNMENT)
         w.add_uint32("moeshard.format_version", FORMAT_VERSION)
         w.add_string("moeshard.kind", self.kind)
@@ -60,43 +70,63 @@ class StreamingGGUF:
             w.add_key_value(key, value, vtype, sub)
         for name, nbytes in self.tensors:
             w.add_tensor_info(name, [nbytes], np.dtype(np.int8), nbytes, GGMLQuantizationType.I8)
-        return w
+        buf = io.BytesIO()
+        w.fout, w.state = [buf], WriterState.EMPTY  # lay out into memory, not a file
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        return buf.getvalue()
+
+    def planned_size(self) -> int:
+        """The finished file's size in bytes, from the current metadata and the declarations
+        (the header keeps its length when the placeholders are replaced)."""
+        return align_up(len(self.header()), ALIGNMENT) + sum(
+            align_up(n, ALIGNMENT) for _, n in self.tensors
+        )
+
+    def _put(self, data) -> None:
+        self.bytes_written += write_all(self.fout, data, self.path)
+
+    def _pad(self, nbytes: int) -> None:
+        pad = align_up(nbytes, ALIGNMENT) - nbytes
+        if pad:
+            self._put(bytes(pad))
 
     def begin(self) -> None:
-        self.writer = self._make_writer(self.path)
-        self.writer.write_header_to_file()
-        self.writer.write_kv_data_to_file()
-        self.writer.write_ti_data_to_file()
-        self.header_len = self.writer.fout[0].tell()
+        header = self.header()
+        self.header_len = len(header)
+        self.fout = open(self.path, "wb", buffering=0)  # noqa: SIM115 - closed by finish/close
+        self._put(header)
+        self._pad(len(header))
 
     def write(self, data: np.ndarray) -> None:
         name, nbytes = self.tensors[self.written]
         if data.nbytes != nbytes:
             raise StoreError(f"{self.path}: {name} has {data.nbytes} bytes, declared {nbytes}")
-        self.writer.write_tensor_data(data.view(np.int8))
+        self._put(np.ascontiguousarray(data).view(np.uint8))
+        self._pad(nbytes)
         self.written += 1
 
     def finish(self) -> None:
-        """Close the file, then rewrite the header with the final metadata values."""
+        """Rewrite the header with the final metadata values, sync and close the file."""
         if self.written != len(self.tensors):
             raise StoreError(f"{self.path}: {self.written} of {len(self.tensors)} tensors written")
-        self.writer.close()
-        scratch = self.path.with_suffix(".header")
-        w = self._make_writer(scratch)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        w.close()
-        header = scratch.read_bytes()
-        scratch.unlink()
+        header = self.header()
         if len(header) != self.header_len:
             raise StoreError(f"{self.path}: header size changed on rewrite (internal error)")
-        fd = os.open(self.path, os.O_WRONLY)
         try:
-            os.pwrite(fd, header, 0)
-            os.fsync(fd)
+            write_all(self.fout, header, self.path, offset=0)
+            os.fsync(self.fout.fileno())
+        except OSError as exc:
+            raise with_filename(exc, self.path) from None
         finally:
-            os.close(fd)
+            self.close()
+
+    def close(self) -> None:
+        """Close the file (finish does; call it to give up on an unfinished one)."""
+        if self.fout is not None:
+            self.fout.close()
+            self.fout = None
 
 
 def open_moeshard_gguf(path: Path, kind: str) -> GGUFHeader:

@@ -17,9 +17,11 @@ sees one large request instead of several small ones.
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
+import shutil
 import threading
 import time
 from collections.abc import Sequence
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moe.errors import StoreError
+from moe.errors import MoeshardError, StoreError
 
 try:  # ISA-L's crc32 is ~10x zlib's (9 vs 0.8 GB/s here): checksums must keep up with the disk
     from isal.isal_zlib import crc32 as _crc32
@@ -86,6 +88,76 @@ def open_direct(path: str | Path) -> tuple[int, bool]:
         return os.open(path, os.O_RDONLY), False
     except OSError as exc:
         raise StoreError(f"{path}: cannot open ({exc.strerror})") from None
+
+
+# -- writes: every byte a writer puts on disk goes through write_all, and every way a write can
+# run out of room becomes one DiskFullError naming the file (see `out_of_space`) ------------
+
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # disk full, quota, file size limit
+
+
+class DiskFullError(MoeshardError):
+    """A write ran out of room (disk full, quota, file size limit); names the file."""
+
+
+def out_of_space(exc: BaseException, where: str | Path) -> DiskFullError | None:
+    """The one-line error for an out-of-room OSError (ENOSPC, EDQUOT, EFBIG), naming the file
+    (`exc.filename`, else `where`); None for any other exception."""
+    if not isinstance(exc, OSError) or exc.errno not in NO_ROOM:
+        return None
+    reason = os.strerror(exc.errno)
+    reason = reason[:1].lower() + reason[1:]  # "no space left on device"
+    return DiskFullError(f"{reason} writing {exc.filename or where}")
+
+
+def with_filename(exc: OSError, path: str | Path) -> OSError:
+    """`exc` with `path` as its filename (os.write and friends do not set one)."""
+    if exc.filename is None and exc.errno is not None:
+        return OSError(exc.errno, exc.strerror, str(path))
+    return exc
+
+
+def write_all(f, data, path: str | Path, offset: int | None = None) -> int:
+    """Write all of `data` (bytes-like or contiguous array) to the raw file `f` (an unbuffered
+    file object or an fd), at `offset` (pwrite) or at the current position; returns the byte
+    count. A short write is continued where it stopped (the next write then reports a full
+    disk as ENOSPC); OSErrors carry `path` as their filename."""
+    fd = f if isinstance(f, int) else f.fileno()
+    view = memoryview(data).cast("B")
+    done = 0
+    try:
+        while done < len(view):
+            if offset is None:
+                n = os.write(fd, view[done:])
+            else:
+                n = os.pwrite(fd, view[done:], offset + done)
+            if n <= 0:  # a regular file never does this unless it cannot grow
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            done += n
+    except OSError as exc:
+        raise with_filename(exc, path) from None
+    return done
+
+
+def write_file(path: str | Path, data: bytes) -> None:
+    """Create (or truncate) `path` and write `data` to it (through write_all)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError as exc:
+        raise with_filename(exc, path) from None
+    try:
+        write_all(fd, data, path)
+    finally:
+        os.close(fd)
+
+
+def copy_file(src: str | Path, dst: str | Path) -> None:
+    """shutil.copyfile, with the destination named in an OSError that lacks a filename
+    (the kernel-side copy paths raise ENOSPC without one)."""
+    try:
+        shutil.copyfile(src, dst)
+    except OSError as exc:
+        raise with_filename(exc, dst) from None
 
 
 @dataclass

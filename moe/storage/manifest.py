@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 
 from moe.errors import StoreError
+from moe.storage.io import write_file
 
 FORMAT_VERSION = 1
 MANIFEST = "moeshard.json"
@@ -73,7 +74,7 @@ def check_config(directory: Path, manifest: dict, raw_config: dict) -> None:
 def write_manifest(directory: Path, manifest: dict) -> None:
     """Write moeshard.json atomically (temporary name, then rename)."""
     tmp = Path(directory) / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    write_file(tmp, (json.dumps(manifest, indent=2) + "\n").encode())
     os.replace(tmp, Path(directory) / MANIFEST)
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from moe.errors import StoreError
+from moe.storage.io import write_file
 
 BLOCK_SIZE = 4096
 ROOTS_FILE = "merkle.bin"
@@ -186,7 +187,7 @@ def write_roots(directory: Path, roots: Roots) -> str:
     """Write `directory`/merkle.bin atomically (temporary name, then rename); its sha256."""
     data = roots.to_bytes()
     tmp = Path(directory) / (ROOTS_FILE + ".tmp")
-    tmp.write_bytes(data)
+    write_file(tmp, data)
     os.replace(tmp, Path(directory) / ROOTS_FILE)
     return hashlib.sha256(data).hexdigest()
 

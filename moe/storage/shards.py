@@ -21,7 +21,7 @@ from gguf import GGUFValueType
 from moe.errors import StoreError
 from moe.kernels import quant
 from moe.storage.gguf_file import StreamingGGUF, field, open_moeshard_gguf
-from moe.storage.io import crc32
+from moe.storage.io import align_up, crc32
 from moe.storage.manifest import PLACEHOLDER_ID
 
 Key = tuple[int, int]  # (layer, expert)
@@ -74,6 +74,11 @@ class ShardWriter:
         f.set("moeshard.experts.nbytes", self.index.nbytes, arr, u64)
         f.set("moeshard.experts.crc32", self.index.crcs, arr, u32)
 
+    def planned_size(self) -> int:
+        """The finished file's size in bytes (call after every declare)."""
+        self._set_metadata(PLACEHOLDER_ID)
+        return self.file.planned_size()
+
     def begin(self) -> None:
         self._set_metadata(PLACEHOLDER_ID)
         self.file.begin()
@@ -88,6 +93,10 @@ class ShardWriter:
     def finish(self, model_id: str) -> None:
         self._set_metadata(model_id)
         self.file.finish()
+
+    def close(self) -> None:
+        """Give up on an unfinished file (closes it; the caller removes it)."""
+        self.file.close()
 
 
 @dataclass(frozen=True)
@@ -119,18 +128,22 @@ class ShardFile:
         ]
         if len({len(c) for c in columns}) != 1:
             raise StoreError(f"{self.path}: expert index columns have different lengths")
-        size = self.path.stat().st_size
         self.records: dict[Key, RecordLocation] = {}
         for layer, expert, offset, nbytes, crc in zip(*columns, strict=True):
             start = header.data_offset + int(offset)
-            if start + int(nbytes) > size:
-                raise StoreError(
-                    f"{self.path}: truncated: expert {expert} of layer {layer} ends at byte "
-                    f"{start + int(nbytes)}, file has {size}"
-                )
             self.records[(int(layer), int(expert))] = RecordLocation(
                 self.path, start, int(nbytes), int(crc)
             )
+        # one stat, before anything is read: a cut-off file is refused here, naming its size
+        size = self.path.stat().st_size
+        ends = [loc.offset + loc.nbytes for loc in self.records.values()]
+        expected = align_up(max(ends, default=header.data_offset))
+        for (layer, expert), loc in self.records.items():
+            if loc.offset + loc.nbytes > size:
+                raise StoreError(
+                    f"{self.path}: truncated: expert {expert} of layer {layer} ends at byte "
+                    f"{loc.offset + loc.nbytes}, the file has {size} bytes, expected {expected}"
+                )
         self._fd = os.open(self.path, os.O_RDONLY)
 
     def read(self, layer: int, expert: int, verify: bool = True) -> np.ndarray:

@@ -74,6 +74,11 @@ class TrunkWriter:
         f.set("moeshard.trunk.index", json.dumps(self.entries), GGUFValueType.STRING)
         f.set("moeshard.trunk.crc32", self.crcs, GGUFValueType.ARRAY, GGUFValueType.UINT32)
 
+    def planned_size(self) -> int:
+        """The finished file's size in bytes (call after every declare)."""
+        self._set_metadata(PLACEHOLDER_ID)
+        return self.file.planned_size()
+
     def begin(self) -> None:
         self._set_metadata(PLACEHOLDER_ID)
         self.file.begin()
@@ -87,6 +92,10 @@ class TrunkWriter:
     def finish(self, model_id: str) -> None:
         self._set_metadata(model_id)
         self.file.finish()
+
+    def close(self) -> None:
+        """Give up on an unfinished file (closes it; the caller removes it)."""
+        self.file.close()
 
 
 @dataclass(frozen=True)
@@ -120,19 +129,22 @@ class TrunkLayout:
         crcs = field(header, "moeshard.trunk.crc32")
         if len(index) != len(crcs):
             raise StoreError(f"{self.path}: trunk index and checksums differ in length")
-        size = self.path.stat().st_size
         self.entries: dict[str, TrunkEntry] = {}
         for (name, fmt, shape), crc in zip(index, crcs, strict=True):
             info = header.tensors.get(name)
             if info is None:
                 raise StoreError(f"{self.path}: tensor '{name}' listed in the index but absent")
             nbytes = quant.packed_nbytes(fmt, *as_matrix(tuple(shape)))
-            if info.offset + nbytes > size:
-                raise StoreError(
-                    f"{self.path}: truncated: trunk tensor '{name}' ends at byte "
-                    f"{info.offset + nbytes}, file has {size}"
-                )
             self.entries[name] = TrunkEntry(name, fmt, tuple(shape), info.offset, nbytes, crc)
+        # one stat, before anything is read: a cut-off file is refused here, naming its size
+        size = self.path.stat().st_size
+        expected = align_up(max((e.offset + e.nbytes for e in self.entries.values()), default=0))
+        for e in self.entries.values():
+            if e.offset + e.nbytes > size:
+                raise StoreError(
+                    f"{self.path}: truncated: trunk tensor '{e.name}' ends at byte "
+                    f"{e.offset + e.nbytes}, the file has {size} bytes, expected {expected}"
+                )
         self.layers: dict[int, list[str]] = {}
         self.fixed: list[str] = []  # always resident
         for name in self.entries:
