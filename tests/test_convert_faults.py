@@ -138,6 +138,26 @@ def test_synth_on_a_full_disk(tmp_path, capsys):
         assert_empty(mnt)
 
 
+def test_pack_on_a_full_disk_keeps_the_model(tmp_path, capsys, demo_model):
+    """`pack` in place on a disk with no room for the packed copy: the model stays as it was."""
+    trace = tmp_path / "trace.npz"
+    argv = ["generate", str(demo_model), "--prompt-ids", "1,2,3", "--max-tokens", "4", "--json"]
+    assert main([*argv, "--trace", str(trace)]) == 0
+    with tmpfs(tmp_path / "mnt", "16M") as mnt:  # the model (10.6 MB) fits, a copy does not
+        model = mnt / "model"
+        shutil.copytree(demo_model, model)
+        before = {p.name: p.read_bytes() for p in model.iterdir()}
+        free = os.statvfs(mnt).f_bfree
+        capsys.readouterr()
+        assert main(["pack", str(model), "--trace", str(trace)]) == 2
+        assert_one_line(capsys.readouterr().err, "no space left on device writing ", "left as")
+        assert sorted(p.name for p in mnt.iterdir()) == ["model"]
+        assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+        assert os.statvfs(mnt).f_bfree == free
+        assert main(["pack", str(model), "--trace", str(trace), "--out", str(model)]) == 2
+        assert "the output is the input" in capsys.readouterr().err
+
+
 def _limit_file_size(nbytes: int):
     def apply() -> None:  # in the child: Python ignores SIGXFSZ, so writes fail with EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))

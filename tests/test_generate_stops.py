@@ -198,6 +198,11 @@ def test_context_smaller_than_the_run_is_refused(demo, capsys):
         ["--prompt-ids", "1", "--max-tokens", "0"],
         ["--prompt-ids", "1", "--temperature", "nan"],
         ["--prompt-ids", "1", "--context", "0", "--ram", "60M"],
+        ["--prompt-ids", "1", "--seed", "-1", "--temperature", "0.5"],
+        ["--prompt-ids", "1", "--trace", "/nonexistent-dir/t.npz"],
+        ["--prompt-ids", "1", "--dump-logits", "/"],
+        ["--prompt-ids", "1", "--ram", "60M", "--profile-out", "/nonexistent-dir/p.json"],
+        ["--prompt-ids", "1", "--ram", "60M", "--stats-json", "/tmp"],
     ],
 )
 def test_bad_generate_input_is_one_line_before_loading(demo, capsys, args):

@@ -95,3 +95,17 @@ def test_shard_never_replaces_its_model_or_another_directory(capsys, ckpt, tmp_p
         "node-02",
     ]
     assert tree_digest(model) == before
+
+
+def test_an_output_under_a_file_or_a_shard_set_of_empty_nodes_is_refused(tmp_path, capsys):
+    from coordinator.cli import main
+
+    (tmp_path / "file").write_text("x")
+    model = tmp_path / "model"
+    assert main(["convert", "models/demo-hf", str(model), "--quiet"]) in (0, None)
+    capsys.readouterr()
+    assert main(["convert", "models/demo-hf", str(tmp_path / "file" / "a" / "b")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert main(["shard", str(model), "--nodes", "1000000", "--out", str(tmp_path / "s")]) == 2
+    assert "more than the model's 192 expert records" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "model"]

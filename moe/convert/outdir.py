@@ -43,6 +43,11 @@ def check_output(out: str | Path, inputs: list[str | Path], force: bool, kind: s
             raise MoeshardError(f"{out}: the output contains the input {given}; choose another")
         if src in target.parents:
             raise MoeshardError(f"{out}: the output is inside the input {given}; choose another")
+    for parent in out.absolute().parents:  # the nearest existing ancestor must be a directory
+        if parent.exists():
+            if not parent.is_dir():
+                raise MoeshardError(f"{out}: {parent} is not a directory")
+            break
     if not out.exists():
         return out
     marker, what = KINDS[kind]

@@ -13,15 +13,15 @@ on the way, and the model id is unchanged (it names the weights, not their layou
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 
 from moe.analysis.coact import coactivation, frequencies, seriate
+from moe.convert.outdir import check_output, staged
 from moe.errors import MoeshardError
 from moe.model.model_dir import ModelDir
+from moe.storage.io import copy_file
 from moe.storage.manifest import MANIFEST, read_manifest, write_manifest
 from moe.storage.shards import ShardWriter
 from moe.storage.traces import Trace
@@ -45,25 +45,31 @@ def layout(trace: Trace, model: ModelDir) -> dict[int, list[int]]:
 def pack(model_path: str | Path, trace: Trace, out: str | Path | None = None) -> Path:
     """Write the packed model to `out` (or rewrite `model_path` in place); returns its path."""
     src = Path(model_path)
+    if out is not None:  # a new directory: never the model itself, inside it, or around it
+        check_output(out, [src], False, "model")
     model = ModelDir(src)
-    order = layout(trace, model)
-    in_place = out is None
-    dst = src.parent / f".{src.name}.tmp-pack" if in_place else Path(out)
-    if not in_place and dst.exists():
-        raise MoeshardError(f"{dst}: already exists")
-    if in_place:
-        shutil.rmtree(dst, ignore_errors=True)  # leftovers of an interrupted earlier pack
-    dst.mkdir(parents=True)
+    dst = Path(out) if out is not None else src
     try:
-        manifest = read_manifest(src)
-        c = model.config
-        writer = ShardWriter(
-            dst / PACKED_SHARD,
-            model.expert_format,
-            c.hidden_size,
-            c.expert_intermediate,
-            c.model_type,
-        )
+        order = layout(trace, model)
+        with staged(dst, dst.parent / f".{dst.name}.tmp-pack") as tmp:
+            _write_packed(src, model, order, trace, tmp)
+    finally:
+        model.close()
+    return dst
+
+
+def _write_packed(src: Path, model: ModelDir, order, trace: Trace, dst: Path) -> None:
+    """The packed copy of `model` in `dst`: one shard in `order`, the other files as they are."""
+    manifest = read_manifest(src)
+    c = model.config
+    writer = ShardWriter(
+        dst / PACKED_SHARD,
+        model.expert_format,
+        c.hidden_size,
+        c.expert_intermediate,
+        c.model_type,
+    )
+    try:
         keys = [(layer, e) for layer in c.moe_layers for e in order[layer]]
         missing = [k for k in keys if k not in model.locations]
         if missing:
@@ -77,29 +83,19 @@ def pack(model_path: str | Path, trace: Trace, out: str | Path | None = None) ->
             if writer.write(record) != loc.crc32:
                 raise MoeshardError(f"expert {expert} of layer {layer} changed while copying")
         writer.finish(model.model_id)
-        for f in src.iterdir():
-            if f.is_file() and f.name != MANIFEST and f.name not in manifest["expert_files"]:
-                shutil.copyfile(f, dst / f.name)
-        manifest["expert_files"] = [PACKED_SHARD]
-        manifest["layout"] = {
-            "kind": "coactivation",
-            "trace_rows": int(len(trace.layer)),
-            "order": {str(k): v for k, v in order.items()},
-        }
-        write_manifest(dst, manifest)
-        ModelDir(dst).close()  # the result opens and validates
-    except BaseException:
-        shutil.rmtree(dst, ignore_errors=True)
-        raise
     finally:
-        model.close()
-    if in_place:
-        old = src.parent / f".{src.name}.old-pack"
-        os.rename(src, old)
-        os.rename(dst, src)
-        shutil.rmtree(old)
-        return src
-    return dst
+        writer.close()
+    for f in src.iterdir():
+        if f.is_file() and f.name != MANIFEST and f.name not in manifest["expert_files"]:
+            copy_file(f, dst / f.name)
+    manifest["expert_files"] = [PACKED_SHARD]
+    manifest["layout"] = {
+        "kind": "coactivation",
+        "trace_rows": int(len(trace.layer)),
+        "order": {str(k): v for k, v in order.items()},
+    }
+    write_manifest(dst, manifest)
+    ModelDir(dst).close()  # the result opens and validates
 
 
 def adjacency_gain(trace: Trace, order: dict[int, list[int]]) -> dict[str, float]:

@@ -130,10 +130,20 @@ def shard_model(
     out = check_output(out, [model_path], force, "shards")
     model = ModelDir(model_path)
     try:
+        _check_shard_set_size(model, nodes)
         with staged(out, out.with_name(out.name + ".partial")) as tmp:
             return _write_shard_set(model, nodes, replicas, out, tmp, trace)
     finally:
         model.close()
+
+
+def _check_shard_set_size(model: ModelDir, nodes: int) -> None:
+    """Refuse, before writing, nodes that would hold nothing (each would still get a copy of
+    the trunk: `--nodes 1000000` would fill the disk). A disk that fills anyway is one line
+    (`staged`)."""
+    records = model.config.n_experts * len(model.config.moe_layers)
+    if nodes > records:
+        raise MoeshardError(f"--nodes {nodes}: more than the model's {records} expert records")
 
 
 def _write_shard_set(model: ModelDir, nodes, replicas, out: Path, tmp: Path, trace) -> dict:

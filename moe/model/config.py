@@ -259,6 +259,9 @@ def _check_consistent(raw: dict[str, Any], source: str) -> None:
             f"{source}: 'num_attention_heads' {_shown(heads)} is not a multiple of "
             f"'num_key_value_heads' {_shown(kv_heads)}"
         )
+    for key in ("head_dim", "qk_rope_head_dim"):  # rotated in pairs of dimensions
+        if raw.get(key) and raw[key] % 2:
+            raise ConfigError(f"{source}: '{key}' must be even, not {_shown(raw[key])}")
     groups, top_groups = raw.get("n_group") or 1, raw.get("topk_group") or 1
     if top_groups > groups:
         raise ConfigError(
@@ -279,7 +282,10 @@ def parse_rope(raw: dict[str, Any], dim: int, source: str) -> RopeConfig:
     """Normalise both config.json dialects (rope_theta+rope_scaling, or rope_parameters)."""
     check_fields(raw, source)
     if dim < 2 or dim % 2:
-        raise ConfigError(f"{source}: the rotary dimension {dim} must be even (and at least 2)")
+        raise ConfigError(
+            f"{source}: the rotary dimension {dim} (head_dim, or hidden_size / "
+            "num_attention_heads) must be even and at least 2"
+        )
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and params:
         if "rope_theta" not in params and "rope_theta" not in raw:
