@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 
 from coordinator.commands import EXIT_OK
@@ -50,10 +52,23 @@ def cmd_coact(args) -> int:
 def cmd_merge_traces(args) -> int:
     from moe.storage import traces as trace
 
+    trace.check_writable(args.out)
+    out = Path(args.out).resolve()
+    for p in args.traces:
+        if Path(p).resolve() == out or (out.exists() and _same_file(p, out)):
+            raise MoeshardError(f"{args.out}: the output is one of the inputs ({p})")
     merged = trace.merge([trace.load(p) for p in args.traces])
     merged.save(args.out)
     print(f"{args.out}: {len(merged.layer)} rows from {merged.meta['runs']} runs")
     return EXIT_OK
+
+
+def _same_file(a, b) -> bool:
+    """Whether two paths are one file (a hard link or a symlink too)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def add_pack(sub) -> None:
@@ -109,13 +124,21 @@ def cmd_simulate(args) -> int:
     from moe.storage import traces as trace
     from moe.units import parse_size
 
+    _check_simulate_options(args)
     if args.validate:
         from coordinator.bench import sim_validate
 
         if args.repeat < 1:
             raise MoeshardError("--repeat must be at least 1")
-
-        prompt = [int(t) for t in args.traces[0].split(",")]
+        if args.tokens < 1:
+            raise MoeshardError(f"--tokens {args.tokens}: need at least 1")
+        try:
+            prompt = [int(t) for t in args.traces[0].split(",")]
+        except ValueError:
+            raise MoeshardError(
+                f"with --validate the argument is the prompt ids (e.g. 1,2,3), got "
+                f"{args.traces[0]!r}"
+            ) from None
         runs, predictions, seen, _ = sim_validate.validate(
             args.validate,
             parse_size(args.ram),
@@ -148,3 +171,17 @@ def cmd_simulate(args) -> int:
     )
     print(simulate.table(results, geometry, ram, args.disk))
     return EXIT_OK
+
+
+def _check_simulate_options(args) -> None:
+    """Every numeric option of `simulate` in its range, refused naming the option (0 GB/s would
+    divide by zero; a negative, nan or infinite one, or a recall outside [0, 1], is nonsense
+    the simulator would happily turn into a table)."""
+    if args.depth < 1:
+        raise MoeshardError(f"--depth {args.depth}: need at least 1 read in flight")
+    for option, value in (("--kernel-gbps", args.kernel_gbps), ("--memory-gbps", args.memory_gbps)):
+        if not (math.isfinite(value) and value > 0):
+            raise MoeshardError(f"{option} {value:g}: need a positive, finite number of GB/s")
+    recall = args.prefetch_recall
+    if not (math.isfinite(recall) and 0 <= recall <= 1):
+        raise MoeshardError(f"--prefetch-recall {recall:g}: need a share between 0 and 1")

@@ -26,6 +26,7 @@ The projection is only as good as that assumption, and says so in its output.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -166,11 +167,12 @@ def simulate(
     expert's kernel time) override the values derived from the budget and the kernel/memory
     throughputs, e.g. to replay a real run's own plan; `warm` (per layer, the experts of a
     prompt: `prefill_sets`) fills the cache first, uncounted."""
+    _check_rates(depth, kernel_gbps, memory_gbps, prefetch_recall)
     rng = np.random.default_rng(seed)
     g = geometry
     trunk_per_layer = g.trunk_bytes / g.layers
     if trunk_resident_share is None:  # the trunk gets RAM first, up to half the budget
-        trunk_resident_share = min(1.0, 0.5 * ram_bytes / g.trunk_bytes)
+        trunk_resident_share = min(1.0, 0.5 * ram_bytes / g.trunk_bytes) if g.trunk_bytes else 1.0
     ring = 0 if trunk_resident_share >= 1 else 2 * trunk_per_layer
     if capacity is None:
         cache_bytes = ram_bytes - trunk_resident_share * g.trunk_bytes - ring
@@ -249,6 +251,19 @@ def simulate(
         stall_s / max(total_s, 1e-12),
         {"cache_records": capacity, "trunk_resident_share": trunk_resident_share},
     )
+
+
+def _check_rates(depth: int, kernel_gbps: float, memory_gbps: float, recall: float) -> None:
+    """The simulator's numbers in range (a 0 GB/s throughput would divide by zero; a negative,
+    nan or infinite one, or a recall outside [0, 1], would be simulated as if it meant
+    something). The CLI checks them first, naming its options."""
+    if depth < 1:
+        raise MoeshardError(f"queue depth {depth}: need at least 1")
+    for name, value in (("kernel", kernel_gbps), ("memory", memory_gbps)):
+        if not (math.isfinite(value) and value > 0):
+            raise MoeshardError(f"{name} throughput {value} GB/s: need a positive, finite number")
+    if not (math.isfinite(recall) and 0 <= recall <= 1):
+        raise MoeshardError(f"prefetch recall {recall}: need a share between 0 and 1")
 
 
 def _predict(true_ids: np.ndarray, g: Geometry, recall: float, rng) -> list[int]:

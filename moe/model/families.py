@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import ModuleType
 
@@ -17,12 +18,19 @@ FAMILIES: dict[str, ModuleType] = {
 
 def family_for(model_type: str, source: str) -> ModuleType:
     """The family module for a config's model_type, or a ConfigError naming the supported ones."""
+    supported = ", ".join(sorted(FAMILIES))
+    if not isinstance(model_type, str):  # a list or an object from config.json: unhashable
+        shown = json.dumps(model_type, default=str)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise ConfigError(
+            f"{source}: model_type must be a string naming the model family, got "
+            f"{type(model_type).__name__} {shown} (supported: {supported})"
+        )
     try:
         return FAMILIES[model_type]
     except KeyError:
-        supported = ", ".join(sorted(FAMILIES))
         raise ConfigError(
-            f"{source}: unsupported model_type '{model_type}' (supported: {supported})"
+            f"{source}: unsupported model_type {model_type!r} (supported: {supported})"
         ) from None
 
 
