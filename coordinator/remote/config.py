@@ -9,7 +9,12 @@ from moe.identity.keys import Identity
 
 
 class RemoteError(MoeshardError):
-    """The cluster cannot compute a layer: no live node holds a needed expert, or a bug."""
+    """The cluster cannot be used: no usable node (refused, wrong key), a node refusing a
+    layer, or no live node for an expert (`UncoveredError`). Exit 2, like bad input."""
+
+
+class UncoveredError(RemoteError):
+    """No live node holds an expert a layer needs (nodes died, or never held it)."""
 
     exit_code = 3  # the cluster does not cover the model (the CLI's EXIT_UNCOVERED)
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from coordinator.remote.accounts import Accounts
 from coordinator.remote.audit import Auditor
-from coordinator.remote.config import RemoteConfig, RemoteError
+from coordinator.remote.config import RemoteConfig, RemoteError, UncoveredError
 from coordinator.remote.patrol import PossessionPatrol
 from coordinator.remote.peers import Peer, PeerSet
 from coordinator.remote.transport import ForwardStream, PeerSpec, StreamCall, UnaryCall
@@ -308,7 +308,7 @@ class RemoteExperts(ExpertsBase):
             )
         return None
 
-    def _missing_error(self, layer: int, experts: list[int]) -> RemoteError:
+    def _missing_error(self, layer: int, experts: list[int]) -> UncoveredError:
         peers = self.peers.peers
         unknown = [p.addr for p in peers if not p.held]
         nobody = f"no node; {len(unknown)} never reached" if unknown else "no node"
@@ -318,7 +318,7 @@ class RemoteExperts(ExpertsBase):
         text = "; ".join(
             f"expert {e} of layer {layer} (held by {', '.join(h)})" for e, h in holders.items()
         )
-        return RemoteError(f"no live node holds {text}")
+        return UncoveredError(f"no live node holds {text}")
 
     def _drop(self, layer, ids, weights, experts) -> tuple[np.ndarray, np.ndarray]:
         """--degrade: remove `experts` from the routing, rescale the rest to the same total."""
