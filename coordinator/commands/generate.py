@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
-from pathlib import Path
 
 import numpy as np
 
@@ -177,23 +175,11 @@ def _check_sampling(args) -> None:
         raise MoeshardError("--context must be at least 1")
     if args.seed is not None and args.seed < 0:
         raise MoeshardError(f"--seed {args.seed}: need a number >= 0")
+    from moe.storage.io import check_output_file
+
     for option in ("trace", "dump_logits", "profile_out", "stats_json"):
-        _check_output_file(getattr(args, option, None), "--" + option.replace("_", "-"))
-
-
-def _check_output_file(path: str | None, option: str) -> None:
-    """A file the run will write must be writable where it is named, checked before the run:
-    a bad path found only at the end would lose the whole generation."""
-    if not path:
-        return
-    target = Path(path)
-    parent = target.parent
-    if target.is_dir():
-        raise MoeshardError(f"{option} {path}: is a directory")
-    if not parent.is_dir():
-        raise MoeshardError(f"{option} {path}: no such directory {parent}")
-    if not os.access(parent, os.W_OK):
-        raise MoeshardError(f"{option} {path}: cannot write in {parent}")
+        if path := getattr(args, option, None):  # a bad path found at the end loses the run
+            check_output_file(path, "--" + option.replace("_", "-") + " ")
 
 
 def _parse_prompt_ids(text: str) -> list[int]:

@@ -51,8 +51,9 @@ def cmd_coact(args) -> int:
 
 def cmd_merge_traces(args) -> int:
     from moe.storage import traces as trace
+    from moe.storage.io import check_output_file
 
-    trace.check_writable(args.out)
+    check_output_file(args.out)
     out = Path(args.out).resolve()
     for p in args.traces:
         if Path(p).resolve() == out or (out.exists() and _same_file(p, out)):

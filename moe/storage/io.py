@@ -139,6 +139,22 @@ def write_all(f, data, path: str | Path, offset: int | None = None) -> int:
     return done
 
 
+def check_output_file(path: str | Path, label: str = "") -> None:
+    """Refuse, naming it (after `label`, e.g. an option), an output path that cannot be
+    written as a file: an existing directory, a parent that is missing, not a directory, or
+    not writable. Checked before the work that produces the file, so none of it is lost."""
+    path = Path(path)
+    parent = path.parent
+    if path.is_dir():
+        raise MoeshardError(f"{label}{path}: is a directory")
+    if not parent.exists():
+        raise MoeshardError(f"{label}{path}: no such directory {parent}")
+    if not parent.is_dir():
+        raise MoeshardError(f"{label}{path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK):
+        raise MoeshardError(f"{label}{path}: cannot write in {parent}")
+
+
 def write_file(path: str | Path, data: bytes) -> None:
     """Create (or truncate) `path` and write `data` to it (through write_all)."""
     try:

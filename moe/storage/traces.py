@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from moe.errors import MoeshardError
+from moe.storage.io import check_output_file
 
 FORMAT = "moeshard-trace/1"
 PREFILL, DECODE = 0, 1
@@ -64,7 +65,7 @@ class Trace:
         failed write never leaves half a trace). A path that cannot be written (a directory, a
         missing or non-directory parent, no permission, a full disk) is a MoeshardError."""
         path = Path(path)
-        check_writable(path)
+        check_output_file(path)
         tmp = path.with_name(path.name + ".tmp.npz")
         try:
             np.savez_compressed(
@@ -82,19 +83,6 @@ class Trace:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             raise MoeshardError(f"{path}: cannot write the trace ({_reason(exc)})") from None
-
-
-def check_writable(path: str | Path) -> None:
-    """Refuse, naming it, a trace output path that cannot be a file: an existing directory, or
-    one whose parent directory is missing or is not a directory."""
-    path = Path(path)
-    if path.is_dir():
-        raise MoeshardError(f"{path}: is a directory, not a trace file")
-    parent = path.parent
-    if not parent.exists():
-        raise MoeshardError(f"{path}: no such directory {parent}")
-    if not parent.is_dir():
-        raise MoeshardError(f"{path}: {parent} is not a directory")
 
 
 ZIP_MAGIC = b"PK\x03\x04"  # an .npz archive is a zip file
