@@ -102,7 +102,28 @@ def _add_bench(sub) -> None:
     ]:
         b = benches.add_parser(name, help=text)
         module.add_arguments(b)
+        add_threads(b)
         b.set_defaults(func=module.run)
+
+
+def add_threads(p: argparse.ArgumentParser) -> None:
+    """--threads N: the threads compute kernels use (0: all cores), unless p has its own."""
+    if "--threads" not in p._option_string_actions:
+        p.add_argument(
+            "--threads", type=int, default=0, metavar="N", help="compute threads (0: all cores)"
+        )
+
+
+def _apply_threads(args) -> None:
+    threads = getattr(args, "threads", None)
+    if threads is None:
+        return
+    from moe.kernels import quant
+
+    try:
+        quant.set_threads(threads)
+    except ValueError as exc:
+        raise MoeshardError(f"--threads: {exc}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     models.add_convert(sub)
     generate.add_generate(sub)
+    add_threads(sub.choices["generate"])
     models.add_inspect(sub)
     traces.add_coact(sub)
     traces.add_merge_traces(sub)
@@ -123,9 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     traces.add_simulate(sub)
     models.add_quality(sub)
     models.add_perplexity(sub)
+    add_threads(sub.choices["quality"])
+    add_threads(sub.choices["perplexity"])
     _add_bench(sub)
     models.add_synth(sub)
     network.add_node(sub)
+    add_threads(sub.choices["node"])
     network.add_keys(sub)
     network.add_shard(sub)
     network.add_health(sub)
@@ -148,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         1
     )  # see moe/kernels/blas.py: small products stall on busy BLAS helper threads
     try:
+        _apply_threads(args)
         return args.func(args)
     except MoeshardError as exc:
         print(f"moeshard: error: {exc}", file=sys.stderr)

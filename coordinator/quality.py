@@ -20,6 +20,9 @@ from coordinator.generate import SamplingOptions, generate
 from coordinator.runtime import open_local
 from moe.convert.converter import convert
 from moe.errors import MoeshardError
+from moe.kernels import quant
+
+QUANTISED = ("q4_0", "q8_0")  # the formats whose kernels take 8-bit or float32 activations
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -32,6 +35,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 class Comparison:
     experts: str
     trunk: str
+    activations: str  # how q4_0/q8_0 kernels took activations ("-" when neither is used)
     positions: int
     top1_agreement: float  # share of positions with the same argmax as f32
     mean_kl: float  # mean KL(f32 || this) in nats
@@ -53,7 +57,10 @@ def compare_formats(
     tokens: int,
     expert_formats: list[str],
     trunk_formats: list[str],
+    activations: tuple[str, ...] = ("q8",),
 ) -> list[Comparison]:
+    """One row per (trunk, experts) format pair, and per activation mode (`quant.ACTIVATIONS`)
+    for pairs with q4_0/q8_0 weights; the f32 reference uses no quantised kernel."""
     with tempfile.TemporaryDirectory(prefix="moeshard-quality-") as tmp:
         root = Path(tmp)
         reference = root / "f32-f32"
@@ -71,22 +78,29 @@ def compare_formats(
                 target = root / f"{experts}-{trunk}"
                 if not target.exists():  # f32-f32 is the reference itself
                     convert(src, target, experts, trunk, progress=False)
-                agree, kls = [], []
-                for (seq, start), ref in zip(sequences, ref_logp, strict=True):
-                    logp = log_softmax(sequence_logits(target, seq)[start:])  # [N, V]
-                    agree.extend(np.argmax(logp, -1) == np.argmax(ref, -1))
-                    kls.extend((np.exp(ref) * (ref - logp)).sum(-1))
-                out.append(
-                    Comparison(
-                        experts,
-                        trunk,
-                        len(agree),
-                        float(np.mean(agree)),
-                        float(np.mean(kls)),
-                        float(np.max(kls)),
-                    )
-                )
+                quantised = experts in QUANTISED or trunk in QUANTISED
+                for mode in activations if quantised else ("-",):
+                    out.append(_compare(target, sequences, ref_logp, experts, trunk, mode))
         return out
+
+
+def _compare(target: Path, sequences, ref_logp, experts: str, trunk: str, mode: str):
+    """Teacher-forced next-token distributions of `target` against the reference's."""
+    previous = quant.activation_mode()
+    if mode != "-":
+        quant.use_activations(mode)
+    try:
+        agree, kls = [], []
+        for (seq, start), ref in zip(sequences, ref_logp, strict=True):
+            logp = log_softmax(sequence_logits(target, seq)[start:])  # [N, V]
+            agree.extend(np.argmax(logp, -1) == np.argmax(ref, -1))
+            kls.extend((np.exp(ref) * (ref - logp)).sum(-1))
+    finally:
+        quant.use_activations(previous)
+    n = len(agree)
+    return Comparison(
+        experts, trunk, mode, n, float(np.mean(agree)), float(np.mean(kls)), float(np.max(kls))
+    )
 
 
 def eval_windows(n: int, window: int) -> list[tuple[int, int]]:

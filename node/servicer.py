@@ -26,7 +26,7 @@ from moe.experts.backend import ExpertsBackend
 from moe.identity.keys import Identity
 from moe.identity.receipts import SESSION_BYTES, check_settlement, make_receipt
 from moe.identity.signed import sign_info
-from moe.kernels.build import cpu_level, kernel_build
+from moe.kernels.build import ARITHMETIC, cpu_level, kernel_build
 from moe.ledger import BackgroundLedger, LedgerError, receipt_body, settlement_body
 from moe.storage.shards import ShardSet
 from moe.wire import codec, health_pb2, health_pb2_grpc
@@ -204,6 +204,7 @@ class ExpertNodeServicer:
             max_request_bytes=self.limits.max_request_bytes,
             kernel_build=kernel_build(),
             cpu_level=cpu_level(),
+            arithmetic=ARITHMETIC,
         )
         if self.key is not None:
             sign_info(self.key, info, request.nonce)

@@ -5,7 +5,10 @@ in the call (how many rows, in which order, how many threads), so the sharded ne
 equal one machine's and an auditor can re-run a call elsewhere and expect equal bits.  For
 q4_0/q8_0 the kernels must also equal, bit for bit, a numpy float32 emulation of the arithmetic
 documented in `moe.kernels.dots` (8 lanes, per-block sums scaled once, never an FMA, a fixed
-halving tree): that pins the arithmetic itself, not just its consistency.  See docs/kernels.md.
+halving tree): that pins the arithmetic itself, not just its consistency.  Both ways of taking
+activations are pinned: the default 8-bit one with integer dot products (`moe.kernels.idots`)
+and exact float32 (`quant.use_activations("f32")`); and the f32/bf16 rows of `moe.kernels.fdots`.
+See docs/kernels.md.
 """
 
 import numba
@@ -59,6 +62,14 @@ def activations(b: int, cols: int, seed: int) -> np.ndarray:
     return x * (10.0 ** rng.uniform(-1, 1, b)).astype(np.float32)[:, None]
 
 
+@pytest.fixture(params=quant.ACTIVATIONS, autouse=True)
+def mode(request):
+    """Every test runs with each way of taking q4_0/q8_0 activations (f32/bf16 ignore it)."""
+    quant.use_activations(request.param)
+    yield request.param
+    quant.use_activations("q8")
+
+
 @pytest.fixture
 def run(monkeypatch):
     """run(n_threads, fn, *args): fn through the parallel drivers on n numba threads
@@ -68,12 +79,11 @@ def run(monkeypatch):
         if n_threads > numba.config.NUMBA_NUM_THREADS:
             pytest.skip(f"numba has only {numba.config.NUMBA_NUM_THREADS} threads")
         monkeypatch.setattr(quant, "PARALLEL_MIN_WEIGHTS", 0 if n_threads else 1 << 62)
-        prev = numba.get_num_threads()
-        numba.set_num_threads(max(1, n_threads))
+        quant.set_threads(max(1, n_threads))
         try:
             return fn(*args)
         finally:
-            numba.set_num_threads(prev)
+            quant.set_threads(0)
 
     return call
 
@@ -187,9 +197,9 @@ def codes_and_scales(data: np.ndarray, fmt: str, rows: int, cols: int):
 
 def emulation(e: np.ndarray, d: np.ndarray, x: np.ndarray) -> np.ndarray:
     """x float32 [b, cols] times the rows of codes e [rows, cols] and scales d [rows, nb], the
-    way the q4_0/q8_0 kernels compute it (`moe.kernels.dots`): lane l holds columns l, l + 8,
-    ...; per block, t = ((p0 + p1) + p2) + p3 over the lane's four products, then
-    acc = acc + d * t; finally the 8 lanes are halved, (l, l + 4), (l, l + 2), (l, l + 1).
+    way the float-activation q4_0/q8_0 kernels compute it (`moe.kernels.dots`): lane l holds
+    columns l, l + 8, ...; per block, t = ((p0 + p1) + p2) + p3 over the lane's four products,
+    then acc = acc + d * t; finally the 8 lanes are halved, (l, l + 4), (l, l + 2), (l, l + 1).
     Every numpy operation here rounds to float32 on its own, so nothing is fused."""
     b, cols = x.shape
     acc = np.zeros((b, e.shape[0], LANES), dtype=np.float32)  # [b, rows, 8]
@@ -199,14 +209,59 @@ def emulation(e: np.ndarray, d: np.ndarray, x: np.ndarray) -> np.ndarray:
         t = t + p[..., 16:24]
         t = t + p[..., 24:32]  # [b, rows, 8]
         acc = acc + d[None, :, k, None] * t
+    return halve(acc)
+
+
+def halve(acc: np.ndarray) -> np.ndarray:
+    """acc [..., 8] -> [...]: ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))."""
     while acc.shape[-1] > 1:
         half = acc.shape[-1] // 2
         acc = acc[..., :half] + acc[..., half:]
-    return acc[..., 0]  # [b, rows]
+    return acc[..., 0]
+
+
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 a * b + c with one rounding: the float32 product is exact in float64, and the
+    float64 sum rounds onto a float32 tie (the one case where rounding twice differs) with
+    probability about 2^-29 per operation, which the fixed data here does not hit."""
+    return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)
+
+
+def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Step 1 of `moe.kernels.idots`: x float32 [b, cols] -> int codes [b, cols] and float32
+    block scales [b, nb], written from the module's description, in numpy."""
+    b, cols = x.shape
+    xb = x.reshape(b, cols // 32, 32)  # [b, nb, 32]
+    amax = np.abs(xb).max(axis=2)  # [b, nb]; nan if the block holds a nan
+    with np.errstate(divide="ignore", invalid="ignore"):
+        dx = amax / np.float32(127.0)  # [b, nb]
+        q = np.clip(np.rint(xb * (np.float32(1.0) / dx)[..., None]), -127, 127)  # [b, nb, 32]
+    zero, bad = amax == 0, ~np.isfinite(amax)
+    q[zero | bad] = 0
+    dx[zero] = 0.0
+    dx[bad] = np.nan
+    return q.astype(np.int64).reshape(b, cols), dx.astype(np.float32)
+
+
+def int_emulation(e: np.ndarray, d: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The integer path (`moe.kernels.idots`): x quantised per block, lane l of a block sums
+    the exact integer products of its columns 4l..4l+3, then acc = fma(dw * dx, t, acc)."""
+    xq, dx = quantize_x(x)
+    b, cols = x.shape
+    ei = e.astype(np.int64)  # [rows, cols]
+    acc = np.zeros((b, e.shape[0], LANES), dtype=np.float32)  # [b, rows, 8]
+    for k in range(cols // 32):
+        cs = slice(32 * k, 32 * k + 32)
+        p = xq[:, None, cs] * ei[None, :, cs]  # [b, rows, 32] exact
+        t = p.reshape(b, -1, LANES, 4).sum(axis=-1).astype(np.float32)  # [b, rows, 8] exact
+        scale = d[None, :, k] * dx[:, None, k]  # [b, rows] float32
+        with np.errstate(invalid="ignore"):
+            acc = fma32(scale[..., None], t, acc)
+    return halve(acc)
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
-def test_quantised_matmul_equals_numpy_emulation(fmt, run):
+def test_quantised_matmul_equals_numpy_emulation(fmt, run, mode):
     """The codes and scales from ggml's bytes, then the documented arithmetic in numpy: equal
     bits, so the kernels' result is defined by that arithmetic alone, whatever the CPU,
     compiler, batch or thread count."""
@@ -217,7 +272,77 @@ def test_quantised_matmul_equals_numpy_emulation(fmt, run):
         assert same_bits(d.repeat(32, axis=1) * e, w)  # d * e is gguf's dequantisation
         for b in (1, 3, 17):
             x = activations(b, cols, seed=b)
-            want = emulation(e, d, x)
+            want = (int_emulation if mode == "q8" else emulation)(e, d, x)
             for n_threads in (0, 2):
                 got = run(n_threads, quant.matmul, data, fmt, rows, cols, x)
                 assert same_bits(got, want), (rows, cols, b, n_threads)
+
+
+def float_emulation(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The f32/bf16 rows of `moe.kernels.fdots` in numpy: two sets of 8 lanes over 16-column
+    steps, each step one FMA; the sets added, the lanes halved; the last cols % 16 columns
+    FMA'd in order onto the sum."""
+    b, cols = x.shape
+    c16 = cols - cols % 16
+    acc = np.zeros((b, w.shape[0], 2, LANES), dtype=np.float32)  # [b, rows, set, lane]
+    for j in range(0, c16, 16):
+        ws = w[None, :, j : j + 16].reshape(1, -1, 2, LANES)  # [1, rows, 2, 8]
+        xs = x[:, None, j : j + 16].reshape(b, 1, 2, LANES)  # [b, 1, 2, 8]
+        acc = fma32(ws, xs, acc)
+    y = halve(acc[..., 0, :] + acc[..., 1, :])  # [b, rows]
+    for c in range(c16, cols):
+        y = fma32(w[None, :, c], x[:, c, None], y)
+    return y
+
+
+@pytest.mark.parametrize("fmt", ["f32", "bf16"])
+def test_float_matmul_equals_numpy_emulation(fmt, run, mode):
+    if mode != "q8":
+        pytest.skip("f32/bf16 do not depend on the activation mode")
+    for rows, cols in MATMUL_SHAPES + [(6, 40), (3, 7)]:
+        data = quant.pack(weights(rows, cols, seed=rows * cols), fmt)
+        w = quant.dequantize(quant.unpack_to_ggml(data, fmt, rows, cols), fmt, (rows, cols))
+        for b in (1, 3, 17):
+            x = activations(b, cols, seed=b)
+            want = float_emulation(w.astype(np.float32), x)
+            for n_threads in (0, 2):
+                got = run(n_threads, quant.matmul, data, fmt, rows, cols, x)
+                assert same_bits(got, want), (fmt, rows, cols, b, n_threads)
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_decode_weighted_sum_equals_the_parts_combined(fmt, run):
+    """One decode row through `decode_weighted_sum` (one fused kernel call) gives the bits of
+    `run_experts` + `weighted_sum` (per-expert outputs, weighted, added in float64)."""
+    from moe.experts.compute import decode_weighted_sum, run_experts, weighted_sum
+
+    hidden, inter, n = 160, 96, 6
+    recs = [expert_record(fmt, hidden, inter, seed=s) for s in range(n)]
+    size = recs[0].size
+    arena = np.concatenate(recs)
+    x = activations(1, hidden, seed=9)  # [1, hidden]
+    ids = np.array([[4, 0, 5, 2]], dtype=np.int64)  # [1, k], not sorted
+    w = np.array([[0.4, 0.3, 0.2, 0.1]], dtype=np.float32)  # [1, k]
+    for n_threads in (0, 2):
+        for dtype in (np.float32, np.float64):
+            want = weighted_sum(
+                run_experts(arena, {e: e * size for e in range(n) if e in ids}, fmt, hidden,
+                            inter, x, ids, w),
+                x.shape,
+                dtype,
+            )  # fmt: skip
+            got = run(
+                n_threads,
+                decode_weighted_sum,
+                arena, lambda e: e * size, fmt, hidden, inter, x, ids, w, dtype,
+            )  # fmt: skip
+            assert got.dtype == want.dtype and np.array_equal(
+                got.view(np.uint8), want.view(np.uint8)
+            )
+    repeated = np.array([[1, 1, 3, -1]])  # an expert twice: the general path must take it
+    assert (
+        decode_weighted_sum(
+            arena, lambda e: e * size, fmt, hidden, inter, x, repeated, w, np.float32
+        )
+        is None
+    )

@@ -18,9 +18,9 @@ QTYPE = {
     "q4_0": GGMLQuantizationType.Q4_0,
 }
 # Max error of a kernel vs its float64 twin, relative to sum_j |x_j * w_j| for that output.
-# f32/bf16 accumulate in float64 (only the final float32 rounding remains); q4_0/q8_0
-# accumulate in float32.
-RTOL = {"f32": 2e-7, "bf16": 2e-7, "q8_0": 2e-6, "q4_0": 2e-6}
+# All formats accumulate in float32 lanes (f32/bf16 with FMAs, so a little tighter); the twins
+# take the activations as the kernels do (`quant.kernel_activations`).
+RTOL = {"f32": 1e-6, "bf16": 1e-6, "q8_0": 2e-6, "q4_0": 2e-6}
 
 
 def awkward(rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -173,7 +173,7 @@ def test_expert_ffn_matches_twin(fmt, b, threads):
         y = quant.expert_ffn(rec, fmt, hidden, inter, x)
         assert y.dtype == np.float32 and y.shape == (b, hidden)
         ref = quant.expert_ffn_reference(rec, fmt, hidden, inter, x)
-        tol = {"f32": 1e-6, "bf16": 1e-6, "q8_0": 2e-5, "q4_0": 2e-5}[fmt]
+        tol = 2e-5  # float32 sums twice over, and silu in between
         assert np.abs(y - ref).max() <= tol * np.abs(ref).max(), (hidden, inter)
 
 

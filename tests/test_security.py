@@ -17,8 +17,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from helpers import ROOT, client_key, wait_until
+from helpers import ROOT, client_key, remote_runtime, wait_until
 
+from coordinator.remote.config import RemoteError
 from coordinator.remote.transport import PeerSpec, PinError, dial, parse_peers
 from moe.errors import MoeshardError
 from moe.identity import keys, signed, tls
@@ -106,7 +107,7 @@ def tls_node(converted, tmp_path_factory):
 def test_pinned_node_answers_and_sees_the_client_id(tls_node):
     """...and states the kernel build and CPU level its arithmetic depends on (this process
     runs the same kernels on the same CPU, so it must state the same ones)."""
-    from moe.kernels.build import cpu_level, kernel_build
+    from moe.kernels.build import ARITHMETIC, cpu_level, kernel_build
 
     node, addr = tls_node
     channel, seen = dial(PeerSpec(addr, node.identity.node_id), client_tls(client_key()), 5)
@@ -115,6 +116,7 @@ def test_pinned_node_answers_and_sees_the_client_id(tls_node):
     assert seen == info.node_id == node.identity.node_id and info.name == "tls"
     assert info.kernel_build == kernel_build() and len(info.kernel_build) == 16
     assert info.cpu_level == cpu_level() in ("avx512", "avx2", "baseline")
+    assert info.arithmetic == ARITHMETIC
 
 
 def test_a_node_with_another_key_than_pinned_is_refused_naming_both(tls_node, tmp_path):
@@ -276,3 +278,20 @@ def test_a_coordinator_refused_by_every_node_says_so(tls_node, tmp_path):
     spec = PeerSpec(addr, node.identity.node_id)
     with pytest.raises(RemoteError, match=f"refused this client: PERMISSION_DENIED.*{stranger.id}"):
         RemoteExperts(node.identity.model_id, 64, [spec], RemoteConfig(identity=stranger))
+
+
+def test_a_node_computing_another_arithmetic_is_refused_not_audited(converted, monkeypatch):
+    """A node of another moeshard version (its kernels compute another arithmetic: say float32
+    activations where we quantise them) would give replies an auditor finds wrong by far more
+    than its tolerance: it is refused at admission, with the reason, instead of accused."""
+    import node.servicer
+
+    monkeypatch.setattr(node.servicer, "ARITHMETIC", 0)
+    config = NodeConfig(path=str(converted("qwen3_moe")), advertise=False, insecure=True)
+    old = Node(config)
+    port = old.start()
+    try:
+        with pytest.raises(RemoteError, match=r"kernels compute arithmetic 0, ours 2"):
+            remote_runtime(converted("qwen3_moe"), [PeerSpec(f"127.0.0.1:{port}")], insecure=True)
+    finally:
+        old.stop()

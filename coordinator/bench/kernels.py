@@ -203,7 +203,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--formats", default="q4_0,q8_0", help="comma-separated weight formats")
     p.add_argument("--quick", action="store_true", help="skip the big shapes")
     p.add_argument("--no-warmup-probe", action="store_true", help="skip child-process JIT timing")
-    p.add_argument("--threads", type=int, default=0, help="numba threads (0: all)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,8 +212,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args) -> int:
-    if args.threads:
-        numba.set_num_threads(args.threads)
     fmts = [f for f in args.formats.split(",") if f]
     for f in fmts:
         if f not in quant.FORMATS:

@@ -41,6 +41,21 @@ def add_generate(sub) -> None:
     )
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: a new one)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="time where a decode token goes (trunk, routing, experts, overhead): a table on "
+        "stderr, and 'profile' in --json's stats",
+    )
+    p.add_argument(
+        "--activations",
+        choices=("q8", "f32"),
+        default="q8",
+        help="how q4_0/q8_0 weights meet activations: q8 quantises them to 8 bits per block "
+        "and uses integer dot products, as llama.cpp does; f32 keeps them float (slower, a "
+        "little closer to the f32 model: `moeshard quality` measures both). Local and --ram "
+        "only: nodes compute with q8",
+    )
     p.add_argument("--dump-logits", metavar="FILE.npy", help="save float32 [tokens, vocab]")
     p.add_argument(
         "--trace",
@@ -83,12 +98,24 @@ def add_generate(sub) -> None:
 
 
 def cmd_generate(args) -> int:
-    from coordinator.generate import SamplingOptions, generate, terminate_on_sigterm
+    from coordinator.generate import (
+        SamplingOptions,
+        format_profile,
+        generate,
+        terminate_on_sigterm,
+    )
     from coordinator.runtime import load_tokenizer
+    from moe.kernels import quant
     from moe.model.model_dir import ModelDir
     from moe.storage.budget import check_context, check_memory
 
     _check_sampling(args)
+    if args.activations != "q8" and (args.peers or args.discover):
+        raise MoeshardError(
+            "--activations f32: nodes compute with 8-bit activations (q8), and the audits "
+            "of their work must compute as they do; use it without --peers/--discover"
+        )
+    quant.use_activations(args.activations)
     prompt_ids = _parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
     # every check that needs only the model directory runs before anything is loaded,
     # allocated or connected
@@ -140,6 +167,7 @@ def cmd_generate(args) -> int:
                 rt.verifier,
                 on_rollback,
                 keep_partial=True,
+                profile=args.profile,
             )
         # what was made before a stop (Ctrl-C, SIGTERM, a node failure) is still written
         if recorder:
@@ -147,6 +175,9 @@ def cmd_generate(args) -> int:
         if stream:
             stream.finish()
         stats = rt.stats(result)
+        if result.profile is not None:
+            stats["profile"] = result.profile
+            print(format_profile(result.profile), file=sys.stderr)
         if monitor:
             monitor.finish(stats)
             _report_streaming(args, rt, stats)

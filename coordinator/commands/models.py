@@ -120,6 +120,12 @@ def add_quality(sub) -> None:
     p.add_argument("--prompt-ids", action="append", help="a prompt as ids (repeatable)")
     p.add_argument("--prompt", action="append", help="a prompt as text (repeatable)")
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
+    p.add_argument(
+        "--activations",
+        default="q8,f32",
+        help="how q4_0/q8_0 kernels take activations, compared (q8: 8-bit, what generate uses; "
+        "f32: float)",
+    )
     p.set_defaults(func=cmd_quality)
 
 
@@ -127,6 +133,7 @@ def cmd_quality(args) -> int:
     from tokenizers import Tokenizer
 
     from coordinator.quality import compare_formats
+    from moe.kernels import quant
 
     prompts = [[int(t) for t in p.split(",")] for p in args.prompt_ids or []]
     if args.prompt:
@@ -134,18 +141,22 @@ def cmd_quality(args) -> int:
         prompts += [tokenizer.encode(p).ids for p in args.prompt]
     if not prompts:
         raise MoeshardError("give at least one --prompt or --prompt-ids")
+    modes = tuple(args.activations.split(","))
+    unknown = [m for m in modes if m not in quant.ACTIVATIONS]
+    if unknown:
+        raise MoeshardError(f"--activations: unknown {unknown}; expected {quant.ACTIVATIONS}")
     rows = compare_formats(
-        args.src, prompts, args.tokens, args.experts.split(","), args.trunk.split(",")
+        args.src, prompts, args.tokens, args.experts.split(","), args.trunk.split(","), modes
     )
     print(f"reference: f32 experts and trunk, {len(prompts)} prompts x {args.tokens} greedy tokens")
     print(
-        f"{'experts':>8} {'trunk':>6} {'positions':>9} {'top-1 agree':>11} {'mean KL':>10} "
-        f"{'max KL':>10}"
+        f"{'experts':>8} {'trunk':>6} {'activations':>11} {'positions':>9} {'top-1 agree':>11} "
+        f"{'mean KL':>10} {'max KL':>10}"
     )
     for r in rows:
         print(
-            f"{r.experts:>8} {r.trunk:>6} {r.positions:>9} {r.top1_agreement:>11.2%} "
-            f"{r.mean_kl:>10.2e} {r.max_kl:>10.2e}"
+            f"{r.experts:>8} {r.trunk:>6} {r.activations:>11} {r.positions:>9} "
+            f"{r.top1_agreement:>11.2%} {r.mean_kl:>10.2e} {r.max_kl:>10.2e}"
         )
     return EXIT_OK
 

@@ -21,6 +21,7 @@ from coordinator.remote.reputation import rank_weight
 from coordinator.remote.transport import ForwardStream, PeerSpec, PinError, Watchdog, dial
 from moe.identity.signed import check_info
 from moe.identity.tls import TLSMaterial, client_tls
+from moe.kernels.build import ARITHMETIC
 from moe.storage.manifest import FORMAT_VERSION
 from moe.wire import health_pb2, health_pb2_grpc
 from moe.wire import moeshard_pb2 as pb
@@ -197,6 +198,11 @@ class PeerSet:
             return f"format version {info.format_version}, ours is {FORMAT_VERSION}"
         if info.hidden_size != self.hidden_size:
             return f"hidden size {info.hidden_size}, ours is {self.hidden_size}"
+        if info.arithmetic != ARITHMETIC:
+            return (
+                f"its kernels compute arithmetic {info.arithmetic}, ours {ARITHMETIC} "
+                "(another moeshard version: its replies would differ from ours)"
+            )
         held = {(h.layer, e) for h in info.holdings for e in h.experts}
         with self.lock:
             peer.node_id, peer.name, peer.held = info.node_id, info.name, held

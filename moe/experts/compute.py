@@ -27,6 +27,8 @@ class ExpertKernels:
     one: Callable = quant.expert_ffn
     # (arena, offsets [m], fmt, H, I, x [m, H]) -> [m, H]: m experts on one row each, one call
     batch1: Callable | None = quant.experts_ffn_b1
+    # (arena, offsets [m], fmt, H, I, x [1, H], w [m]) -> float64 [H]: their weighted sum
+    batch1_sum: Callable | None = quant.experts_ffn_b1_sum
 
 
 KERNELS = ExpertKernels()
@@ -72,6 +74,34 @@ def run_experts(
         y = kernels.one(record, fmt, hidden_size, inter, hidden[rows])  # [n, H]
         out[e] = (rows, y * weights[rows, slots][:, None])  # [n, H]
     return out
+
+
+def decode_weighted_sum(
+    arena: np.ndarray,
+    offset_of: Callable[[int], int],
+    fmt: str,
+    hidden_size: int,
+    inter: int,
+    hidden: np.ndarray,
+    ids: np.ndarray,
+    weights: np.ndarray,
+    dtype,
+    kernels: ExpertKernels = KERNELS,
+) -> np.ndarray | None:
+    """`weighted_sum(run_experts(...))` of one decode row in one kernel call, the same bits:
+    hidden [1, H], ids/weights [1, k] -> [1, H] of `dtype`.  None where it does not apply
+    (several rows, an expert routed twice, no such kernel): use the general path then."""
+    if hidden.shape[0] != 1 or kernels.batch1_sum is None:
+        return None
+    slots = ids[0]  # [k]
+    order = np.argsort(slots, kind="stable")  # ascending expert, as `combine` adds them
+    experts = slots[order]
+    experts, w = experts[experts >= 0], weights[0][order][experts >= 0]  # [m], [m]
+    if experts.size < 2 or bool((experts[1:] == experts[:-1]).any()):
+        return None
+    starts = np.fromiter((offset_of(int(e)) for e in experts), np.int64, experts.size)  # [m]
+    total = kernels.batch1_sum(arena, starts, fmt, hidden_size, inter, hidden, w)  # f64 [H]
+    return total.astype(dtype, copy=False)[None]  # [1, H]
 
 
 def combine(

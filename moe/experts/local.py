@@ -11,7 +11,13 @@ from __future__ import annotations
 import numpy as np
 
 from moe.experts.backend import ExpertsBase, PrefetchHint
-from moe.experts.compute import KERNELS, ExpertKernels, run_experts, weighted_sum
+from moe.experts.compute import (
+    KERNELS,
+    ExpertKernels,
+    decode_weighted_sum,
+    run_experts,
+    weighted_sum,
+)
 from moe.storage.io import align_up, aligned_buffer
 from moe.storage.shards import ShardSet
 
@@ -48,8 +54,16 @@ class LocalExperts(ExpertsBase):
     def __call__(
         self, layer, hidden, ids, weights, dtype=np.float32, hint: PrefetchHint | None = None
     ) -> np.ndarray:
-        offsets = {int(e): self.offset(layer, int(e)) for e in np.unique(ids[ids >= 0])}
         s = self.shards
+        if hidden.shape[0] == 1:  # a decode step: one kernel call, no Python between
+            arena = self._arena(layer)
+            out = decode_weighted_sum(
+                arena, lambda e: self.offset(layer, e), s.fmt, s.hidden, s.inter, hidden, ids,
+                weights, dtype, self.kernels,
+            )  # fmt: skip
+            if out is not None:
+                return out
+        offsets = {int(e): self.offset(layer, int(e)) for e in np.unique(ids[ids >= 0])}
         parts = run_experts(
             self.arenas[layer], offsets, s.fmt, s.hidden, s.inter, hidden, ids, weights,
             self.kernels,

@@ -3,7 +3,10 @@
 Two nodes give bit-identical replies for the same request when they run the same kernel source
 with the same numba and numpy (`kernel_build`). The q4_0/q8_0 kernels use no fast-math and no
 FMA, with explicit 8-lane sums, so their bits do not depend on the CPU either (checked against
-generic and SSE2-only builds, docs/kernels.md); the f32/bf16 kernels' float64 sums are still
+generic and SSE2-only builds, docs/kernels.md; the integer path's AVX2 and portable forms are
+compared in tests/test_kernel_isa.py).  Every node computes with 8-bit activations (the
+default of `quant.use_activations`; the f32 mode is for `moeshard quality` and local runs
+only).  The f32/bf16 kernels' float64 sums are still
 vectorised per CPU, and silu calls the C library's exp, so `cpu_level` is reported too and a
 verifier expects equal bits only when both match. A node reports both in its Info.
 """
@@ -17,7 +20,14 @@ from pathlib import Path
 import numba
 import numpy as np
 
-SOURCES = ("dots.py", "tiles.py", "entry.py", "quant.py")
+# What the kernels compute, as a number a node reports in its Info and a coordinator requires to
+# equal its own: kernels of another arithmetic differ by far more than an auditor's tolerance
+# between builds, so such a node is refused rather than audited (and accused).
+#   0: not reported (moeshard before this number existed: float32 activations, float64 sums)
+#   2: q4_0/q8_0 with 8-bit activations (`moe.kernels.idots`); f32/bf16 in float32 lanes
+ARITHMETIC = 2
+
+SOURCES = ("dots.py", "idots.py", "tiles.py", "entry.py", "quant.py")
 
 
 @functools.cache

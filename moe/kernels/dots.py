@@ -1,14 +1,16 @@
-"""Numba kernels, part 1 of 3: shared constants, the 8-lane vector primitives, and the batch-1
-q4_0/q8_0 row dots.
+"""Numba kernels: shared constants, the 8-lane vector primitives, and the batch-1 q4_0/q8_0 row
+dots for float32 activations.
 
 `moe.kernels.entry` holds the entry points called from Python (and the byte layout of the
-``wq``/``ws`` views these helpers receive); `moe.kernels.tiles` holds the batch >= 2 tiles and
-the f32/bf16 rows.  This module also sets OMP_WAIT_POLICY (below), so it must be imported
-before any parallel kernel runs; `entry` and `tiles` import it first.
+``wq``/``ws`` views these helpers receive); `moe.kernels.tiles` holds the batch >= 2 tiles.
+This module also sets OMP_WAIT_POLICY (below), so it must be imported before any parallel
+kernel runs; `entry` and `tiles` import it first.  (With 8-bit activations, the default,
+q4_0/q8_0 go through `moe.kernels.idots` instead, which defines its own arithmetic.)
 
-The q4_0/q8_0 arithmetic (every batch size, thread count and CPU; docs/kernels.md has the
-reasons and the measurements).  For one activation row x and one weight row of ``cols``, with
-codes q and per-block float16 scales d (``e_c = q_c - 8`` for q4_0, ``e_c = q_c`` for q8_0):
+The float-activation q4_0/q8_0 arithmetic (every batch size, thread count and CPU;
+docs/kernels.md has the reasons and the measurements).  For one activation row x and one
+weight row of ``cols``, with codes q and per-block float16 scales d (``e_c = q_c - 8`` for
+q4_0, ``e_c = q_c`` for q8_0):
 
 1. eight lanes, lane l taking columns l, l + 8, l + 16, ...;
 2. per 32-column block k, in increasing k: each lane first sums its four products of the
@@ -78,11 +80,6 @@ LANES = 8  # float32 partial sums per (activation row, weight row) pair
 TILE_ROWS = 4  # rows per unpacked tile (micro-kernel height)
 TILE_COLS = 1024  # columns per micro-kernel chunk of a tile (a multiple of 32)
 ROWS_PER_ITEM = 16  # rows per parallel work item (a multiple of TILE_ROWS)
-
-# For the f32/bf16 rows only (float64 sums, see `moe.kernels.tiles`): reassociation to
-# vectorise the sums and FMA contraction; no nnan/ninf, so inf/nan in weights or activations
-# propagate as in the numpy reference.  Never used by the q4_0/q8_0 kernels (see above).
-_FASTMATH = {"reassoc", "contract"}
 
 # float16 bit pattern -> float32 value, exact (subnormals, inf and nan included).
 F16_LUT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)

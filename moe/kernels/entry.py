@@ -1,9 +1,10 @@
-"""Numba kernels, part 3 of 3: the entry points behind `moe.kernels.quant`.
+"""Numba kernels: the entry points behind `moe.kernels.quant`.
 
 Matmul and fused expert FFN on packed weight bytes.  The row kernels these drive live in
-`moe.kernels.dots` (shared constants, vector primitives, batch-1 q4_0/q8_0 dots, the
-definition of their arithmetic, notes for editing the loops) and `moe.kernels.tiles`
-(batch >= 2 q4_0/q8_0 tiles, f32/bf16 rows).
+`moe.kernels.idots` (q4_0/q8_0 with 8-bit activations and integer dot products: the default),
+`moe.kernels.dots` (shared constants, vector primitives, the batch-1 q4_0/q8_0 dots with
+float32 activations, notes for editing the loops), `moe.kernels.tiles` (their batch >= 2
+tiles) and `moe.kernels.fdots` (f32/bf16 rows).
 
 Entry points (called by `moe.kernels.quant` only): `matmul_kernel`, `expert_ffn_kernel` and
 `experts_b1_kernel`.  They take the packed bytes as one read-only uint8 array plus its layout
@@ -13,29 +14,28 @@ docstring has the byte layout):
 * ``wq`` uint8 [rows, row_bytes]: per-row payload (q4_0 nibbles, q8_0 int8, raw f32/bf16);
 * ``ws`` uint16 [rows, cols // 32]: per-block float16 scales ([rows, 0] for f32/bf16).
 
-Activations stay float32 (no Q8 activation quantisation as in llama.cpp).  An int8 path
-(Q8 activations, int32 block sums: LLVM emits vpmaddwd/vpdpwssd) measured no faster at
-batch 1 than the float path and added ~5e-3 relative error, so it was dropped.
+The row kernels, picked per row range by `_rows`:
 
-Three kernel shapes, picked per row range by `_rows`:
+* q4_0/q8_0, 8-bit activations (`int8`): `idots.int_rows`, any batch (x is quantised once
+  per call, by `_activations`);
+* q4_0/q8_0, float32 activations: `dots._b1_rows` at batch 1 (four rows per pass, codes
+  converted in registers), `tiles._tile_rows` above (four rows' codes unpacked, 4x2 tiles);
+* f32/bf16: `fdots.float_rows` (float32 lanes and FMAs in a fixed order).
 
-* batch 1, q4_0/q8_0: `dots._b1_rows` (four rows per pass, codes converted in registers);
-* batch >= 2, q4_0/q8_0: `tiles._tile_rows` (four rows' codes unpacked, 4x2 micro-kernel);
-* f32/bf16: `tiles._float_rows` (float64 accumulation).
-
-The two q4_0/q8_0 shapes perform the same float32 operations, in the same order, for every
-(activation row, weight row) pair (`moe.kernels.dots` defines them), so a row's result is the
-same bits whatever else is in the batch, however the rows are split across threads, and on
-any CPU.  The f32/bf16 rows are batch- and thread-independent too (one loop per pair), but
-their float64 sums are vectorised by LLVM, so their last bit may depend on the CPU's vector
-width.  The expert FFN's silu uses libm's exp (float64, then rounded to float32).
+Each of them performs the same operations, in the same order, for every (activation row,
+weight row) pair whatever else is in the batch and however rows are split across threads, and
+without fast-math flags, so a row's result is the same bits in any batch and on any CPU (the
+modules define their arithmetic; tests/test_kernel_determinism.py pins it).  The expert FFN's
+silu uses libm's exp (float64, then rounded to float32).
 """
 
 import numpy as np
 from numba import njit, prange
 
 from moe.kernels.dots import FMT_BF16, FMT_F32, QK, ROWS_PER_ITEM, _b1_rows
-from moe.kernels.tiles import _float_rows, _tile_rows
+from moe.kernels.fdots import float_rows
+from moe.kernels.idots import activation_buffers, int_rows, quantize_activations
+from moe.kernels.tiles import _tile_rows
 
 # ---------------------------------------------------------------------------------------------
 # drivers
@@ -47,10 +47,16 @@ from moe.kernels.tiles import _float_rows, _tile_rows
 
 
 @njit(cache=True, nogil=True)
-def _rows(fmt, wq, ws, lut, x, x64, out, r0, r1):
-    """Compute out[:, r0:r1] on the calling thread (the choice of kernel changes no bits)."""
+def _rows(fmt, wq, ws, lut, x, act, out, r0, r1):
+    """Compute out[:, r0:r1] on the calling thread (the choice of kernel changes no bits).
+
+    act is what `_activations` prepared from x: its 8-bit codes for the integer q4_0/q8_0
+    path, or nothing (f32/bf16 and the float q4_0/q8_0 path read x itself)."""
+    xq, xd, xc = act
     if fmt == FMT_F32 or fmt == FMT_BF16:
-        _float_rows(fmt, wq, x64, out, r0, r1)
+        float_rows(fmt, wq, x, out, r0, r1)
+    elif xq.shape[0] > 0:
+        int_rows(fmt, wq, ws, lut, xq, xd, xc, out, r0, r1)
     elif x.shape[0] == 1:
         _b1_rows(fmt, wq, ws, lut, x, out, r0, r1)
     else:
@@ -71,11 +77,15 @@ def _matrix_views(data, rows, cols, row_bytes, scale_off):
 
 
 @njit(cache=True, nogil=True)
-def _x64(fmt, x):
-    """float64 copy of x for the f32/bf16 kernels (an empty array otherwise)."""
-    if fmt == FMT_F32 or fmt == FMT_BF16:
-        return x.astype(np.float64)  # [b, cols]
-    return np.empty((0, 0), dtype=np.float64)
+def _activations(fmt, int8, x):
+    """What the row kernels of `fmt` need besides x: (xq, xd, xc), x quantised to 8 bits per
+    block for the integer q4_0/q8_0 path (`moe.kernels.idots`, when int8 is set), or empty."""
+    b, cols = x.shape
+    if fmt == FMT_F32 or fmt == FMT_BF16 or not int8:
+        return activation_buffers(0, cols)
+    xq, xd, xc = activation_buffers(b, cols)
+    quantize_activations(x, xq, xd, xc)
+    return xq, xd, xc
 
 
 @njit(cache=True, nogil=True)
@@ -97,18 +107,18 @@ def _silu_mul(g, u):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def matmul_kernel(fmt, data, rows, cols, row_bytes, scale_off, lut, x):
+def matmul_kernel(fmt, int8, data, rows, cols, row_bytes, scale_off, lut, x):
     """x float32 [b, cols] -> float32 [b, rows] = x @ W.T for the packed matrix in data.
 
     Rows are split across numba's threads in ROWS_PER_ITEM work items (the caller sets
-    numba.set_num_threads(1) for matrices too small to pay for waking the pool).
+    `quant._run` runs matrices too small to pay for waking the pool on one thread).
     """
     wq, ws = _matrix_views(data, rows, cols, row_bytes, scale_off)
     out = np.empty((x.shape[0], rows), dtype=np.float32)  # [b, rows]
-    x64 = _x64(fmt, x)
+    act = _activations(fmt, int8, x)
     for it in prange((rows + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
         r0, r1 = _item(it, rows)
-        _rows(fmt, wq, ws, lut, x, x64, out, r0, r1)
+        _rows(fmt, wq, ws, lut, x, act, out, r0, r1)
     return out
 
 
@@ -122,7 +132,7 @@ def _expert_views(record, hidden, inter, layout):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def expert_ffn_kernel(fmt, record, hidden, inter, layout, lut, x):
+def expert_ffn_kernel(fmt, int8, record, hidden, inter, layout, lut, x):
     """(silu(x @ gate.T) * (x @ up.T)) @ down.T for x float32 [b, hidden] -> [b, hidden].
 
     layout = (gate/up matrix bytes, their row bytes, their scale offset, down row bytes,
@@ -131,43 +141,43 @@ def expert_ffn_kernel(fmt, record, hidden, inter, layout, lut, x):
     """
     gq, gs, uq, us, dq, ds = _expert_views(record, hidden, inter, layout)
     b = x.shape[0]
-    x64 = _x64(fmt, x)
+    act = _activations(fmt, int8, x)
     g = np.empty((b, inter), dtype=np.float32)  # [b, inter]
     u = np.empty((b, inter), dtype=np.float32)  # [b, inter]
     n_items = (inter + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
     for it in prange(2 * n_items):
         if it < n_items:
             r0, r1 = _item(it, inter)
-            _rows(fmt, gq, gs, lut, x, x64, g, r0, r1)
+            _rows(fmt, gq, gs, lut, x, act, g, r0, r1)
         else:
             r0, r1 = _item(it - n_items, inter)
-            _rows(fmt, uq, us, lut, x, x64, u, r0, r1)
+            _rows(fmt, uq, us, lut, x, act, u, r0, r1)
     h = _silu_mul(g, u)  # [b, inter]
-    h64 = _x64(fmt, h)
+    h_act = _activations(fmt, int8, h)
     y = np.empty((b, hidden), dtype=np.float32)  # [b, hidden]
     for it in prange((hidden + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
         r0, r1 = _item(it, hidden)
-        _rows(fmt, dq, ds, lut, h, h64, y, r0, r1)
+        _rows(fmt, dq, ds, lut, h, h_act, y, r0, r1)
     return y
 
 
 @njit(cache=True, nogil=True)
-def _expert_b1(fmt, record, hidden, inter, layout, lut, x, y):
+def _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, y):
     """One expert on the calling thread, batch 1: x float32 [1, hidden] -> y [hidden]."""
     gq, gs, uq, us, dq, ds = _expert_views(record, hidden, inter, layout)
-    x64 = _x64(fmt, x)
+    act = _activations(fmt, int8, x)
     g = np.empty((1, inter), dtype=np.float32)  # [1, inter]
     u = np.empty((1, inter), dtype=np.float32)  # [1, inter]
-    _rows(fmt, gq, gs, lut, x, x64, g, 0, inter)
-    _rows(fmt, uq, us, lut, x, x64, u, 0, inter)
+    _rows(fmt, gq, gs, lut, x, act, g, 0, inter)
+    _rows(fmt, uq, us, lut, x, act, u, 0, inter)
     h = _silu_mul(g, u)  # [1, inter]
     out = np.empty((1, hidden), dtype=np.float32)  # [1, hidden]
-    _rows(fmt, dq, ds, lut, h, _x64(fmt, h), out, 0, hidden)
+    _rows(fmt, dq, ds, lut, h, _activations(fmt, int8, h), out, 0, hidden)
     y[:] = out[0]
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def experts_b1_kernel(fmt, arena, offsets, nbytes, hidden, inter, layout, lut, x):
+def experts_b1_kernel(fmt, int8, arena, offsets, nbytes, hidden, inter, layout, lut, x):
     """Several experts at batch 1 in one parallel region: expert e is the record at
     arena[offsets[e] : offsets[e] + nbytes], applied to x[e] (float32 [m, hidden]) -> [m, hidden].
 
@@ -180,5 +190,28 @@ def experts_b1_kernel(fmt, arena, offsets, nbytes, hidden, inter, layout, lut, x
     y = np.empty((m, hidden), dtype=np.float32)  # [m, hidden]
     for e in prange(m):
         record = arena[offsets[e] : offsets[e] + nbytes]
-        _expert_b1(fmt, record, hidden, inter, layout, lut, x[e : e + 1], y[e])
+        _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x[e : e + 1], y[e])
     return y
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def experts_b1_sum_kernel(fmt, int8, arena, offsets, nbytes, hidden, inter, layout, lut, x, w):
+    """The weighted sum of several experts on one decode row: sum_e w[e] * expert_e(x[0]) for
+    x float32 [1, hidden], the record of expert e at arena[offsets[e]:][:nbytes] and w float32
+    [m] -> float64 [hidden].
+
+    The experts run in parallel (as `experts_b1_kernel`, the same bits per expert); then each
+    weighted output is rounded to float32 and they are added in float64 in the given order,
+    exactly as `moe.experts.compute.combine` adds the parts of `run_experts`, so the result
+    has the same bits, without the Python work between (a decode step of a small model spent
+    more time there than in the kernels)."""
+    m = offsets.shape[0]
+    y = np.empty((m, hidden), dtype=np.float32)  # [m, hidden]
+    for e in prange(m):
+        record = arena[offsets[e] : offsets[e] + nbytes]
+        _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, y[e])
+    total = np.zeros(hidden, dtype=np.float64)  # [hidden]
+    for e in range(m):
+        for j in range(hidden):
+            total[j] += np.float64(y[e, j] * w[e])
+    return total

@@ -31,7 +31,7 @@ import numba
 import numpy as np
 from gguf import GGMLQuantizationType, quants
 
-from moe.kernels import dots, entry
+from moe.kernels import dots, entry, idots
 
 FORMATS = ("f32", "bf16", "q8_0", "q4_0")
 
@@ -52,18 +52,57 @@ ALIGN = 64
 # Below this many weights a matrix is computed on one thread: waking the pool costs more.
 PARALLEL_MIN_WEIGHTS = 1 << 19
 
+# How q4_0/q8_0 kernels take their activations: "q8", quantised to 8 bits per 32-column block
+# with integer dot products (`moe.kernels.idots`, as llama.cpp does; the default), or "f32",
+# exact float32 activations (`moe.kernels.dots`, 2-3x slower).  Process-wide: every node
+# and auditor of a network must use the same one for their replies to agree bit for bit.
+ACTIVATIONS = ("q8", "f32")
+_activations = {"mode": "q8"}
+
+
+def use_activations(mode: str) -> None:
+    """Choose how q4_0/q8_0 kernels take activations, for this process (see ACTIVATIONS)."""
+    if mode not in ACTIVATIONS:
+        raise ValueError(f"unknown activation mode {mode!r}; expected one of {ACTIVATIONS}")
+    _activations["mode"] = mode
+
+
+def activation_mode() -> str:
+    return _activations["mode"]
+
+
+def _int8() -> bool:
+    return _activations["mode"] == "q8"
+
+
+_threads = {"n": 0}  # numba threads for big matrices; 0: all of numba's (every core)
+
+
+def set_threads(n: int) -> None:
+    """Use n threads for the kernels of big matrices, process-wide (0: all cores).  numba's
+    thread count is per calling thread, so `_run` applies this on whichever thread calls (a
+    node serves from gRPC worker threads)."""
+    most = numba.config.NUMBA_NUM_THREADS
+    if not 0 <= n <= most:
+        raise ValueError(
+            f"threads must be 0 (all) to {most} (numba's pool: this machine's cores, or "
+            f"NUMBA_NUM_THREADS), got {n}"
+        )
+    _threads["n"] = n
+
+
+def threads() -> int:
+    """The threads big matrices use (`set_threads`)."""
+    return _threads["n"] or numba.config.NUMBA_NUM_THREADS
+
 
 def _run(kernel, n_weights: int, *args):
-    """Call a parallel kernel, on the calling thread alone for small matrices (numba's
-    thread count is thread-local, so this does not affect other threads)."""
-    if n_weights >= PARALLEL_MIN_WEIGHTS:
-        return kernel(*args)
-    prev = numba.get_num_threads()
-    numba.set_num_threads(1)
-    try:
-        return kernel(*args)
-    finally:
-        numba.set_num_threads(prev)
+    """Call a parallel kernel on `threads()` threads, or on the calling thread alone for small
+    matrices (waking the pool costs more than it saves there)."""
+    want = threads() if n_weights >= PARALLEL_MIN_WEIGHTS else 1
+    if numba.get_num_threads() != want:
+        numba.set_num_threads(want)
+    return kernel(*args)
 
 
 def _check_fmt(fmt: str) -> None:
@@ -267,13 +306,14 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 def matmul(data: np.ndarray, fmt: str, rows: int, cols: int, x: np.ndarray) -> np.ndarray:
     """x float32 [b, cols] -> float32 [b, rows] = x @ W.T, computed on the packed bytes.
 
-    Activations stay float32 (no Q8 activation quantisation); q4_0/q8_0 blocks are dequantised
-    16-32 weights at a time in registers, f32/bf16 are accumulated in float64.
+    q4_0/q8_0: x quantised to 8 bits per block and integer dot products (or float32 x and
+    codes converted in registers: `use_activations`); f32/bf16 accumulate in float64.
     """
     nbytes, row_bytes, s_off = _matrix_layout(fmt, rows, cols)
     _check_buffer(data, nbytes, f"packed {fmt} {rows}x{cols} matrix")
     x = _check_x(x, cols)
-    args = (_FMT_CODE[fmt], _readonly(data), rows, cols, row_bytes, s_off, dots.F16_LUT, x)
+    code = _FMT_CODE[fmt]
+    args = (code, _int8(), _readonly(data), rows, cols, row_bytes, s_off, dots.F16_LUT, x)
     return _run(entry.matmul_kernel, rows * cols, *args)
 
 
@@ -310,7 +350,7 @@ def expert_ffn(record: np.ndarray, fmt: str, hidden: int, inter: int, x: np.ndar
     nbytes, layout = _expert_layout(fmt, hidden, inter)
     _check_buffer(record, nbytes, f"{fmt} expert record (hidden={hidden}, inter={inter})")
     x = _check_x(x, hidden)
-    args = (_FMT_CODE[fmt], _readonly(record), hidden, inter, layout, dots.F16_LUT, x)
+    args = (_FMT_CODE[fmt], _int8(), _readonly(record), hidden, inter, layout, dots.F16_LUT, x)
     return _run(entry.expert_ffn_kernel, inter * hidden, *args)
 
 
@@ -329,8 +369,31 @@ def experts_ffn_b1(
     x = _check_x(x, hidden)
     if x.shape[0] != offsets.shape[0]:
         raise ValueError(f"x has {x.shape[0]} rows for {offsets.shape[0]} experts")
-    args = (_FMT_CODE[fmt], _readonly(arena), _readonly(offsets), nbytes, hidden, inter, layout)
+    args = (_FMT_CODE[fmt], _int8(), _readonly(arena), _readonly(offsets), nbytes, hidden, inter)
+    args += (layout,)
     return _run(entry.experts_b1_kernel, offsets.size * inter * hidden, *args, dots.F16_LUT, x)
+
+
+def experts_ffn_b1_sum(
+    arena: np.ndarray, offsets: np.ndarray, fmt: str, hidden: int, inter: int, x, w
+) -> np.ndarray:
+    """sum_e w[e] * expert_e(x) for one row x float32 [1, hidden], expert e the record at
+    arena[offsets[e]:] and w float32 [m] -> float64 [hidden]: each weighted output rounded to
+    float32, then added in float64 in the given order (what `moe.experts.compute.combine`
+    does with the parts of `run_experts`, bit for bit), in one kernel call."""
+    nbytes, layout = _expert_layout(fmt, hidden, inter)
+    if not isinstance(arena, np.ndarray) or arena.dtype != np.uint8 or arena.ndim != 1:
+        raise ValueError("arena must be a 1-D uint8 numpy array")
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)  # [m]
+    if offsets.ndim != 1 or ((offsets < 0) | (offsets + nbytes > arena.size)).any():
+        raise ValueError(f"expert records must lie inside the arena of {arena.size} bytes")
+    x = _check_x(x, hidden)
+    w = np.ascontiguousarray(w, dtype=np.float32)  # [m]
+    if x.shape[0] != 1 or w.shape != offsets.shape:
+        raise ValueError(f"want one row and one weight per expert, got x {x.shape}, w {w.shape}")
+    args = (_FMT_CODE[fmt], _int8(), _readonly(arena), _readonly(offsets), nbytes, hidden, inter)
+    args += (layout, dots.F16_LUT, x, _readonly(w))
+    return _run(entry.experts_b1_sum_kernel, offsets.size * inter * hidden, *args)
 
 
 def warmup() -> float:
@@ -345,11 +408,14 @@ def warmup() -> float:
     rec = _readonly(np.zeros(nbytes, dtype=np.uint8))
     x = _readonly(np.zeros((2, hidden), dtype=np.float32))
     n_gu, rb_gu, s_gu = layout[:3]
-    code, lut = dots.FMT_Q4_0, dots.F16_LUT
-    entry.matmul_kernel(code, rec[:n_gu], inter, hidden, rb_gu, s_gu, lut, x)
-    entry.expert_ffn_kernel(code, rec, hidden, inter, layout, lut, x)  # starts the pool
+    code, lut, int8 = dots.FMT_Q4_0, dots.F16_LUT, _int8()
+    entry.matmul_kernel(code, int8, rec[:n_gu], inter, hidden, rb_gu, s_gu, lut, x)
+    entry.expert_ffn_kernel(code, int8, rec, hidden, inter, layout, lut, x)  # starts the pool
     offsets = _readonly(np.zeros(2, dtype=np.int64))
-    entry.experts_b1_kernel(code, rec, offsets, nbytes, hidden, inter, layout, lut, x)
+    entry.experts_b1_kernel(code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x)
+    w = _readonly(np.ones(2, dtype=np.float32))
+    sum_args = (code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x[:1], w)
+    entry.experts_b1_sum_kernel(*sum_args)
     return time.perf_counter() - t0
 
 
@@ -357,10 +423,23 @@ def warmup() -> float:
 # numpy twins of the kernels (reference for tests; slow, float64)
 
 
+def kernel_activations(x: np.ndarray, fmt: str) -> np.ndarray:
+    """The activations the kernels of `fmt` multiply, as float64 [b, cols]: x itself, or for
+    q4_0/q8_0 with 8-bit activations (`use_activations`) the codes times their block scales."""
+    x = np.ascontiguousarray(x, dtype=np.float32)  # [b, cols]
+    if fmt not in ("q4_0", "q8_0") or not _int8():
+        return x.astype(np.float64)
+    xq, xd, xc = idots.activation_buffers(x.shape[0], x.shape[1])
+    idots.quantize_activations(x, xq, xd, xc)
+    codes = xq.astype(np.float64).reshape(x.shape[0], -1, QK)  # [b, nb, 32]
+    return (codes * xd.astype(np.float64)[..., None]).reshape(x.shape)  # [b, cols]
+
+
 def matmul_reference(data: np.ndarray, fmt: str, rows: int, cols: int, x: np.ndarray) -> np.ndarray:
-    """x @ W.T in float64 with W dequantised by gguf's reference from `unpack_to_ggml(data)`."""
+    """x @ W.T in float64 with W dequantised by gguf's reference from `unpack_to_ggml(data)`
+    and x as the kernels take it (`kernel_activations`)."""
     w = dequantize(unpack_to_ggml(data, fmt, rows, cols), fmt, (rows, cols))  # [rows, cols]
-    return np.asarray(x, dtype=np.float64) @ w.astype(np.float64).T  # [b, rows]
+    return kernel_activations(x, fmt) @ w.astype(np.float64).T  # [b, rows]
 
 
 def expert_ffn_reference(

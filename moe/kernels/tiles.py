@@ -1,9 +1,9 @@
-"""Numba kernels, part 2 of 3: the batch >= 2 q4_0/q8_0 tiles and the f32/bf16 rows.
+"""Numba kernels: the batch >= 2 q4_0/q8_0 tiles for float32 activations.
 
 `moe.kernels.dots` holds the shared constants, the vector primitives, the batch-1 dots, the
 definition of the q4_0/q8_0 arithmetic and the notes for whoever edits these loops (they apply
-here too, including the one on numba's cache); the entry points that call `_tile_rows` and
-`_float_rows` are in `moe.kernels.entry`.
+here too, including the one on numba's cache); the entry point that calls `_tile_rows` is in
+`moe.kernels.entry`.
 
 * batch >= 2, q4_0/q8_0 (`_tile_rows`): the codes of four weight rows are unpacked once into
   a float32 scratch (q - 8 or q, exact small integers) with their block scales beside it,
@@ -14,17 +14,12 @@ here too, including the one on numba's cache); the entry points that call `_tile
   (`acc`) and are summed only at the end of the row, so each (activation row, weight row)
   pair gets exactly the batch-1 arithmetic: a row's result depends neither on the batch, nor
   on the chunk sizes, nor on the thread split.
-* f32/bf16 (`_float_rows`): plain dot products accumulated in float64 (fast-math
-  reassociation), so these formats are accurate to float32 rounding (they back the exactness
-  tests).  Each (activation row, weight row) pair runs the same loop whatever the batch.
 """
 
 import numpy as np
 from numba import njit
 
 from moe.kernels.dots import (
-    _FASTMATH,
-    FMT_BF16,
     FMT_Q8_0,
     LANES,
     QK,
@@ -126,34 +121,3 @@ def _tile_rows(fmt, wq, ws, lut, x, out, r0, r1):
         for u in range(b):
             for i in range(min(TILE_ROWS, r1 - r)):
                 out[u, r + i] = _vsum(_vload(acc[u], LANES * i))
-
-
-# ---------------------------------------------------------------------------------------------
-# f32 / bf16: float64 accumulation
-
-
-@njit(cache=True, nogil=True, fastmath=_FASTMATH)
-def _f32_dot(w, x64row):
-    s = 0.0
-    for j in range(w.shape[0]):
-        s += np.float64(w[j]) * x64row[j]
-    return s
-
-
-@njit(cache=True, nogil=True, fastmath=_FASTMATH)
-def _bf16_dot(w, x64row):
-    s = 0.0
-    for j in range(w.shape[0]):
-        wf = np.uint32(np.uint32(w[j]) << 16).view(np.float32)
-        s += np.float64(wf) * x64row[j]
-    return s
-
-
-@njit(cache=True, nogil=True)
-def _float_rows(fmt, wq, x64, out, r0, r1):
-    for r in range(r0, r1):
-        for bi in range(x64.shape[0]):
-            if fmt == FMT_BF16:
-                out[bi, r] = _bf16_dot(wq[r].view(np.uint16), x64[bi])
-            else:
-                out[bi, r] = _f32_dot(wq[r].view(np.float32), x64[bi])

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe.experts.backend import PrefetchHint
+from moe.experts.backend import ExpertsBase, PrefetchHint
+
+
+def uses_hints(experts) -> bool:
+    """False for a backend whose `prefetch` is `ExpertsBase`'s no-op (in-RAM experts): it has
+    nothing to fetch, so the next layer's router need not run for it. A wrapper that forwards
+    attribute lookups to its backend answers for that backend."""
+    prefetch = getattr(experts, "prefetch", None)
+    return getattr(prefetch, "__func__", None) is not ExpertsBase.prefetch
 
 
 def next_layer_hint(transformer, layer: int, h: np.ndarray) -> PrefetchHint | None:
@@ -17,9 +25,11 @@ def next_layer_hint(transformer, layer: int, h: np.ndarray) -> PrefetchHint | No
 
     Each row of the prediction is ordered best first: the router's top few picks survive the
     layer in between far more often than its last ones (k3-mini: 99% of the top 8 of 16 are
-    used, 87% of all 16), so a backend can fetch only each token's best few."""
+    used, 87% of all 16), so a backend can fetch only each token's best few.
+
+    None as well for a backend that does nothing with hints (`uses_hints`)."""
     later = [j for j in transformer.config.moe_layers if j > layer]
-    if not later:
+    if not later or not uses_hints(transformer.experts):
         return None
     predicted, _ = transformer.route(later[0], h)  # [T, k], highest score first
     return PrefetchHint(later[0], predicted)

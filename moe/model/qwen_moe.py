@@ -19,19 +19,17 @@ from typing import Any
 import numpy as np
 
 from moe.errors import ConfigError
-from moe.experts.backend import ExpertsBackend
+from moe.experts.backend import ExpertsBackend, PrefetchHint
+from moe.model import fused
 from moe.model.config import RopeConfig, parse_rope, require
-from moe.model.layers import (
-    apply_rope,
-    attend,
-    next_layer_hint,
-    rms_norm,
-    rope_cos_sin,
-    sigmoid,
-    softmax,
-    swiglu_mlp,
-    top_k_indices,
+from moe.model.fused import (
+    QK_NORM_CODES,
+    add_rms_norm,
+    gqa_attention,
+    rms_norm_rows,
+    route_softmax_topk,
 )
+from moe.model.layers import rope_cos_sin, sigmoid, swiglu_mlp, uses_hints
 from moe.model.trunk import Trunk
 
 MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
@@ -190,88 +188,138 @@ class KVCache:
         self.length = length
 
 
+class _Layer:
+    """Layer i's weights, looked up once: norm vectors, Linear handles, flags. Rebuilt only
+    when a streamed trunk has read the layer again (`Transformer._layer`)."""
+
+    __slots__ = (
+        "marker", "input_norm", "post_norm", "q", "k", "v", "o", "q_norm", "k_norm",
+        "moe", "mlp", "shared", "shared_gate",
+    )  # fmt: skip
+
+    def __init__(self, c: Config, w: Trunk, i: int):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        self.marker = w.tensors.get(a + "q_proj.weight")  # replaced when the layer is re-read
+        self.input_norm = w.vector(p + "input_layernorm.weight")  # [H]
+        self.post_norm = w.vector(p + "post_attention_layernorm.weight")  # [H]
+        self.q, self.k, self.v, self.o = (
+            w.linear(a + n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+        )
+        none = np.zeros(0, np.float32)
+        self.q_norm = w.vector(a + "q_norm.weight") if c.qk_norm != "none" else none  # [D|Hq*D]
+        self.k_norm = w.vector(a + "k_norm.weight") if c.qk_norm != "none" else none
+        self.moe = i in c.moe_layers
+        self.mlp = self.shared = self.shared_gate = None
+        if not self.moe:
+            self.mlp = tuple(w.linear(m + n) for n in ("gate_proj", "up_proj", "down_proj"))
+        elif c.shared_expert_intermediate:
+            s = m + "shared_expert."
+            self.shared = tuple(w.linear(s + n) for n in ("gate_proj", "up_proj", "down_proj"))
+            self.shared_gate = w.linear(m + "shared_expert_gate")
+
+
 class Transformer:
-    """The trunk's forward pass; routed experts go to `experts` (local or remote)."""
+    """The trunk's forward pass; routed experts go to `experts` (local or remote).
+
+    The small operations between the linear layers run as fused numba kernels
+    (`moe.model.fused`, whose numpy twins are in `moe.model.layers`); each residual add is
+    fused with the norm that follows it. Arrays handed to the experts backend are fresh for
+    every call (a backend may keep them, e.g. to audit a node later)."""
 
     def __init__(self, config: Config, trunk: Trunk, experts: ExpertsBackend):
         self.config, self.trunk, self.experts = config, trunk, experts
         self.inv_freq, self.rope_scale = config.rope.inv_freq_and_scale()
         self.scaling = config.head_dim**-0.5
+        self._layers: list[_Layer | None] = [None] * config.num_hidden_layers
+        self._gates: dict[int, np.ndarray] = {}  # MoE layer -> router weight.T [H, E]
+        self._next_moe = [  # the next MoE layer after each layer, or None
+            next((j for j in config.moe_layers if j > i), None)
+            for i in range(config.num_hidden_layers)
+        ]
+        self._markers = [  # a tensor a streamed trunk replaces when it re-reads the layer
+            f"model.layers.{i}.self_attn.q_proj.weight" for i in range(config.num_hidden_layers)
+        ]
+        self._head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
+        self._qk_norm = QK_NORM_CODES[config.qk_norm]
+        self._clip = float(config.clip_qkv or 0.0)
+        self._window = int(config.sliding_window or 0)
+        fused.warmup()  # the kernels compiled (or loaded from numba's cache) before token one
 
     def new_cache(self, max_len: int) -> KVCache:
         return KVCache(self.config, max_len)
 
+    def _layer(self, i: int) -> _Layer:
+        """Layer i's handles (a streamed trunk installs new tensors when it re-reads a layer:
+        then they are looked up again)."""
+        ly = self._layers[i]
+        if ly is None or self.trunk.tensors.get(self._markers[i]) is not ly.marker:
+            ly = self._layers[i] = _Layer(self.config, self.trunk, i)
+        return ly
+
     def forward(self, ids: np.ndarray, cache: KVCache) -> np.ndarray:
         """Token ids [T] at positions cache.length.. -> logits [T, V]; appends to the cache."""
         c, w = self.config, self.trunk
-        positions = np.arange(cache.length, cache.length + len(ids))  # [T]
+        t, start, eps = len(ids), cache.length, c.rms_norm_eps
+        if start + t > cache.max_len:
+            raise ValueError(f"{start + t} positions do not fit a KV cache of {cache.max_len}")
+        positions = np.arange(start, start + t)  # [T]
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)  # [T, D/2] each
-        x = w.embed("model.embed_tokens.weight", ids)  # [T, H]
+        x = w.embed("model.embed_tokens.weight", ids)  # [T, H], the residual, updated in place
+        hints = uses_hints(self.experts)
+        delta = None  # the last block's output, added to x by the next norm
         for i in range(c.num_hidden_layers):
             w.enter_layer(i)  # a streamed trunk makes layer i resident and starts reading i + 1
-            p = f"model.layers.{i}."
-            h = rms_norm(x, w.vector(p + "input_layernorm.weight"), c.rms_norm_eps)  # [T, H]
-            x = x + self.attention(i, h, cos, sin, cache)  # [T, H]
-            h = rms_norm(x, w.vector(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
-            x = x + (self.moe(i, h) if i in c.moe_layers else self.dense_mlp(i, h))  # [T, H]
-        cache.length += len(ids)
-        x = rms_norm(x, w.vector("model.norm.weight"), c.rms_norm_eps)  # [T, H]
-        head = "model.embed_tokens" if c.tie_word_embeddings else "lm_head"
-        return w.linear(head)(x)  # [T, V]
+            ly = self._layer(i)
+            h = np.empty_like(x)  # [T, H]
+            if delta is None:
+                rms_norm_rows(x, ly.input_norm, eps, h)
+            else:
+                add_rms_norm(x, delta, ly.input_norm, eps, h)  # x += delta; h = norm(x)
+            attn = self._attention(i, ly, h, cos, sin, cache)  # [T, H]
+            h = np.empty_like(x)  # [T, H]
+            add_rms_norm(x, attn, ly.post_norm, eps, h)
+            delta = self._moe(i, ly, h, hints) if ly.moe else self._dense_mlp(ly, h)  # [T, H]
+        cache.length += t
+        h = np.empty_like(x)  # [T, H]
+        if delta is None:
+            rms_norm_rows(x, w.vector("model.norm.weight"), eps, h)
+        else:
+            add_rms_norm(x, delta, w.vector("model.norm.weight"), eps, h)
+        return w.linear(self._head)(h)  # [T, V]
 
-    def attention(self, i, h, cos, sin, cache: KVCache) -> np.ndarray:
-        c, w = self.config, self.trunk
-        a = f"model.layers.{i}.self_attn."
-        t, d = h.shape[0], c.head_dim
-        q = w.linear(a + "q_proj")(h)  # [T, Hq*D]
-        k = w.linear(a + "k_proj")(h)  # [T, Hkv*D]
-        v = w.linear(a + "v_proj")(h)  # [T, Hkv*D]
-        if c.qk_norm == "full":
-            q = rms_norm(q, w.vector(a + "q_norm.weight"), c.rms_norm_eps)  # [T, Hq*D]
-            k = rms_norm(k, w.vector(a + "k_norm.weight"), c.rms_norm_eps)  # [T, Hkv*D]
-        if c.clip_qkv is not None:
-            q, k, v = (np.clip(z, -c.clip_qkv, c.clip_qkv) for z in (q, k, v))
-        q = q.reshape(t, c.num_attention_heads, d)  # [T, Hq, D]
-        k = k.reshape(t, c.num_key_value_heads, d)  # [T, Hkv, D]
-        v = v.reshape(t, c.num_key_value_heads, d)  # [T, Hkv, D]
-        if c.qk_norm == "head":
-            q = rms_norm(q, w.vector(a + "q_norm.weight"), c.rms_norm_eps)  # [T, Hq, D]
-            k = rms_norm(k, w.vector(a + "k_norm.weight"), c.rms_norm_eps)  # [T, Hkv, D]
-        q = apply_rope(q, cos, sin, interleave=False)  # [T, Hq, D]
-        k = apply_rope(k, cos, sin, interleave=False)  # [T, Hkv, D]
-        start, end = cache.length, cache.length + t
-        cache.k[i][start:end], cache.v[i][start:end] = k, v
-        out = attend(q, cache.k[i][:end], cache.v[i][:end], self.scaling, c.sliding_window)
-        return w.linear(a + "o_proj")(out.reshape(t, -1))  # [T, H]
+    def _attention(self, i: int, ly: _Layer, h, cos, sin, cache: KVCache) -> np.ndarray:
+        """h [T, H] -> the attention block's output [T, H]; appends k, v to the cache."""
+        q, k, v = ly.q(h), ly.k(h), ly.v(h)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
+        out = np.empty_like(q)  # [T, Hq*D]
+        gqa_attention(
+            q, k, v, ly.q_norm, ly.k_norm, self._qk_norm, self.config.rms_norm_eps, self._clip,
+            cos, sin, cache.k[i], cache.v[i], cache.length, self.scaling, self._window, out,
+        )  # fmt: skip
+        return ly.o(out)  # [T, H]
+
+    def _gate_t(self, i: int) -> np.ndarray:
+        """Router weight of MoE layer i, transposed: [H, E] (always resident)."""
+        gate = self._gates.get(i)
+        if gate is None:
+            gate = self._gates[i] = self.trunk.vector(f"model.layers.{i}.mlp.gate.weight").T
+        return gate
 
     def route(self, i: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Softmax top-k router of layer i: h [T, H] -> expert ids [T, k], weights [T, k]."""
-        c = self.config
-        logits = h @ self.trunk.vector(f"model.layers.{i}.mlp.gate.weight").T  # [T, E]
-        probs = softmax(logits)  # [T, E]
-        ids = top_k_indices(probs, c.top_k)  # [T, k]
-        weights = np.take_along_axis(probs, ids, axis=-1)  # [T, k]
-        if c.norm_topk_prob:
-            weights = weights / weights.sum(axis=-1, keepdims=True)  # [T, k]
-        return ids, weights.astype(np.float32)
+        logits = h @ self._gate_t(i)  # [T, E]
+        return route_softmax_topk(logits, self.config.top_k, self.config.norm_topk_prob)
 
-    def moe(self, i: int, h: np.ndarray) -> np.ndarray:
+    def _moe(self, i: int, ly: _Layer, h: np.ndarray, hints: bool) -> np.ndarray:
         ids, weights = self.route(i, h)  # [T, k] each
-        hint = next_layer_hint(self, i, h)  # the next layer's experts, fetched meanwhile
+        hint, nxt = None, self._next_moe[i]
+        if hints and nxt is not None:  # the next layer's experts, fetched meanwhile
+            hint = PrefetchHint(nxt, self.route(nxt, h)[0])
         out = self.experts(i, h, ids, weights, hint=hint)  # [T, H]
-        if self.config.shared_expert_intermediate:
-            m, w = f"model.layers.{i}.mlp.", self.trunk
-            shared = swiglu_mlp(
-                h,
-                w.linear(m + "shared_expert.gate_proj"),
-                w.linear(m + "shared_expert.up_proj"),
-                w.linear(m + "shared_expert.down_proj"),
-            )  # [T, H]
-            out = out + sigmoid(w.linear(m + "shared_expert_gate")(h)) * shared  # [T, H]
-        return out
+        if ly.shared is not None:
+            shared = swiglu_mlp(h, *ly.shared)  # [T, H]
+            out = out + sigmoid(ly.shared_gate(h)) * shared  # [T, H]
+        return np.ascontiguousarray(out, dtype=np.float32)
 
-    def dense_mlp(self, i: int, h: np.ndarray) -> np.ndarray:
-        m, w = f"model.layers.{i}.mlp.", self.trunk
-        return swiglu_mlp(
-            h, w.linear(m + "gate_proj"), w.linear(m + "up_proj"), w.linear(m + "down_proj")
-        )
+    def _dense_mlp(self, ly: _Layer, h: np.ndarray) -> np.ndarray:
+        return swiglu_mlp(h, *ly.mlp)  # [T, H]

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0emoeshard.proto\x12\x0bmoeshard.v1\"H\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12!\n\x05\x64type\x18\x03 \x01(\x0e\x32\x12.moeshard.v1.DType\".\n\x0cLayerExperts\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\r\"\x1c\n\x0bInfoRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\"\x90\x04\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x16\n\x0e\x66ormat_version\x18\x03 \x01(\r\x12\x12\n\nmodel_type\x18\x04 \x01(\t\x12\x15\n\rexpert_format\x18\x05 \x01(\t\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12+\n\x08holdings\x18\x07 \x03(\x0b\x32\x19.moeshard.v1.LayerExperts\x12&\n\x03\x62\x61\x64\x18\x08 \x03(\x0b\x32\x19.moeshard.v1.LayerExperts\x12\x12\n\nram_budget\x18\t \x01(\x04\x12\x10\n\x08inflight\x18\n \x01(\r\x12\x0e\n\x06served\x18\x0b \x01(\x04\x12\x14\n\x0cwire_version\x18\x0c \x01(\r\x12/\n\x05stats\x18\r \x03(\x0b\x32 .moeshard.v1.NodeInfo.StatsEntry\x12\x0c\n\x04name\x18\x0e \x01(\t\x12\x12\n\npublic_key\x18\x0f \x01(\x0c\x12\x11\n\tsignature\x18\x10 \x01(\x0c\x12\x10\n\x08max_rows\x18\x11 \x01(\r\x12\x19\n\x11max_request_bytes\x18\x12 \x01(\x04\x12\x14\n\x0ckernel_build\x18\x13 \x01(\t\x12\x11\n\tcpu_level\x18\x14 \x01(\t\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xea\x01\n\x0e\x46orwardRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12#\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.moeshard.v1.Tensor\x12 \n\x03ids\x18\x04 \x01(\x0b\x32\x13.moeshard.v1.Tensor\x12$\n\x07weights\x18\x05 \x01(\x0b\x32\x13.moeshard.v1.Tensor\x12%\n\tout_dtype\x18\x06 \x01(\x0e\x32\x12.moeshard.v1.DType\x12\x12\n\nrequest_id\x18\x07 \x01(\x04\x12\x0f\n\x07session\x18\x08 \x01(\x0c\"\x99\x01\n\x0c\x46orwardReply\x12 \n\x03out\x18\x01 \x01(\x0b\x32\x13.moeshard.v1.Tensor\x12\x18\n\x10\x65xperts_computed\x18\x02 \x01(\r\x12\x12\n\ncompute_ms\x18\x03 \x01(\x02\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12%\n\x07receipt\x18\x05 \x01(\x0b\x32\x14.moeshard.v1.Receipt\"\xd5\x01\n\x07Receipt\x12\x0f\n\x07session\x18\x01 \x01(\x0c\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x04 \x03(\r\x12\x0c\n\x04rows\x18\x05 \x01(\r\x12\x14\n\x0c\x65xpert_bytes\x18\x06 \x01(\x04\x12\x14\n\x0cinput_sha256\x18\x07 \x01(\x0c\x12\x15\n\routput_sha256\x18\x08 \x01(\x0c\x12\x0f\n\x07node_id\x18\t \x01(\t\x12\x10\n\x08model_id\x18\n \x01(\t\x12\x11\n\tsignature\x18\x0f \x01(\x0c\"\x9c\x02\n\nSettlement\x12\x0f\n\x07session\x18\x01 \x01(\x0c\x12\x16\n\x0e\x63oordinator_id\x18\x02 \x01(\t\x12\x17\n\x0f\x63oordinator_key\x18\x03 \x01(\x0c\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x0b\n\x03seq\x18\x06 \x01(\x04\x12\r\n\x05\x63\x61lls\x18\x07 \x01(\x04\x12\x0c\n\x04rows\x18\x08 \x01(\x04\x12\x14\n\x0c\x65xpert_bytes\x18\t \x01(\x04\x12\x15\n\raudits_passed\x18\n \x01(\r\x12\x15\n\raudits_failed\x18\x0b \x01(\r\x12\x17\n\x0freceipts_sha256\x18\x0c \x01(\x0c\x12\x0f\n\x07unix_ms\x18\r \x01(\x03\x12\x11\n\tsignature\x18\x0f \x01(\x0c\"/\n\x0bSettleReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\":\n\nBlockIndex\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\r\x12\r\n\x05\x62lock\x18\x03 \x01(\r\"\\\n\x10\x43hallengeRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\'\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x17.moeshard.v1.BlockIndex\"M\n\nBlockProof\x12#\n\x02\x61t\x18\x01 \x01(\x0b\x32\x17.moeshard.v1.BlockIndex\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04path\x18\x03 \x03(\x0c\"L\n\x0e\x43hallengeReply\x12\'\n\x06proofs\x18\x01 \x03(\x0b\x32\x17.moeshard.v1.BlockProof\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"C\n\x0fPrefetchRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x03 \x03(\r\"!\n\rPrefetchReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r*C\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x07\n\x03\x46\x33\x32\x10\x01\x12\x08\n\x04\x42\x46\x31\x36\x10\x02\x12\x07\n\x03I32\x10\x03\x12\x07\n\x03\x46\x36\x34\x10\x04\x32\xa1\x03\n\nExpertNode\x12\x37\n\x04Info\x12\x18.moeshard.v1.InfoRequest\x1a\x15.moeshard.v1.NodeInfo\x12\x41\n\x07\x46orward\x12\x1b.moeshard.v1.ForwardRequest\x1a\x19.moeshard.v1.ForwardReply\x12K\n\rForwardStream\x12\x1b.moeshard.v1.ForwardRequest\x1a\x19.moeshard.v1.ForwardReply(\x01\x30\x01\x12\x44\n\x08Prefetch\x12\x1c.moeshard.v1.PrefetchRequest\x1a\x1a.moeshard.v1.PrefetchReply\x12;\n\x06Settle\x12\x17.moeshard.v1.Settlement\x1a\x18.moeshard.v1.SettleReply\x12G\n\tChallenge\x12\x1d.moeshard.v1.ChallengeRequest\x1a\x1b.moeshard.v1.ChallengeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0emoeshard.proto\x12\x0bmoeshard.v1\"H\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12!\n\x05\x64type\x18\x03 \x01(\x0e\x32\x12.moeshard.v1.DType\".\n\x0cLayerExperts\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\r\"\x1c\n\x0bInfoRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\"\xa4\x04\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x16\n\x0e\x66ormat_version\x18\x03 \x01(\r\x12\x12\n\nmodel_type\x18\x04 \x01(\t\x12\x15\n\rexpert_format\x18\x05 \x01(\t\x12\x13\n\x0bhidden_size\x18\x06 \x01(\r\x12+\n\x08holdings\x18\x07 \x03(\x0b\x32\x19.moeshard.v1.LayerExperts\x12&\n\x03\x62\x61\x64\x18\x08 \x03(\x0b\x32\x19.moeshard.v1.LayerExperts\x12\x12\n\nram_budget\x18\t \x01(\x04\x12\x10\n\x08inflight\x18\n \x01(\r\x12\x0e\n\x06served\x18\x0b \x01(\x04\x12\x14\n\x0cwire_version\x18\x0c \x01(\r\x12/\n\x05stats\x18\r \x03(\x0b\x32 .moeshard.v1.NodeInfo.StatsEntry\x12\x0c\n\x04name\x18\x0e \x01(\t\x12\x12\n\npublic_key\x18\x0f \x01(\x0c\x12\x11\n\tsignature\x18\x10 \x01(\x0c\x12\x10\n\x08max_rows\x18\x11 \x01(\r\x12\x19\n\x11max_request_bytes\x18\x12 \x01(\x04\x12\x14\n\x0ckernel_build\x18\x13 \x01(\t\x12\x11\n\tcpu_level\x18\x14 \x01(\t\x12\x12\n\narithmetic\x18\x15 \x01(\r\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xea\x01\n\x0e\x46orwardRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12#\n\x06hidden\x18\x03 \x01(\x0b\x32\x13.moeshard.v1.Tensor\x12 \n\x03ids\x18\x04 \x01(\x0b\x32\x13.moeshard.v1.Tensor\x12$\n\x07weights\x18\x05 \x01(\x0b\x32\x13.moeshard.v1.Tensor\x12%\n\tout_dtype\x18\x06 \x01(\x0e\x32\x12.moeshard.v1.DType\x12\x12\n\nrequest_id\x18\x07 \x01(\x04\x12\x0f\n\x07session\x18\x08 \x01(\x0c\"\x99\x01\n\x0c\x46orwardReply\x12 \n\x03out\x18\x01 \x01(\x0b\x32\x13.moeshard.v1.Tensor\x12\x18\n\x10\x65xperts_computed\x18\x02 \x01(\r\x12\x12\n\ncompute_ms\x18\x03 \x01(\x02\x12\x12\n\nrequest_id\x18\x04 \x01(\x04\x12%\n\x07receipt\x18\x05 \x01(\x0b\x32\x14.moeshard.v1.Receipt\"\xd5\x01\n\x07Receipt\x12\x0f\n\x07session\x18\x01 \x01(\x0c\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x04 \x03(\r\x12\x0c\n\x04rows\x18\x05 \x01(\r\x12\x14\n\x0c\x65xpert_bytes\x18\x06 \x01(\x04\x12\x14\n\x0cinput_sha256\x18\x07 \x01(\x0c\x12\x15\n\routput_sha256\x18\x08 \x01(\x0c\x12\x0f\n\x07node_id\x18\t \x01(\t\x12\x10\n\x08model_id\x18\n \x01(\t\x12\x11\n\tsignature\x18\x0f \x01(\x0c\"\x9c\x02\n\nSettlement\x12\x0f\n\x07session\x18\x01 \x01(\x0c\x12\x16\n\x0e\x63oordinator_id\x18\x02 \x01(\t\x12\x17\n\x0f\x63oordinator_key\x18\x03 \x01(\x0c\x12\x0f\n\x07node_id\x18\x04 \x01(\t\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x0b\n\x03seq\x18\x06 \x01(\x04\x12\r\n\x05\x63\x61lls\x18\x07 \x01(\x04\x12\x0c\n\x04rows\x18\x08 \x01(\x04\x12\x14\n\x0c\x65xpert_bytes\x18\t \x01(\x04\x12\x15\n\raudits_passed\x18\n \x01(\r\x12\x15\n\raudits_failed\x18\x0b \x01(\r\x12\x17\n\x0freceipts_sha256\x18\x0c \x01(\x0c\x12\x0f\n\x07unix_ms\x18\r \x01(\x03\x12\x11\n\tsignature\x18\x0f \x01(\x0c\"/\n\x0bSettleReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\":\n\nBlockIndex\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06\x65xpert\x18\x02 \x01(\r\x12\r\n\x05\x62lock\x18\x03 \x01(\r\"\\\n\x10\x43hallengeRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\'\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x17.moeshard.v1.BlockIndex\"M\n\nBlockProof\x12#\n\x02\x61t\x18\x01 \x01(\x0b\x32\x17.moeshard.v1.BlockIndex\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04path\x18\x03 \x03(\x0c\"L\n\x0e\x43hallengeReply\x12\'\n\x06proofs\x18\x01 \x03(\x0b\x32\x17.moeshard.v1.BlockProof\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"C\n\x0fPrefetchRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\r\x12\x0f\n\x07\x65xperts\x18\x03 \x03(\r\"!\n\rPrefetchReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r*C\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x07\n\x03\x46\x33\x32\x10\x01\x12\x08\n\x04\x42\x46\x31\x36\x10\x02\x12\x07\n\x03I32\x10\x03\x12\x07\n\x03\x46\x36\x34\x10\x04\x32\xa1\x03\n\nExpertNode\x12\x37\n\x04Info\x12\x18.moeshard.v1.InfoRequest\x1a\x15.moeshard.v1.NodeInfo\x12\x41\n\x07\x46orward\x12\x1b.moeshard.v1.ForwardRequest\x1a\x19.moeshard.v1.ForwardReply\x12K\n\rForwardStream\x12\x1b.moeshard.v1.ForwardRequest\x1a\x19.moeshard.v1.ForwardReply(\x01\x30\x01\x12\x44\n\x08Prefetch\x12\x1c.moeshard.v1.PrefetchRequest\x1a\x1a.moeshard.v1.PrefetchReply\x12;\n\x06Settle\x12\x17.moeshard.v1.Settlement\x1a\x18.moeshard.v1.SettleReply\x12G\n\tChallenge\x12\x1d.moeshard.v1.ChallengeRequest\x1a\x1b.moeshard.v1.ChallengeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_NODEINFO_STATSENTRY']._loaded_options = None
   _globals['_NODEINFO_STATSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=2074
-  _globals['_DTYPE']._serialized_end=2141
+  _globals['_DTYPE']._serialized_start=2094
+  _globals['_DTYPE']._serialized_end=2161
   _globals['_TENSOR']._serialized_start=31
   _globals['_TENSOR']._serialized_end=103
   _globals['_LAYEREXPERTS']._serialized_start=105
@@ -42,31 +42,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFOREQUEST']._serialized_start=153
   _globals['_INFOREQUEST']._serialized_end=181
   _globals['_NODEINFO']._serialized_start=184
-  _globals['_NODEINFO']._serialized_end=712
-  _globals['_NODEINFO_STATSENTRY']._serialized_start=668
-  _globals['_NODEINFO_STATSENTRY']._serialized_end=712
-  _globals['_FORWARDREQUEST']._serialized_start=715
-  _globals['_FORWARDREQUEST']._serialized_end=949
-  _globals['_FORWARDREPLY']._serialized_start=952
-  _globals['_FORWARDREPLY']._serialized_end=1105
-  _globals['_RECEIPT']._serialized_start=1108
-  _globals['_RECEIPT']._serialized_end=1321
-  _globals['_SETTLEMENT']._serialized_start=1324
-  _globals['_SETTLEMENT']._serialized_end=1608
-  _globals['_SETTLEREPLY']._serialized_start=1610
-  _globals['_SETTLEREPLY']._serialized_end=1657
-  _globals['_BLOCKINDEX']._serialized_start=1659
-  _globals['_BLOCKINDEX']._serialized_end=1717
-  _globals['_CHALLENGEREQUEST']._serialized_start=1719
-  _globals['_CHALLENGEREQUEST']._serialized_end=1811
-  _globals['_BLOCKPROOF']._serialized_start=1813
-  _globals['_BLOCKPROOF']._serialized_end=1890
-  _globals['_CHALLENGEREPLY']._serialized_start=1892
-  _globals['_CHALLENGEREPLY']._serialized_end=1968
-  _globals['_PREFETCHREQUEST']._serialized_start=1970
-  _globals['_PREFETCHREQUEST']._serialized_end=2037
-  _globals['_PREFETCHREPLY']._serialized_start=2039
-  _globals['_PREFETCHREPLY']._serialized_end=2072
-  _globals['_EXPERTNODE']._serialized_start=2144
-  _globals['_EXPERTNODE']._serialized_end=2561
+  _globals['_NODEINFO']._serialized_end=732
+  _globals['_NODEINFO_STATSENTRY']._serialized_start=688
+  _globals['_NODEINFO_STATSENTRY']._serialized_end=732
+  _globals['_FORWARDREQUEST']._serialized_start=735
+  _globals['_FORWARDREQUEST']._serialized_end=969
+  _globals['_FORWARDREPLY']._serialized_start=972
+  _globals['_FORWARDREPLY']._serialized_end=1125
+  _globals['_RECEIPT']._serialized_start=1128
+  _globals['_RECEIPT']._serialized_end=1341
+  _globals['_SETTLEMENT']._serialized_start=1344
+  _globals['_SETTLEMENT']._serialized_end=1628
+  _globals['_SETTLEREPLY']._serialized_start=1630
+  _globals['_SETTLEREPLY']._serialized_end=1677
+  _globals['_BLOCKINDEX']._serialized_start=1679
+  _globals['_BLOCKINDEX']._serialized_end=1737
+  _globals['_CHALLENGEREQUEST']._serialized_start=1739
+  _globals['_CHALLENGEREQUEST']._serialized_end=1831
+  _globals['_BLOCKPROOF']._serialized_start=1833
+  _globals['_BLOCKPROOF']._serialized_end=1910
+  _globals['_CHALLENGEREPLY']._serialized_start=1912
+  _globals['_CHALLENGEREPLY']._serialized_end=1988
+  _globals['_PREFETCHREQUEST']._serialized_start=1990
+  _globals['_PREFETCHREQUEST']._serialized_end=2057
+  _globals['_PREFETCHREPLY']._serialized_start=2059
+  _globals['_PREFETCHREPLY']._serialized_end=2092
+  _globals['_EXPERTNODE']._serialized_start=2164
+  _globals['_EXPERTNODE']._serialized_end=2581
 # @@protoc_insertion_point(module_scope)

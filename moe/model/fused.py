@@ -1,0 +1,327 @@
+"""Numba kernels for the trunk's small operations: one call where numpy needs a dozen, and
+no temporaries beyond a row.
+
+Each kernel has a readable numpy twin in `moe.model.layers` (`tests/test_fused_ops.py`
+compares them; the families' files state the math with those):
+
+* `rms_norm_rows`, `add_rms_norm`: bit-identical to `layers.rms_norm` (the same float32
+  operations; the mean of squares is summed in numpy's own pairwise order, `_pairwise_sum`);
+  `add_rms_norm` also does the residual add before it.
+* `rope_inplace`: bit-identical to `layers.apply_rope` (elementwise float32), in place.
+* `attend_cache`: `layers.attend` against the KV cache without building a mask (a query at
+  position p reads keys lo..p); the dot products are float32 in another order than BLAS's
+  (last-bit differences).
+* `gqa_attention`: everything between a GQA layer's projections and its o_proj in one call:
+  q/k norms, clip, RoPE, the KV-cache write and `attend_cache`.
+* `route_softmax_topk`: `Transformer.route`'s softmax, top-k (ties to the lower index, as a
+  stable argsort) and renormalisation; libm's expf may differ from numpy's in the last bit.
+
+Heads stay packed in rows: q [T, Hq*D], k and v [T, Hkv*D], as the projections make them;
+the KV cache is [S, Hkv, D]. T = tokens in the call, S = positions, D = head size.
+
+Kernels are serial (nogil; no parallel=True: with cache=True an njit function must not call
+a parallel one, and these are microseconds of work). Compile time matters (the first run on
+a machine compiles them): no array-to-array slice assignment, no reshape, and no constant
+passed to a helper (numba compiles one variant per literal value).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from numba import njit
+
+QK_NORM_NONE, QK_NORM_HEAD, QK_NORM_FULL = 0, 1, 2  # gqa_attention's qk_norm
+QK_NORM_CODES = {"none": QK_NORM_NONE, "head": QK_NORM_HEAD, "full": QK_NORM_FULL}
+PAIRWISE_BLOCK = 128  # numpy's PW_BLOCKSIZE
+
+
+@njit(cache=True, nogil=True)
+def _block_sum(a, lo, n):
+    """numpy's pairwise-sum leaf (n <= 128): eight interleaved partial sums, then the rest."""
+    if n < 8:
+        res = np.float32(0.0)
+        for i in range(lo, lo + n):
+            res += a[i]
+        return res
+    r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+    r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+    i = lo + 8
+    end = lo + n - n % 8
+    while i < end:
+        r0 += a[i]
+        r1 += a[i + 1]
+        r2 += a[i + 2]
+        r3 += a[i + 3]
+        r4 += a[i + 4]
+        r5 += a[i + 5]
+        r6 += a[i + 6]
+        r7 += a[i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < lo + n:
+        res += a[i]
+        i += 1
+    return res
+
+
+@njit(cache=True, nogil=True)
+def _pairwise_sum(a):
+    """float32 sum of a 1-D float32 array in numpy's pairwise order, so it rounds exactly as
+    `np.sum` of a float32 row does.
+
+    numpy recurses: n <= 128 is a leaf (`_block_sum`), else the first n2 = n // 2 rounded down
+    to a multiple of 8 and the rest are summed separately and added. Here the same tree is
+    walked with an explicit stack (numba's cache and recursive functions do not mix). No
+    constant is passed to a helper: numba would compile a variant per literal value."""
+    los = np.empty(64, dtype=np.int64)  # pending nodes: start, length, halves queued
+    ns = np.empty(64, dtype=np.int64)
+    queued = np.zeros(64, dtype=np.bool_)
+    values = np.empty(64, dtype=np.float32)  # finished subtrees, left before right
+    los[0], ns[0] = 0, a.shape[0]
+    top, nv = 1, 0
+    while top > 0:
+        top -= 1
+        start, m = los[top], ns[top]
+        if m <= PAIRWISE_BLOCK:
+            values[nv] = _block_sum(a, start, m)
+            nv += 1
+        elif queued[top]:
+            values[nv - 2] = values[nv - 2] + values[nv - 1]
+            nv -= 1
+        else:
+            m2 = m // 2
+            m2 -= m2 % 8
+            queued[top] = True  # added up once both halves are done
+            los[top + 1], ns[top + 1], queued[top + 1] = start + m2, m - m2, False  # right
+            los[top + 2], ns[top + 2], queued[top + 2] = start, m2, False  # left, done first
+            top += 3
+    return values[0]
+
+
+@njit(cache=True, nogil=True)
+def _norm_row(x, lo, d, weight, eps, out):
+    """out[lo:lo+d] = weight * (x / sqrt(mean(x^2) + eps)) for x = x[lo:lo+d] (out may be x)."""
+    squares = np.empty(d, dtype=np.float32)  # [d]
+    for j in range(d):
+        squares[j] = x[lo + j] * x[lo + j]
+    variance = _pairwise_sum(squares) / np.float32(d)
+    denom = np.sqrt(variance + eps)
+    for j in range(d):
+        out[lo + j] = weight[j] * (x[lo + j] / denom)
+
+
+@njit(cache=True, nogil=True)
+def rms_norm_rows(x, weight, eps, out):
+    """RMSNorm of every d-wide segment of every row: x [N, k*d] with weight [d] -> out (out
+    may be x). weight [D] normalises whole rows; weight [D / heads] each head."""
+    e = np.float32(eps)
+    d = weight.shape[0]
+    for r in range(x.shape[0]):
+        xr, outr = x[r], out[r]
+        for lo in range(0, x.shape[1], d):
+            _norm_row(xr, lo, d, weight, e, outr)
+
+
+@njit(cache=True, nogil=True)
+def add_rms_norm(x, delta, weight, eps, out):
+    """The residual add and the next norm: x += delta, then out = RMSNorm(x); x, delta, out
+    [T, H] float32 (x is updated in place)."""
+    for r in range(x.shape[0]):
+        xr, dr = x[r], delta[r]
+        for j in range(xr.shape[0]):
+            xr[j] = xr[j] + dr[j]
+    rms_norm_rows(x, weight, eps, out)
+
+
+@njit(cache=True, nogil=True)
+def rope_inplace(x, dim, cos, sin, interleave):
+    """Rotate every dim-wide head of x [T, heads*dim] in place by cos/sin [T, dim/2]
+    (`layers.apply_rope` on x viewed as [T, heads, dim]).
+
+    Non-interleaved pairs (i, i + dim/2); interleaved pairs (2i, 2i+1), written de-interleaved
+    ([rotated evens, rotated odds]) as transformers does for DeepSeek."""
+    half = dim // 2
+    tmp = np.empty(dim, dtype=np.float32)  # [dim]
+    for t in range(x.shape[0]):
+        row = x[t]
+        for lo in range(0, x.shape[1], dim):
+            for j in range(dim):
+                tmp[j] = row[lo + j]
+            for i in range(half):
+                c, s = cos[t, i], sin[t, i]
+                if interleave:
+                    x1, x2 = tmp[2 * i], tmp[2 * i + 1]
+                else:
+                    x1, x2 = tmp[i], tmp[i + half]
+                row[lo + i] = x1 * c - x2 * s
+                row[lo + i + half] = x2 * c + x1 * s
+
+
+@njit(cache=True, nogil=True)
+def _dot(a, a0, b, b0, n):
+    """float32 dot product of a[a0:a0+n] and b[b0:b0+n]: eight interleaved partial sums (no
+    chain of dependent adds; LLVM packs them into vector lanes), then the tail."""
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+    m = n - n % 8
+    for j in range(0, m, 8):
+        i, k = a0 + j, b0 + j
+        s0 += a[i] * b[k]
+        s1 += a[i + 1] * b[k + 1]
+        s2 += a[i + 2] * b[k + 2]
+        s3 += a[i + 3] * b[k + 3]
+        s4 += a[i + 4] * b[k + 4]
+        s5 += a[i + 5] * b[k + 5]
+        s6 += a[i + 6] * b[k + 6]
+        s7 += a[i + 7] * b[k + 7]
+    acc = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+    for j in range(m, n):
+        acc += a[a0 + j] * b[b0 + j]
+    return acc
+
+
+@njit(cache=True, nogil=True)
+def attend_cache(q, kc, vc, start, scaling, window, out):
+    """Causal GQA attention of T queries against the KV cache.
+
+    q [T, Hq*D] at absolute positions start..start+T-1; kc [>= start+T, Hkv, D] and vc
+    [>= start+T, Hkv, Dv] hold every position up to and including the queries'; out
+    [T, Hq*Dv]. Query head h reads kv head h // (Hq / Hkv). The query at position p sees keys
+    lo..p, lo = max(0, p - window + 1) when window > 0 (transformers: q - k < window)."""
+    t_n = q.shape[0]
+    n_kv, d, dv = kc.shape[1], kc.shape[2], vc.shape[2]
+    n_q = q.shape[1] // d
+    group = n_q // n_kv
+    scale = np.float32(scaling)
+    scores = np.empty(start + t_n, dtype=np.float32)  # [S]
+    for t in range(t_n):
+        pos = start + t
+        lo = max(0, pos - window + 1) if window > 0 else 0
+        qt, ot = q[t], out[t]
+        for h in range(n_q):
+            kv = h // group
+            best = np.float32(-np.inf)
+            for s in range(lo, pos + 1):
+                sc = _dot(qt, h * d, kc[s, kv], 0, d) * scale
+                scores[s] = sc
+                if sc > best:
+                    best = sc
+            total = 0.0
+            for s in range(lo, pos + 1):
+                e = np.exp(scores[s] - best)
+                scores[s] = e
+                total += e
+            o0 = h * dv
+            for j in range(dv):
+                ot[o0 + j] = np.float32(0.0)
+            for s in range(lo, pos + 1):
+                p = np.float32(scores[s] / total)
+                vs = vc[s, kv]
+                for j in range(dv):
+                    ot[o0 + j] += p * vs[j]
+
+
+@njit(cache=True, nogil=True)
+def _clip(z, clip):
+    """Clamp z [T, n] to [-clip, clip] in place (np.clip with a float32 bound)."""
+    c = np.float32(clip)
+    for r in range(z.shape[0]):
+        for j in range(z.shape[1]):
+            z[r, j] = min(max(z[r, j], -c), c)
+
+
+@njit(cache=True, nogil=True)
+def gqa_attention(
+    q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, kc, vc, start, scaling, window, out
+):
+    """Everything between a GQA layer's projections and its o_proj, for T new tokens.
+
+    q [T, Hq*D], k and v [T, Hkv*D] (modified in place): qk_norm QK_NORM_FULL normalises the
+    whole projections (q_norm [Hq*D], k_norm [Hkv*D]), then clip > 0 clamps q, k, v to
+    [-clip, clip], QK_NORM_HEAD normalises each head (q_norm, k_norm [D]); then RoPE
+    (non-interleaved, cos/sin [T, D/2]), k and v written to the cache kc, vc [S, Hkv, D] at
+    start..start+T-1, and `attend_cache` -> out [T, Hq*D]."""
+    n_kv, d = kc.shape[1], kc.shape[2]
+    if qk_norm == QK_NORM_FULL:
+        rms_norm_rows(q, q_norm, eps, q)  # q_norm [Hq*D]: whole rows
+        rms_norm_rows(k, k_norm, eps, k)
+    if clip > 0:
+        _clip(q, clip)
+        _clip(k, clip)
+        _clip(v, clip)
+    if qk_norm == QK_NORM_HEAD:
+        rms_norm_rows(q, q_norm, eps, q)  # q_norm [D]: every head
+        rms_norm_rows(k, k_norm, eps, k)
+    interleave = qk_norm < 0  # (always False: a variable, not a constant, see _pairwise_sum)
+    rope_inplace(q, d, cos, sin, interleave)
+    rope_inplace(k, d, cos, sin, interleave)
+    for t in range(q.shape[0]):
+        for h in range(n_kv):
+            for j in range(d):
+                kc[start + t, h, j] = k[t, h * d + j]
+                vc[start + t, h, j] = v[t, h * d + j]
+    attend_cache(q, kc, vc, start, scaling, window, out)
+
+
+@njit(cache=True, nogil=True)
+def route_softmax_topk(logits, k, renorm):
+    """Softmax router: logits [T, E] -> (expert ids int64 [T, k] best first, weights float32
+    [T, k]); ties go to the lower expert id; renorm: the k weights are divided by their sum."""
+    t_n, n_e = logits.shape
+    ids = np.empty((t_n, k), dtype=np.int64)  # [T, k]
+    weights = np.empty((t_n, k), dtype=np.float32)  # [T, k]
+    probs = np.empty(n_e, dtype=np.float32)  # [E]
+    taken = np.zeros(n_e, dtype=np.bool_)  # [E]
+    for t in range(t_n):
+        row = logits[t]
+        m = row[0]
+        for j in range(1, n_e):
+            if row[j] > m:
+                m = row[j]
+        for j in range(n_e):
+            probs[j] = np.exp(row[j] - m)
+        total = _pairwise_sum(probs)
+        for j in range(n_e):
+            probs[j] = probs[j] / total
+            taken[j] = False
+        for slot in range(k):
+            best = -1
+            for j in range(n_e):
+                if not taken[j] and (best < 0 or probs[j] > probs[best]):
+                    best = j
+            taken[best] = True
+            ids[t, slot] = best
+            weights[t, slot] = probs[best]
+        if renorm:
+            s = _pairwise_sum(weights[t])
+            for slot in range(k):
+                weights[t, slot] = weights[t, slot] / s
+    return ids, weights
+
+
+_warm = False
+
+
+def warmup() -> float:
+    """Compile (or load from numba's cache) every kernel for the argument types the forward
+    pass uses, once per process; returns seconds (0 after the first call)."""
+    global _warm
+    if _warm:
+        return 0.0
+    t0 = time.perf_counter()
+    t, d, n_kv, n_q = 1, 8, 1, 2
+    x, w = np.ones((t, 2 * d), np.float32), np.ones(2 * d, np.float32)  # [T, H], [H]
+    out = np.empty_like(x)
+    rms_norm_rows(x, w, 1e-6, out)
+    add_rms_norm(x, out, w, 1e-6, out)
+    q, k, v = (np.ones((t, n * d), np.float32) for n in (n_q, n_kv, n_kv))
+    cos, sin = np.ones((t, d // 2), np.float32), np.zeros((t, d // 2), np.float32)
+    kc, vc = np.zeros((4, n_kv, d), np.float32), np.zeros((4, n_kv, d), np.float32)
+    none = np.zeros(0, np.float32)
+    gqa_attention(
+        q, k, v, none, none, QK_NORM_NONE, 1e-6, 0.0, cos, sin, kc, vc, 0, 0.5, 0, np.empty_like(q)
+    )
+    route_softmax_topk(np.zeros((t, 4), np.float32), 2, True)
+    _warm = True
+    return time.perf_counter() - t0

@@ -1,0 +1,161 @@
+"""The trunk's fused numba kernels (moe/model/fused.py) against their numpy twins in
+moe/model/layers.py: RMSNorm and RoPE to the bit, attention and the router within float32
+rounding (ties in router scores to the lower expert id, exactly)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moe.model import fused
+from moe.model.layers import (
+    apply_rope,
+    attend,
+    rms_norm,
+    rope_cos_sin,
+    softmax,
+    top_k_indices,
+)
+
+RNG = np.random.default_rng(17)
+
+
+def randn(*shape, scale: float = 1.0) -> np.ndarray:
+    return (RNG.standard_normal(shape) * scale).astype(np.float32)
+
+
+def cos_sin(start: int, t: int, dim: int, scale: float = 1.0):
+    inv_freq = (10000.0 ** -(np.arange(0, dim, 2) / dim)).astype(np.float32)  # [dim/2]
+    return rope_cos_sin(np.arange(start, start + t), inv_freq, scale)  # [T, dim/2] each
+
+
+@pytest.mark.parametrize("d", [5, 8, 64, 100, 128, 256, 1000, 2048, 7168])
+def test_rms_norm_is_bit_identical(d):
+    x, w = randn(3, d, scale=3.0), randn(d)
+    out = np.empty_like(x)
+    fused.rms_norm_rows(x, w, 1e-6, out)
+    np.testing.assert_array_equal(out, rms_norm(x, w, 1e-6))
+    want = rms_norm(x, w, 1e-5)
+    fused.rms_norm_rows(x, w, 1e-5, x)  # in place
+    np.testing.assert_array_equal(x, want)
+
+
+def test_rms_norm_per_head():
+    t, heads, d = 4, 6, 64
+    q, w = randn(t, heads * d, scale=2.0), randn(d)  # heads packed in rows
+    want = rms_norm(q.reshape(t, heads, d), w, 1e-6)  # [T, heads, D]: per head
+    fused.rms_norm_rows(q, w, 1e-6, q)
+    np.testing.assert_array_equal(q.reshape(t, heads, d), want)
+
+
+@pytest.mark.parametrize("t,h", [(1, 256), (5, 1024)])
+def test_add_rms_norm_adds_the_residual(t, h):
+    x, delta, w = randn(t, h), randn(t, h, scale=0.3), randn(h)
+    want_x = x + delta
+    want = rms_norm(want_x, w, 1e-6)
+    out = np.empty_like(x)
+    fused.add_rms_norm(x, delta, w, 1e-6, out)
+    np.testing.assert_array_equal(x, want_x)
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("t,heads,dim,start", [(1, 4, 64, 0), (3, 2, 128, 41), (7, 1, 16, 5)])
+def test_rope_in_place_is_bit_identical(interleave, t, heads, dim, start):
+    x = randn(t, heads, dim)
+    cos, sin = cos_sin(start, t, dim, scale=1.1)
+    want = apply_rope(x, cos, sin, interleave)
+    fused.rope_inplace(x.reshape(t, heads * dim), dim, cos, sin, interleave)
+    np.testing.assert_array_equal(x, want)
+
+
+ATTENTION_CASES = [
+    # T, start, Hq, Hkv, D, window
+    (1, 0, 4, 2, 64, None),
+    (1, 37, 8, 2, 128, None),  # decode: one query against the cache
+    (5, 0, 4, 4, 16, None),  # prefill, no grouping
+    (6, 9, 6, 1, 32, None),  # multi-query
+    (4, 11, 4, 2, 16, 3),  # sliding window smaller than the new tokens
+    (1, 20, 4, 2, 16, 8),  # decode with a window
+    (9, 0, 2, 1, 8, 4),  # prefill with a window
+]
+
+
+@pytest.mark.parametrize("t,start,hq,hkv,d,window", ATTENTION_CASES)
+def test_attend_cache_matches_attend(t, start, hq, hkv, d, window):
+    s = start + t
+    q, k, v = randn(t, hq, d), randn(s + 3, hkv, d), randn(s + 3, hkv, d)  # unused tail
+    k[s:] = np.nan  # positions past the queries' must not be read
+    v[s:] = np.nan
+    out = np.empty((t, hq * d), np.float32)
+    fused.attend_cache(q.reshape(t, hq * d), k, v, start, d**-0.5, window or 0, out)
+    want = attend(q, k[:s], v[:s], d**-0.5, window).reshape(t, hq * d)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("qk_norm", ["none", "head", "full"])
+@pytest.mark.parametrize("clip", [0.0, 0.7])
+def test_gqa_attention_matches_the_numpy_steps(qk_norm, clip):
+    t, start, hq, hkv, d, eps, window = 3, 4, 4, 2, 16, 1e-6, 0
+    q, k, v = randn(t, hq * d), randn(t, hkv * d), randn(t, hkv * d)
+    kc, vc = randn(start + t + 2, hkv, d), randn(start + t + 2, hkv, d)  # [S, Hkv, D]
+    qw = randn(d if qk_norm == "head" else hq * d)
+    kw = randn(d if qk_norm == "head" else hkv * d)
+    cos, sin = cos_sin(start, t, d)
+    # the numpy steps, as the family file did them before the fused kernel
+    rq, rk, rv = q.copy(), k.copy(), v.copy()
+    if qk_norm == "full":
+        rq, rk = rms_norm(rq, qw, eps), rms_norm(rk, kw, eps)
+    if clip:
+        rq, rk, rv = (np.clip(z, -clip, clip) for z in (rq, rk, rv))
+    rq, rk, rv = rq.reshape(t, hq, d), rk.reshape(t, hkv, d), rv.reshape(t, hkv, d)
+    if qk_norm == "head":
+        rq, rk = rms_norm(rq, qw, eps), rms_norm(rk, kw, eps)
+    rq, rk = apply_rope(rq, cos, sin, False), apply_rope(rk, cos, sin, False)
+    rkc, rvc = kc.copy(), vc.copy()
+    rkc[start : start + t], rvc[start : start + t] = rk, rv
+    want = attend(rq, rkc[: start + t], rvc[: start + t], d**-0.5, None).reshape(t, hq * d)
+
+    out = np.empty((t, hq * d), np.float32)
+    code = fused.QK_NORM_CODES[qk_norm]
+    if qk_norm == "none":
+        qw = kw = np.zeros(0, np.float32)
+    fused.gqa_attention(
+        q, k, v, qw, kw, code, eps, clip, cos, sin, kc, vc, start, d**-0.5, window, out
+    )
+    np.testing.assert_array_equal(kc, rkc)  # the new keys and values, and nothing else
+    np.testing.assert_array_equal(vc, rvc)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+def route_reference(logits: np.ndarray, k: int, renorm: bool):
+    """Transformer.route's numpy steps (softmax, stable top-k, optional renormalisation)."""
+    probs = softmax(logits)  # [T, E]
+    ids = top_k_indices(probs, k)  # [T, k]
+    weights = np.take_along_axis(probs, ids, axis=-1)  # [T, k]
+    if renorm:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return ids, weights.astype(np.float32)
+
+
+@pytest.mark.parametrize("t,e,k", [(1, 32, 4), (5, 64, 8), (3, 128, 2), (2, 8, 8)])
+@pytest.mark.parametrize("renorm", [False, True])
+def test_router_matches_numpy(t, e, k, renorm):
+    logits = randn(t, e, scale=2.0)
+    ids, weights = fused.route_softmax_topk(logits, k, renorm)
+    want_ids, want_weights = route_reference(logits, k, renorm)
+    assert ids.dtype == np.int64 and weights.dtype == np.float32
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(weights, want_weights, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("renorm", [False, True])
+def test_router_ties_go_to_the_lower_expert(renorm):
+    # scores from a handful of values: every row has ties inside and across the top k
+    logits = RNG.integers(-2, 3, size=(64, 32)).astype(np.float32)
+    logits[0] = 1.0  # all equal: experts 0..k-1
+    ids, weights = fused.route_softmax_topk(logits, 6, renorm)
+    want_ids, want_weights = route_reference(logits, 6, renorm)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(ids[0], np.arange(6))
+    np.testing.assert_allclose(weights, want_weights, rtol=2e-6, atol=1e-7)
