@@ -47,7 +47,7 @@ from numba import njit, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
-from moe.kernels.dots import F32X8, FMT_Q4_0, LANES, QK, _row, _splat, _vsum, _vzero
+from moe.kernels.dots import F32X8, FMT_Q4_0, LANES, QK, _splat, _vsum, _vzero
 
 
 def _target_isa() -> str:
@@ -84,10 +84,21 @@ def _indices(values):
     return ir.Constant(ir.VectorType(_I32, len(values)), list(values))
 
 
-def _ptr(context, builder, ary_type, ary, index, index_type):
-    """Pointer to ary[index] of a 1-D C array."""
+def _ptr2(context, builder, ary_type, ary, row, col):
+    """Pointer to ary[row, col] of a 2-D C array (row and col intp values)."""
     a = context.make_array(ary_type)(context, builder, ary)
-    return builder.gep(a.data, [context.cast(builder, index, index_type, types.intp)])
+    stride = cgutils.unpack_tuple(builder, a.strides, 2)[0]
+    item = context.get_constant(types.intp, context.get_abi_sizeof(a.data.type.pointee))
+    offset = builder.add(builder.mul(row, stride), builder.mul(col, item))
+    byte_ptr = builder.gep(builder.bitcast(a.data, _I8.as_pointer()), [offset])
+    return builder.bitcast(byte_ptr, a.data.type)
+
+
+def _grid(ary, dtype) -> bool:
+    """A C-contiguous 2-D array of `dtype` (rows addressed by number inside the intrinsic)."""
+    return (
+        isinstance(ary, types.Array) and ary.ndim == 2 and ary.layout == "C" and ary.dtype == dtype
+    )
 
 
 def _load(builder, ptr, vtype):
@@ -148,43 +159,47 @@ _DOT = {"avx2": _dot_avx2, "generic": _dot_generic}[ISA]
 
 def _iblock_kernel(codes, signed: bool, q4: bool):
     """An intrinsic running steps 2-3 on one block for n weight rows and m activation rows:
-    ``(a, dw, dx, rows, i, xq, j, xc, c) -> a'``.  rows: n-tuple of uint8 weight rows holding
-    the block at ``rows[r][i:]`` (read by `codes`); dw: their n float32 block scales; xq: m-tuple
-    of int8 activation rows with the block at ``xq[u][j : j + 32]``; dx: their m block scales;
-    xc: m-tuple of int32 rows with the block's per-lane sums of 8 * xq at ``xc[u][c : c + 8]``
-    (q4_0 only); a: the m * n lane accumulators, pair (u, r) at a[u * n + r]."""
+    ``(a, dw, dx, wq, rows, i, xq, us, j, xc, c) -> a'``.  wq: the uint8 weight matrix, its
+    rows `rows` (an n-tuple of row numbers) holding the block at ``wq[r, i:]`` (read by
+    `codes`); dw: their n float32 block scales; xq: the int8 activations, rows `us` (an
+    m-tuple) with the block at ``xq[u, j : j + 32]``; dx: their m block scales; xc: the int32
+    per-lane sums of 8 * xq, the block's at ``xc[u, c : c + 8]`` (q4_0 only); a: the m * n
+    lane accumulators, pair (u, r) at a[u * n + r].  Rows are addressed by number, not as
+    sliced views: a view per row group costs reference counting that a short row (a small
+    expert's 1024 columns) cannot amortise."""
 
     @intrinsic
-    def block(typingctx, a, dw, dx, rows, i, xq, j, xc, c):
-        if not (isinstance(rows, types.UniTuple) and isinstance(xq, types.UniTuple)):
+    def block(typingctx, a, dw, dx, wq, rows, i, xq, us, j, xc, c):
+        if not (isinstance(rows, types.UniTuple) and isinstance(us, types.UniTuple)):
             return None
-        n, m = len(rows), len(xq)
+        n, m = len(rows), len(us)
         if not (
             a == types.UniTuple(F32X8, n * m)
             and dw == types.UniTuple(types.float32, n)
             and dx == types.UniTuple(types.float32, m)
-            and _row(rows.dtype, types.uint8)
-            and _row(xq.dtype, types.int8)
-            and isinstance(xc, types.UniTuple)
-            and len(xc) == m
-            and _row(xc.dtype, types.int32)
-            and all(isinstance(v, types.Integer) for v in (i, j, c))
+            and _grid(wq, types.uint8)
+            and _grid(xq, types.int8)
+            and _grid(xc, types.int32)
+            and all(isinstance(v, types.Integer) for v in (rows.dtype, us.dtype, i, j, c))
         ):
             return None
 
         def codegen(context, builder, sig, args):
+            def intp(value, ty):
+                return context.cast(builder, value, ty, types.intp)
+
             acc = cgutils.unpack_tuple(builder, args[0], n * m)
             dws = cgutils.unpack_tuple(builder, args[1], n)
             dxs = cgutils.unpack_tuple(builder, args[2], m)
-            wrows = cgutils.unpack_tuple(builder, args[3], n)
-            xrows = cgutils.unpack_tuple(builder, args[5], m)
-            crows = cgutils.unpack_tuple(builder, args[7], m)
-            w = [codes(builder, _ptr(context, builder, rows.dtype, v, args[4], i)) for v in wrows]
-            x = [_q8(builder, _ptr(context, builder, xq.dtype, v, args[6], j)) for v in xrows]
+            rs = [intp(v, rows.dtype) for v in cgutils.unpack_tuple(builder, args[4], n)]
+            xs = [intp(v, us.dtype) for v in cgutils.unpack_tuple(builder, args[7], m)]
+            col_w, col_x, col_c = intp(args[5], i), intp(args[8], j), intp(args[10], c)
+            w = [codes(builder, _ptr2(context, builder, wq, args[3], r, col_w)) for r in rs]
+            x = [_q8(builder, _ptr2(context, builder, xq, args[6], u, col_x)) for u in xs]
             if q4:
                 corr = [
-                    _load(builder, _ptr(context, builder, xc.dtype, v, args[8], c), _V8I32)
-                    for v in crows
+                    _load(builder, _ptr2(context, builder, xc, args[9], u, col_c), _V8I32)
+                    for u in xs
                 ]
             out = []
             for u in range(m):
@@ -194,11 +209,13 @@ def _iblock_kernel(codes, signed: bool, q4: bool):
                         t = builder.sub(t, corr[u])  # sum (q - 8) xq = sum q xq - 8 sum xq
                     d = builder.fmul(dws[r], dxs[u])
                     tf = builder.sitofp(t, _V8F)  # exact: |t| < 2^16
-                    a = acc[u * n + r]
-                    out.append(_call(builder, "llvm.fma.v8f32", _V8F, _splat(builder, d), tf, a))
+                    acc_ur = acc[u * n + r]
+                    out.append(
+                        _call(builder, "llvm.fma.v8f32", _V8F, _splat(builder, d), tf, acc_ur)
+                    )
             return context.make_tuple(builder, sig.return_type, out)
 
-        return a(a, dw, dx, rows, i, xq, j, xc, c), codegen
+        return a(a, dw, dx, wq, rows, i, xq, us, j, xc, c), codegen
 
     return block
 
@@ -265,122 +282,90 @@ def activation_buffers(b, cols):
 
 
 @njit(cache=True, nogil=True)
-def _q4_idot4x1(w, s, lut, xq, xd, xc):
-    """Four q4_0 rows (w: 4-tuple of payload rows, s: their scale rows) . one quantised x."""
-    nb = s[0].shape[0]
+def _scales(ws, rows, lut, k):
+    """The float32 scales of block k of four weight rows."""
+    return (lut[ws[rows[0], k]], lut[ws[rows[1], k]], lut[ws[rows[2], k]], lut[ws[rows[3], k]])
+
+
+@njit(cache=True, nogil=True)
+def _q4_idot4x1(wq, ws, rows, lut, xq, xd, xc, u):
+    """Four q4_0 weight rows (row numbers `rows` of payload wq and scales ws) . quantised
+    activation row u -> four floats."""
+    nb = ws.shape[1]
     a0 = a1 = a2 = a3 = _vzero()
-    xs, cs = (xq,), (xc,)
+    us = (u,)
     for p in range(nb // 2):  # blocks k = 2p, 2p + 1 share 32 bytes from byte 32p
         k = 2 * p
-        dw = (lut[s[0][k]], lut[s[1][k]], lut[s[2][k]], lut[s[3][k]])
         a0, a1, a2, a3 = _q4lo_iblock(
-            (a0, a1, a2, a3), dw, (xd[k],), w, 32 * p, xs, QK * k, cs, LANES * k
-        )
+            (a0, a1, a2, a3), _scales(ws, rows, lut, k), (xd[u, k],), wq, rows, 32 * p,
+            xq, us, QK * k, xc, LANES * k,
+        )  # fmt: skip
         k += 1
-        dw = (lut[s[0][k]], lut[s[1][k]], lut[s[2][k]], lut[s[3][k]])
         a0, a1, a2, a3 = _q4hi_iblock(
-            (a0, a1, a2, a3), dw, (xd[k],), w, 32 * p, xs, QK * k, cs, LANES * k
-        )
+            (a0, a1, a2, a3), _scales(ws, rows, lut, k), (xd[u, k],), wq, rows, 32 * p,
+            xq, us, QK * k, xc, LANES * k,
+        )  # fmt: skip
     if nb & 1:
         k = nb - 1
-        dw = (lut[s[0][k]], lut[s[1][k]], lut[s[2][k]], lut[s[3][k]])
         a0, a1, a2, a3 = _q4tail_iblock(
-            (a0, a1, a2, a3), dw, (xd[k],), w, 16 * k, xs, QK * k, cs, LANES * k
-        )
+            (a0, a1, a2, a3), _scales(ws, rows, lut, k), (xd[u, k],), wq, rows, 16 * k,
+            xq, us, QK * k, xc, LANES * k,
+        )  # fmt: skip
     return _vsum(a0), _vsum(a1), _vsum(a2), _vsum(a3)
 
 
 @njit(cache=True, nogil=True)
-def _q4_idot4x2(w, s, lut, xqa, xda, xca, xqb, xdb, xcb):
-    """`_q4_idot4x1` for two activation rows: each weight block is loaded once for both."""
-    nb = s[0].shape[0]
+def _q4_idot4x2(wq, ws, rows, lut, xq, xd, xc, u):
+    """`_q4_idot4x1` for activation rows u and u + 1: each weight block is loaded once."""
+    nb = ws.shape[1]
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _vzero()
-    xs, cs = (xqa, xqb), (xca, xcb)
+    us = (u, u + 1)
     for p in range(nb // 2):
         k = 2 * p
-        dw = (lut[s[0][k]], lut[s[1][k]], lut[s[2][k]], lut[s[3][k]])
         a0, a1, a2, a3, b0, b1, b2, b3 = _q4lo_iblock(
-            (a0, a1, a2, a3, b0, b1, b2, b3),
-            dw,
-            (xda[k], xdb[k]),
-            w,
-            32 * p,
-            xs,
-            QK * k,
-            cs,
-            LANES * k,
-        )
+            (a0, a1, a2, a3, b0, b1, b2, b3), _scales(ws, rows, lut, k),
+            (xd[u, k], xd[u + 1, k]), wq, rows, 32 * p, xq, us, QK * k, xc, LANES * k,
+        )  # fmt: skip
         k += 1
-        dw = (lut[s[0][k]], lut[s[1][k]], lut[s[2][k]], lut[s[3][k]])
         a0, a1, a2, a3, b0, b1, b2, b3 = _q4hi_iblock(
-            (a0, a1, a2, a3, b0, b1, b2, b3),
-            dw,
-            (xda[k], xdb[k]),
-            w,
-            32 * p,
-            xs,
-            QK * k,
-            cs,
-            LANES * k,
-        )
+            (a0, a1, a2, a3, b0, b1, b2, b3), _scales(ws, rows, lut, k),
+            (xd[u, k], xd[u + 1, k]), wq, rows, 32 * p, xq, us, QK * k, xc, LANES * k,
+        )  # fmt: skip
     if nb & 1:
         k = nb - 1
-        dw = (lut[s[0][k]], lut[s[1][k]], lut[s[2][k]], lut[s[3][k]])
         a0, a1, a2, a3, b0, b1, b2, b3 = _q4tail_iblock(
-            (a0, a1, a2, a3, b0, b1, b2, b3),
-            dw,
-            (xda[k], xdb[k]),
-            w,
-            16 * k,
-            xs,
-            QK * k,
-            cs,
-            LANES * k,
-        )
-    return (_vsum(a0), _vsum(a1), _vsum(a2), _vsum(a3)), (
-        _vsum(b0),
-        _vsum(b1),
-        _vsum(b2),
-        _vsum(b3),
-    )
+            (a0, a1, a2, a3, b0, b1, b2, b3), _scales(ws, rows, lut, k),
+            (xd[u, k], xd[u + 1, k]), wq, rows, 16 * k, xq, us, QK * k, xc, LANES * k,
+        )  # fmt: skip
+    ya = (_vsum(a0), _vsum(a1), _vsum(a2), _vsum(a3))
+    return ya, (_vsum(b0), _vsum(b1), _vsum(b2), _vsum(b3))
 
 
 @njit(cache=True, nogil=True)
-def _q8_idot4x1(w, s, lut, xq, xd, xc):
-    """Four q8_0 rows . one quantised x (xc is not read: q8_0 codes need no correction)."""
+def _q8_idot4x1(wq, ws, rows, lut, xq, xd, xc, u):
+    """Four q8_0 rows . quantised activation row u (xc is not read: q8_0 codes need no
+    correction)."""
     a0 = a1 = a2 = a3 = _vzero()
-    xs, cs = (xq,), (xc,)
-    for k in range(s[0].shape[0]):
-        dw = (lut[s[0][k]], lut[s[1][k]], lut[s[2][k]], lut[s[3][k]])
+    us = (u,)
+    for k in range(ws.shape[1]):
         a0, a1, a2, a3 = _q8_iblock(
-            (a0, a1, a2, a3), dw, (xd[k],), w, QK * k, xs, QK * k, cs, LANES * k
-        )
+            (a0, a1, a2, a3), _scales(ws, rows, lut, k), (xd[u, k],), wq, rows, QK * k,
+            xq, us, QK * k, xc, LANES * k,
+        )  # fmt: skip
     return _vsum(a0), _vsum(a1), _vsum(a2), _vsum(a3)
 
 
 @njit(cache=True, nogil=True)
-def _q8_idot4x2(w, s, lut, xqa, xda, xca, xqb, xdb, xcb):
+def _q8_idot4x2(wq, ws, rows, lut, xq, xd, xc, u):
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _vzero()
-    xs, cs = (xqa, xqb), (xca, xcb)
-    for k in range(s[0].shape[0]):
-        dw = (lut[s[0][k]], lut[s[1][k]], lut[s[2][k]], lut[s[3][k]])
+    us = (u, u + 1)
+    for k in range(ws.shape[1]):
         a0, a1, a2, a3, b0, b1, b2, b3 = _q8_iblock(
-            (a0, a1, a2, a3, b0, b1, b2, b3),
-            dw,
-            (xda[k], xdb[k]),
-            w,
-            QK * k,
-            xs,
-            QK * k,
-            cs,
-            LANES * k,
-        )
-    return (_vsum(a0), _vsum(a1), _vsum(a2), _vsum(a3)), (
-        _vsum(b0),
-        _vsum(b1),
-        _vsum(b2),
-        _vsum(b3),
-    )
+            (a0, a1, a2, a3, b0, b1, b2, b3), _scales(ws, rows, lut, k),
+            (xd[u, k], xd[u + 1, k]), wq, rows, QK * k, xq, us, QK * k, xc, LANES * k,
+        )  # fmt: skip
+    ya = (_vsum(a0), _vsum(a1), _vsum(a2), _vsum(a3))
+    return ya, (_vsum(b0), _vsum(b1), _vsum(b2), _vsum(b3))
 
 
 @njit(cache=True, nogil=True)
@@ -392,27 +377,21 @@ def int_rows(fmt, wq, ws, lut, xq, xd, xc, out, r0, r1):
     last group of fewer than four rows repeats its last row (those lanes are dropped)."""
     b = xq.shape[0]
     for r in range(r0, r1, 4):
-        ra, rb, rc = min(r + 1, r1 - 1), min(r + 2, r1 - 1), min(r + 3, r1 - 1)
-        w = (wq[r], wq[ra], wq[rb], wq[rc])
-        s = (ws[r], ws[ra], ws[rb], ws[rc])
+        rows = (r, min(r + 1, r1 - 1), min(r + 2, r1 - 1), min(r + 3, r1 - 1))
         n = min(4, r1 - r)
         for u in range(0, b - 1, 2):
             if fmt == FMT_Q4_0:
-                ya, yb = _q4_idot4x2(
-                    w, s, lut, xq[u], xd[u], xc[u], xq[u + 1], xd[u + 1], xc[u + 1]
-                )
+                ya, yb = _q4_idot4x2(wq, ws, rows, lut, xq, xd, xc, u)
             else:
-                ya, yb = _q8_idot4x2(
-                    w, s, lut, xq[u], xd[u], xc[u], xq[u + 1], xd[u + 1], xc[u + 1]
-                )
+                ya, yb = _q8_idot4x2(wq, ws, rows, lut, xq, xd, xc, u)
             for i in range(n):
                 out[u, r + i] = ya[i]
                 out[u + 1, r + i] = yb[i]
         if b & 1:
             u = b - 1
             if fmt == FMT_Q4_0:
-                y = _q4_idot4x1(w, s, lut, xq[u], xd[u], xc[u])
+                y = _q4_idot4x1(wq, ws, rows, lut, xq, xd, xc, u)
             else:
-                y = _q8_idot4x1(w, s, lut, xq[u], xd[u], xc[u])
+                y = _q8_idot4x1(wq, ws, rows, lut, xq, xd, xc, u)
             for i in range(n):
                 out[u, r + i] = y[i]
