@@ -24,28 +24,64 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from moe.kernels.dots import F32X8, FMT_BF16, LANES, _row, _vload, _vsum, _vzero
+from moe.kernels.dots import F32X8, FMT_BF16, LANES, _vsum, _vzero
 
 _V8F = ir.VectorType(ir.FloatType(), LANES)
 _V8I16 = ir.VectorType(ir.IntType(16), LANES)
 _V8I32 = ir.VectorType(ir.IntType(32), LANES)
 
 
+def _grid(ary, dtype) -> bool:
+    """A C-contiguous 2-D array of `dtype`."""
+    return (
+        isinstance(ary, types.Array) and ary.ndim == 2 and ary.layout == "C" and ary.dtype == dtype
+    )
+
+
+def _ptr2(context, builder, ary_type, ary, row, col, lane_type):
+    """ary[row, col] of a 2-D C array as a pointer to `lane_type`: rows addressed by number,
+    not sliced into views (a view per row group costs reference counting that short rows,
+    a small model's 256 columns, cannot amortise)."""
+    a = context.make_array(ary_type)(context, builder, ary)
+    cols = cgutils.unpack_tuple(builder, a.shape, 2)[1]
+    index = builder.add(builder.mul(row, cols), col)
+    return builder.bitcast(builder.gep(a.data, [index]), lane_type.as_pointer())
+
+
 @intrinsic
-def _vload_bf16(typingctx, ary, i):
-    """ary[i : i + 8] of a bfloat16 row (uint16 bit patterns) as eight exact float32 lanes."""
-    if not (_row(ary, types.uint16) and isinstance(i, types.Integer)):
+def _vload2(typingctx, ary, r, j):
+    """ary[r, j : j + 8] of a float32 matrix."""
+    if not (_grid(ary, types.float32) and isinstance(r, types.Integer)):
+        return None
+    if not isinstance(j, types.Integer):
         return None
 
     def codegen(context, builder, sig, args):
-        a = context.make_array(sig.args[0])(context, builder, args[0])
-        idx = context.cast(builder, args[1], sig.args[1], types.intp)
-        ptr = builder.bitcast(builder.gep(a.data, [idx]), _V8I16.as_pointer())
+        row = context.cast(builder, args[1], sig.args[1], types.intp)
+        col = context.cast(builder, args[2], sig.args[2], types.intp)
+        return builder.load(_ptr2(context, builder, sig.args[0], args[0], row, col, _V8F), align=4)
+
+    return F32X8(ary, r, j), codegen
+
+
+@intrinsic
+def _vload2_bf16(typingctx, ary, r, j):
+    """ary[r, j : j + 8] of a bfloat16 matrix (uint16 bit patterns) as eight exact float32
+    lanes."""
+    if not (_grid(ary, types.uint16) and isinstance(r, types.Integer)):
+        return None
+    if not isinstance(j, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        row = context.cast(builder, args[1], sig.args[1], types.intp)
+        col = context.cast(builder, args[2], sig.args[2], types.intp)
+        ptr = _ptr2(context, builder, sig.args[0], args[0], row, col, _V8I16)
         wide = builder.zext(builder.load(ptr, align=2), _V8I32)
         bits = builder.shl(wide, ir.Constant(_V8I32, [16] * LANES))
         return builder.bitcast(bits, _V8F)
 
-    return F32X8(ary, i), codegen
+    return F32X8(ary, r, j), codegen
 
 
 @intrinsic
@@ -91,56 +127,60 @@ def _fma(typingctx, a, b, c):
 
 
 @njit(cache=True, nogil=True)
-def _bf16_dot4(w0, w1, w2, w3, x):
-    """Four bfloat16 rows (uint16 [cols]) . float32 x [cols] (steps 1-3 of the module doc)."""
-    cols = x.shape[0]
+def _bf16_dot4(w, rows, x, u):
+    """Four bfloat16 rows of w (uint16 [R, cols]; row numbers `rows`) . float32 row u of x
+    [b, cols] (steps 1-3 of the module doc)."""
+    cols = x.shape[1]
+    r0, r1, r2, r3 = rows
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _vzero()
     c16 = cols - cols % 16
     for j in range(0, c16, 16):
-        xa, xb = _vload(x, j), _vload(x, j + 8)
-        a0 = _vfma(_vload_bf16(w0, j), xa, a0)
-        a1 = _vfma(_vload_bf16(w1, j), xa, a1)
-        a2 = _vfma(_vload_bf16(w2, j), xa, a2)
-        a3 = _vfma(_vload_bf16(w3, j), xa, a3)
-        b0 = _vfma(_vload_bf16(w0, j + 8), xb, b0)
-        b1 = _vfma(_vload_bf16(w1, j + 8), xb, b1)
-        b2 = _vfma(_vload_bf16(w2, j + 8), xb, b2)
-        b3 = _vfma(_vload_bf16(w3, j + 8), xb, b3)
+        xa, xb = _vload2(x, u, j), _vload2(x, u, j + 8)
+        a0 = _vfma(_vload2_bf16(w, r0, j), xa, a0)
+        a1 = _vfma(_vload2_bf16(w, r1, j), xa, a1)
+        a2 = _vfma(_vload2_bf16(w, r2, j), xa, a2)
+        a3 = _vfma(_vload2_bf16(w, r3, j), xa, a3)
+        b0 = _vfma(_vload2_bf16(w, r0, j + 8), xb, b0)
+        b1 = _vfma(_vload2_bf16(w, r1, j + 8), xb, b1)
+        b2 = _vfma(_vload2_bf16(w, r2, j + 8), xb, b2)
+        b3 = _vfma(_vload2_bf16(w, r3, j + 8), xb, b3)
     y0, y1 = _vsum(_vadd(a0, b0)), _vsum(_vadd(a1, b1))
     y2, y3 = _vsum(_vadd(a2, b2)), _vsum(_vadd(a3, b3))
     for c in range(c16, cols):
-        xc = x[c]
-        y0 = _fma(_widen(w0[c]), xc, y0)
-        y1 = _fma(_widen(w1[c]), xc, y1)
-        y2 = _fma(_widen(w2[c]), xc, y2)
-        y3 = _fma(_widen(w3[c]), xc, y3)
+        xc = x[u, c]
+        y0 = _fma(_widen(w[r0, c]), xc, y0)
+        y1 = _fma(_widen(w[r1, c]), xc, y1)
+        y2 = _fma(_widen(w[r2, c]), xc, y2)
+        y3 = _fma(_widen(w[r3, c]), xc, y3)
     return y0, y1, y2, y3
 
 
 @njit(cache=True, nogil=True)
-def _f32_dot4(w0, w1, w2, w3, x):
-    """Four float32 rows . float32 x [cols] (steps 1-3 of the module doc)."""
-    cols = x.shape[0]
+def _f32_dot4(w, rows, x, u):
+    """Four float32 rows of w ([R, cols]; row numbers `rows`) . float32 row u of x [b, cols]
+    (steps 1-3 of the module doc)."""
+    cols = x.shape[1]
+    r0, r1, r2, r3 = rows
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _vzero()
     c16 = cols - cols % 16
     for j in range(0, c16, 16):
-        xa, xb = _vload(x, j), _vload(x, j + 8)
-        a0 = _vfma(_vload(w0, j), xa, a0)
-        a1 = _vfma(_vload(w1, j), xa, a1)
-        a2 = _vfma(_vload(w2, j), xa, a2)
-        a3 = _vfma(_vload(w3, j), xa, a3)
-        b0 = _vfma(_vload(w0, j + 8), xb, b0)
-        b1 = _vfma(_vload(w1, j + 8), xb, b1)
-        b2 = _vfma(_vload(w2, j + 8), xb, b2)
-        b3 = _vfma(_vload(w3, j + 8), xb, b3)
+        xa, xb = _vload2(x, u, j), _vload2(x, u, j + 8)
+        a0 = _vfma(_vload2(w, r0, j), xa, a0)
+        a1 = _vfma(_vload2(w, r1, j), xa, a1)
+        a2 = _vfma(_vload2(w, r2, j), xa, a2)
+        a3 = _vfma(_vload2(w, r3, j), xa, a3)
+        b0 = _vfma(_vload2(w, r0, j + 8), xb, b0)
+        b1 = _vfma(_vload2(w, r1, j + 8), xb, b1)
+        b2 = _vfma(_vload2(w, r2, j + 8), xb, b2)
+        b3 = _vfma(_vload2(w, r3, j + 8), xb, b3)
     y0, y1 = _vsum(_vadd(a0, b0)), _vsum(_vadd(a1, b1))
     y2, y3 = _vsum(_vadd(a2, b2)), _vsum(_vadd(a3, b3))
     for c in range(c16, cols):
-        xc = x[c]
-        y0 = _fma(w0[c], xc, y0)
-        y1 = _fma(w1[c], xc, y1)
-        y2 = _fma(w2[c], xc, y2)
-        y3 = _fma(w3[c], xc, y3)
+        xc = x[u, c]
+        y0 = _fma(w[r0, c], xc, y0)
+        y1 = _fma(w[r1, c], xc, y1)
+        y2 = _fma(w[r2, c], xc, y2)
+        y3 = _fma(w[r3, c], xc, y3)
     return y0, y1, y2, y3
 
 
@@ -159,39 +199,30 @@ def float_rows(fmt, wq, x, out, r0, r1):
     activation rows, bf16 rows are first widened into a float32 scratch, once per group
     instead of once per activation row (widening is exact: the same bits either way)."""
     b, cols = x.shape
-    widened = np.empty((4, cols if fmt == FMT_BF16 and b > 1 else 0), dtype=np.float32)
+    wide = fmt == FMT_BF16 and b > 1
+    widened = np.empty((4, cols if wide else 0), dtype=np.float32)  # [4, cols]
+    w32 = wq.view(np.float32) if fmt != FMT_BF16 else np.empty((0, 0), dtype=np.float32)
+    w16 = wq.view(np.uint16) if fmt == FMT_BF16 else np.empty((0, 0), dtype=np.uint16)
+    scratch = (0, 1, 2, 3)
     for r in range(r0, r1, 4):
         group = (r, min(r + 1, r1 - 1), min(r + 2, r1 - 1), min(r + 3, r1 - 1))
         n = min(4, r1 - r)
-        if fmt == FMT_BF16 and b > 1:
+        if wide:
             for i in range(4):
-                _widen_row(wq[group[i]].view(np.uint16), widened[i])
-            w0, w1, w2, w3 = widened[0], widened[1], widened[2], widened[3]
+                _widen_row(w16, group[i], widened[i])
         for u in range(b):
             if fmt != FMT_BF16:
-                y = _f32_dot4(
-                    wq[group[0]].view(np.float32),
-                    wq[group[1]].view(np.float32),
-                    wq[group[2]].view(np.float32),
-                    wq[group[3]].view(np.float32),
-                    x[u],
-                )
-            elif b > 1:
-                y = _f32_dot4(w0, w1, w2, w3, x[u])
+                y = _f32_dot4(w32, group, x, u)
+            elif wide:
+                y = _f32_dot4(widened, scratch, x, u)
             else:
-                y = _bf16_dot4(
-                    wq[group[0]].view(np.uint16),
-                    wq[group[1]].view(np.uint16),
-                    wq[group[2]].view(np.uint16),
-                    wq[group[3]].view(np.uint16),
-                    x[u],
-                )
+                y = _bf16_dot4(w16, group, x, u)
             for i in range(n):
                 out[u, r + i] = y[i]
 
 
 @njit(cache=True, nogil=True)
-def _widen_row(src, dst):
-    """bfloat16 row (uint16 [cols]) -> float32 dst [cols], exact."""
-    for c in range(src.shape[0]):
-        dst[c] = _widen(src[c])
+def _widen_row(src, r, dst):
+    """bfloat16 row r of src (uint16 [R, cols]) -> float32 dst [cols], exact."""
+    for c in range(src.shape[1]):
+        dst[c] = _widen(src[r, c])

@@ -21,13 +21,17 @@ class Linear:
         # f32 goes through numpy's BLAS; packed formats through our kernels, never dequantized.
         self.dense = weight.to_f32() if weight.fmt == "f32" else None  # [rows, cols]
         self.data = weight.data
+        self.packed = (
+            None
+            if self.dense is not None
+            else quant.PackedMatrix(weight.data, weight.fmt, self.rows, self.cols)
+        )
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        x = np.ascontiguousarray(x, dtype=np.float32)  # [T, cols]
         if self.dense is not None:
-            y = x @ self.dense.T  # [T, rows]
+            y = np.ascontiguousarray(x, dtype=np.float32) @ self.dense.T  # [T, rows]
         else:
-            y = quant.matmul(self.data, self.fmt, self.rows, self.cols, x)  # [T, rows]
+            y = self.packed(x)  # [T, rows]
         if self.bias is not None:
             y = y + self.bias
         return y.astype(np.float32, copy=False)
