@@ -123,6 +123,16 @@ def matmul_kernel(fmt, int8, data, rows, cols, row_bytes, scale_off, lut, x):
 
 
 @njit(cache=True, nogil=True)
+def matmul_serial_kernel(fmt, int8, data, rows, cols, row_bytes, scale_off, lut, x):
+    """`matmul_kernel` on the calling thread (the same bits): for matrices too small to wake
+    numba's pool, which costs a parallel kernel 2-6 us per call even on one thread."""
+    wq, ws = _matrix_views(data, rows, cols, row_bytes, scale_off)
+    out = np.empty((x.shape[0], rows), dtype=np.float32)  # [b, rows]
+    _rows(fmt, wq, ws, lut, x, _activations(fmt, int8, x), out, 0, rows)
+    return out
+
+
+@njit(cache=True, nogil=True)
 def _expert_views(record, hidden, inter, layout):
     n_gu, rb_gu, s_gu, rb_d, s_d = layout
     gq, gs = _matrix_views(record[:n_gu], inter, hidden, rb_gu, s_gu)
@@ -210,8 +220,27 @@ def experts_b1_sum_kernel(fmt, int8, arena, offsets, nbytes, hidden, inter, layo
     for e in prange(m):
         record = arena[offsets[e] : offsets[e] + nbytes]
         _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, y[e])
-    total = np.zeros(hidden, dtype=np.float64)  # [hidden]
+    return _weighted_total(y, w)
+
+
+@njit(cache=True, nogil=True)
+def experts_b1_sum_serial_kernel(
+    fmt, int8, arena, offsets, nbytes, hidden, inter, layout, lut, x, w
+):
+    """`experts_b1_sum_kernel` on the calling thread (the same bits), for small experts."""
+    m = offsets.shape[0]
+    y = np.empty((m, hidden), dtype=np.float32)  # [m, hidden]
     for e in range(m):
-        for j in range(hidden):
+        record = arena[offsets[e] : offsets[e] + nbytes]
+        _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, y[e])
+    return _weighted_total(y, w)
+
+
+@njit(cache=True, nogil=True)
+def _weighted_total(y, w):
+    """sum_e float64(float32(y[e] * w[e])) in order e = 0, 1, ...: y [m, hidden] -> [hidden]."""
+    total = np.zeros(y.shape[1], dtype=np.float64)  # [hidden]
+    for e in range(y.shape[0]):
+        for j in range(y.shape[1]):
             total[j] += np.float64(y[e, j] * w[e])
     return total

@@ -96,10 +96,13 @@ def threads() -> int:
     return _threads["n"] or numba.config.NUMBA_NUM_THREADS
 
 
-def _run(kernel, n_weights: int, *args):
+def _run(kernel, n_weights: int, *args, serial=None):
     """Call a parallel kernel on `threads()` threads, or on the calling thread alone for small
-    matrices (waking the pool costs more than it saves there)."""
+    matrices (waking the pool costs more than it saves there): its serial twin when it has
+    one (the same bits, without the pool's scheduling)."""
     want = threads() if n_weights >= PARALLEL_MIN_WEIGHTS else 1
+    if want == 1 and serial is not None:
+        return serial(*args)
     if numba.get_num_threads() != want:
         numba.set_num_threads(want)
     return kernel(*args)
@@ -314,7 +317,7 @@ def matmul(data: np.ndarray, fmt: str, rows: int, cols: int, x: np.ndarray) -> n
     x = _check_x(x, cols)
     code = _FMT_CODE[fmt]
     args = (code, _int8(), _readonly(data), rows, cols, row_bytes, s_off, dots.F16_LUT, x)
-    return _run(entry.matmul_kernel, rows * cols, *args)
+    return _run(entry.matmul_kernel, rows * cols, *args, serial=entry.matmul_serial_kernel)
 
 
 class PackedMatrix:
@@ -322,19 +325,21 @@ class PackedMatrix:
     `matmul` without re-validating the buffer on every call, which cost about as much as a
     small model's whole product (14 us against 6-20 us for 256-column matrices)."""
 
-    __slots__ = ("fmt", "rows", "cols", "_args")
+    __slots__ = ("fmt", "rows", "cols", "_args", "_serial")
 
     def __init__(self, data: np.ndarray, fmt: str, rows: int, cols: int):
         nbytes, row_bytes, s_off = _matrix_layout(fmt, rows, cols)
         _check_buffer(data, nbytes, f"packed {fmt} {rows}x{cols} matrix")
         self.fmt, self.rows, self.cols = fmt, rows, cols
         self._args = (_readonly(data), rows, cols, row_bytes, s_off, dots.F16_LUT)
+        self._serial = entry.matmul_serial_kernel
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x float32 [b, cols] -> float32 [b, rows], the same bits as `matmul`."""
         x = _check_x(x, self.cols)
         code = _FMT_CODE[self.fmt]
-        return _run(entry.matmul_kernel, self.rows * self.cols, code, _int8(), *self._args, x)
+        args = (code, _int8(), *self._args, x)
+        return _run(entry.matmul_kernel, self.rows * self.cols, *args, serial=self._serial)
 
 
 def expert_record_nbytes(fmt: str, hidden: int, inter: int) -> int:
@@ -413,7 +418,10 @@ def experts_ffn_b1_sum(
         raise ValueError(f"want one row and one weight per expert, got x {x.shape}, w {w.shape}")
     args = (_FMT_CODE[fmt], _int8(), _readonly(arena), _readonly(offsets), nbytes, hidden, inter)
     args += (layout, dots.F16_LUT, x, _readonly(w))
-    return _run(entry.experts_b1_sum_kernel, offsets.size * inter * hidden, *args)
+    n_weights = offsets.size * inter * hidden
+    return _run(
+        entry.experts_b1_sum_kernel, n_weights, *args, serial=entry.experts_b1_sum_serial_kernel
+    )
 
 
 def warmup() -> float:
@@ -430,12 +438,14 @@ def warmup() -> float:
     n_gu, rb_gu, s_gu = layout[:3]
     code, lut, int8 = dots.FMT_Q4_0, dots.F16_LUT, _int8()
     entry.matmul_kernel(code, int8, rec[:n_gu], inter, hidden, rb_gu, s_gu, lut, x)
+    entry.matmul_serial_kernel(code, int8, rec[:n_gu], inter, hidden, rb_gu, s_gu, lut, x)
     entry.expert_ffn_kernel(code, int8, rec, hidden, inter, layout, lut, x)  # starts the pool
     offsets = _readonly(np.zeros(2, dtype=np.int64))
     entry.experts_b1_kernel(code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x)
     w = _readonly(np.ones(2, dtype=np.float32))
     sum_args = (code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x[:1], w)
     entry.experts_b1_sum_kernel(*sum_args)
+    entry.experts_b1_sum_serial_kernel(*sum_args)
     return time.perf_counter() - t0
 
 
