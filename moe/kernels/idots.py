@@ -84,21 +84,51 @@ def _indices(values):
     return ir.Constant(ir.VectorType(_I32, len(values)), list(values))
 
 
-def _ptr2(context, builder, ary_type, ary, row, col):
-    """Pointer to ary[row, col] of a 2-D C array (row and col intp values)."""
-    a = context.make_array(ary_type)(context, builder, ary)
-    stride = cgutils.unpack_tuple(builder, a.strides, 2)[0]
-    item = context.get_constant(types.intp, context.get_abi_sizeof(a.data.type.pointee))
-    offset = builder.add(builder.mul(row, stride), builder.mul(col, item))
-    byte_ptr = builder.gep(builder.bitcast(a.data, _I8.as_pointer()), [offset])
-    return builder.bitcast(byte_ptr, a.data.type)
+# Matrices reach the block kernels as (address, row stride in bytes) pairs of intp, not as
+# arrays: an array argument costs an atomic reference-count increment and decrement per call
+# of a row-group function (a dozen per group of four rows), which a short row (a small
+# expert's 64 or 256 columns) cannot amortise.  `_mat` makes the pair; the caller keeps the
+# array alive.
+_MAT = types.UniTuple(types.intp, 2)
 
 
-def _grid(ary, dtype) -> bool:
-    """A C-contiguous 2-D array of `dtype` (rows addressed by number inside the intrinsic)."""
-    return (
-        isinstance(ary, types.Array) and ary.ndim == 2 and ary.layout == "C" and ary.dtype == dtype
-    )
+@njit(cache=True, nogil=True)
+def _mat(a):
+    """(address, row stride in bytes) of a 2-D C-contiguous array."""
+    return np.intp(a.ctypes.data), np.intp(a.strides[0])
+
+
+def _at(context, builder, mat, mat_type, row, offset):
+    """i8* to byte `offset` of row `row` of a `_mat` pair (row and offset intp values)."""
+    base, stride = cgutils.unpack_tuple(builder, mat, 2)
+    address = builder.add(base, builder.add(builder.mul(row, stride), offset))
+    return builder.inttoptr(address, _I8.as_pointer())
+
+
+def _scalar_at(ty, width):
+    """An intrinsic (mat, r, k) -> element k of row r of a `_mat` pair, of numba type ty and
+    `width` bytes."""
+
+    @intrinsic
+    def at(typingctx, mat, r, k):
+        if not (mat == _MAT and isinstance(r, types.Integer) and isinstance(k, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            row = context.cast(builder, args[1], sig.args[1], types.intp)
+            col = context.cast(builder, args[2], sig.args[2], types.intp)
+            offset = builder.mul(col, ir.Constant(col.type, width))
+            ptr = _at(context, builder, args[0], _MAT, row, offset)
+            llty = context.get_value_type(ty)
+            return builder.load(builder.bitcast(ptr, llty.as_pointer()), align=1)
+
+        return ty(mat, r, k), codegen
+
+    return at
+
+
+_u16_at = _scalar_at(types.uint16, 2)
+_f32_at = _scalar_at(types.float32, 4)
 
 
 def _load(builder, ptr, vtype):
@@ -159,14 +189,12 @@ _DOT = {"avx2": _dot_avx2, "generic": _dot_generic}[ISA]
 
 def _iblock_kernel(codes, signed: bool, q4: bool):
     """An intrinsic running steps 2-3 on one block for n weight rows and m activation rows:
-    ``(a, dw, dx, wq, rows, i, xq, us, j, xc, c) -> a'``.  wq: the uint8 weight matrix, its
-    rows `rows` (an n-tuple of row numbers) holding the block at ``wq[r, i:]`` (read by
-    `codes`); dw: their n float32 block scales; xq: the int8 activations, rows `us` (an
-    m-tuple) with the block at ``xq[u, j : j + 32]``; dx: their m block scales; xc: the int32
-    per-lane sums of 8 * xq, the block's at ``xc[u, c : c + 8]`` (q4_0 only); a: the m * n
-    lane accumulators, pair (u, r) at a[u * n + r].  Rows are addressed by number, not as
-    sliced views: a view per row group costs reference counting that a short row (a small
-    expert's 1024 columns) cannot amortise."""
+    ``(a, dw, dx, wq, rows, i, xq, us, j, xc, c) -> a'``.  wq: the uint8 weight matrix (a
+    `_mat` pair, as xq and xc), its rows `rows` (an n-tuple of row numbers) holding the block
+    at ``wq[r, i:]`` (read by `codes`); dw: their n float32 block scales; xq: the int8
+    activations, rows `us` (an m-tuple) with the block at ``xq[u, j : j + 32]``; dx: their m
+    block scales; xc: the int32 per-lane sums of 8 * xq, the block's at ``xc[u, c : c + 8]``
+    (q4_0 only); a: the m * n lane accumulators, pair (u, r) at a[u * n + r]."""
 
     @intrinsic
     def block(typingctx, a, dw, dx, wq, rows, i, xq, us, j, xc, c):
@@ -177,9 +205,7 @@ def _iblock_kernel(codes, signed: bool, q4: bool):
             a == types.UniTuple(F32X8, n * m)
             and dw == types.UniTuple(types.float32, n)
             and dx == types.UniTuple(types.float32, m)
-            and _grid(wq, types.uint8)
-            and _grid(xq, types.int8)
-            and _grid(xc, types.int32)
+            and wq == xq == xc == _MAT
             and all(isinstance(v, types.Integer) for v in (rows.dtype, us.dtype, i, j, c))
         ):
             return None
@@ -193,13 +219,13 @@ def _iblock_kernel(codes, signed: bool, q4: bool):
             dxs = cgutils.unpack_tuple(builder, args[2], m)
             rs = [intp(v, rows.dtype) for v in cgutils.unpack_tuple(builder, args[4], n)]
             xs = [intp(v, us.dtype) for v in cgutils.unpack_tuple(builder, args[7], m)]
-            col_w, col_x, col_c = intp(args[5], i), intp(args[8], j), intp(args[10], c)
-            w = [codes(builder, _ptr2(context, builder, wq, args[3], r, col_w)) for r in rs]
-            x = [_q8(builder, _ptr2(context, builder, xq, args[6], u, col_x)) for u in xs]
+            col_w, col_x = intp(args[5], i), intp(args[8], j)
+            col_c = builder.mul(intp(args[10], c), ir.Constant(col_w.type, 4))  # int32 lanes
+            w = [codes(builder, _at(context, builder, args[3], wq, r, col_w)) for r in rs]
+            x = [_q8(builder, _at(context, builder, args[6], xq, u, col_x)) for u in xs]
             if q4:
                 corr = [
-                    _load(builder, _ptr2(context, builder, xc, args[9], u, col_c), _V8I32)
-                    for u in xs
+                    _load(builder, _at(context, builder, args[9], xc, u, col_c), _V8I32) for u in xs
                 ]
             out = []
             for u in range(m):
@@ -283,86 +309,94 @@ def activation_buffers(b, cols):
 
 @njit(cache=True, nogil=True)
 def _scales(ws, rows, lut, k):
-    """The float32 scales of block k of four weight rows."""
-    return (lut[ws[rows[0], k]], lut[ws[rows[1], k]], lut[ws[rows[2], k]], lut[ws[rows[3], k]])
+    """The float32 scales of block k of four weight rows (ws: float16 bits, lut: their
+    values, both `_mat` pairs)."""
+    return (
+        _f32_at(lut, 0, _u16_at(ws, rows[0], k)),
+        _f32_at(lut, 0, _u16_at(ws, rows[1], k)),
+        _f32_at(lut, 0, _u16_at(ws, rows[2], k)),
+        _f32_at(lut, 0, _u16_at(ws, rows[3], k)),
+    )
 
 
 @njit(cache=True, nogil=True)
-def _q4_idot4x1(wq, ws, rows, lut, xq, xd, xc, u):
+def _q4_idot4x1(wq, ws, rows, lut, xq, xd, xc, u, nb):
     """Four q4_0 weight rows (row numbers `rows` of payload wq and scales ws) . quantised
-    activation row u -> four floats."""
-    nb = ws.shape[1]
+    activation row u -> four floats; nb blocks per row; every matrix a `_mat` pair."""
     a0 = a1 = a2 = a3 = _vzero()
     us = (u,)
     for p in range(nb // 2):  # blocks k = 2p, 2p + 1 share 32 bytes from byte 32p
         k = 2 * p
         a0, a1, a2, a3 = _q4lo_iblock(
-            (a0, a1, a2, a3), _scales(ws, rows, lut, k), (xd[u, k],), wq, rows, 32 * p,
+            (a0, a1, a2, a3), _scales(ws, rows, lut, k), (_f32_at(xd, u, k),), wq, rows, 32 * p,
             xq, us, QK * k, xc, LANES * k,
         )  # fmt: skip
         k += 1
         a0, a1, a2, a3 = _q4hi_iblock(
-            (a0, a1, a2, a3), _scales(ws, rows, lut, k), (xd[u, k],), wq, rows, 32 * p,
+            (a0, a1, a2, a3), _scales(ws, rows, lut, k), (_f32_at(xd, u, k),), wq, rows, 32 * p,
             xq, us, QK * k, xc, LANES * k,
         )  # fmt: skip
     if nb & 1:
         k = nb - 1
         a0, a1, a2, a3 = _q4tail_iblock(
-            (a0, a1, a2, a3), _scales(ws, rows, lut, k), (xd[u, k],), wq, rows, 16 * k,
+            (a0, a1, a2, a3), _scales(ws, rows, lut, k), (_f32_at(xd, u, k),), wq, rows, 16 * k,
             xq, us, QK * k, xc, LANES * k,
         )  # fmt: skip
     return _vsum(a0), _vsum(a1), _vsum(a2), _vsum(a3)
 
 
 @njit(cache=True, nogil=True)
-def _q4_idot4x2(wq, ws, rows, lut, xq, xd, xc, u):
+def _q4_idot4x2(wq, ws, rows, lut, xq, xd, xc, u, nb):
     """`_q4_idot4x1` for activation rows u and u + 1: each weight block is loaded once."""
-    nb = ws.shape[1]
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _vzero()
     us = (u, u + 1)
     for p in range(nb // 2):
         k = 2 * p
         a0, a1, a2, a3, b0, b1, b2, b3 = _q4lo_iblock(
             (a0, a1, a2, a3, b0, b1, b2, b3), _scales(ws, rows, lut, k),
-            (xd[u, k], xd[u + 1, k]), wq, rows, 32 * p, xq, us, QK * k, xc, LANES * k,
+            (_f32_at(xd, u, k), _f32_at(xd, u + 1, k)),
+            wq, rows, 32 * p, xq, us, QK * k, xc, LANES * k,
         )  # fmt: skip
         k += 1
         a0, a1, a2, a3, b0, b1, b2, b3 = _q4hi_iblock(
             (a0, a1, a2, a3, b0, b1, b2, b3), _scales(ws, rows, lut, k),
-            (xd[u, k], xd[u + 1, k]), wq, rows, 32 * p, xq, us, QK * k, xc, LANES * k,
+            (_f32_at(xd, u, k), _f32_at(xd, u + 1, k)),
+            wq, rows, 32 * p, xq, us, QK * k, xc, LANES * k,
         )  # fmt: skip
     if nb & 1:
         k = nb - 1
         a0, a1, a2, a3, b0, b1, b2, b3 = _q4tail_iblock(
             (a0, a1, a2, a3, b0, b1, b2, b3), _scales(ws, rows, lut, k),
-            (xd[u, k], xd[u + 1, k]), wq, rows, 16 * k, xq, us, QK * k, xc, LANES * k,
+            (_f32_at(xd, u, k), _f32_at(xd, u + 1, k)),
+            wq, rows, 16 * k, xq, us, QK * k, xc, LANES * k,
         )  # fmt: skip
     ya = (_vsum(a0), _vsum(a1), _vsum(a2), _vsum(a3))
     return ya, (_vsum(b0), _vsum(b1), _vsum(b2), _vsum(b3))
 
 
 @njit(cache=True, nogil=True)
-def _q8_idot4x1(wq, ws, rows, lut, xq, xd, xc, u):
+def _q8_idot4x1(wq, ws, rows, lut, xq, xd, xc, u, nb):
     """Four q8_0 rows . quantised activation row u (xc is not read: q8_0 codes need no
     correction)."""
     a0 = a1 = a2 = a3 = _vzero()
     us = (u,)
-    for k in range(ws.shape[1]):
+    for k in range(nb):
         a0, a1, a2, a3 = _q8_iblock(
-            (a0, a1, a2, a3), _scales(ws, rows, lut, k), (xd[u, k],), wq, rows, QK * k,
+            (a0, a1, a2, a3), _scales(ws, rows, lut, k), (_f32_at(xd, u, k),), wq, rows, QK * k,
             xq, us, QK * k, xc, LANES * k,
         )  # fmt: skip
     return _vsum(a0), _vsum(a1), _vsum(a2), _vsum(a3)
 
 
 @njit(cache=True, nogil=True)
-def _q8_idot4x2(wq, ws, rows, lut, xq, xd, xc, u):
+def _q8_idot4x2(wq, ws, rows, lut, xq, xd, xc, u, nb):
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _vzero()
     us = (u, u + 1)
-    for k in range(ws.shape[1]):
+    for k in range(nb):
         a0, a1, a2, a3, b0, b1, b2, b3 = _q8_iblock(
             (a0, a1, a2, a3, b0, b1, b2, b3), _scales(ws, rows, lut, k),
-            (xd[u, k], xd[u + 1, k]), wq, rows, QK * k, xq, us, QK * k, xc, LANES * k,
+            (_f32_at(xd, u, k), _f32_at(xd, u + 1, k)),
+            wq, rows, QK * k, xq, us, QK * k, xc, LANES * k,
         )  # fmt: skip
     ya = (_vsum(a0), _vsum(a1), _vsum(a2), _vsum(a3))
     return ya, (_vsum(b0), _vsum(b1), _vsum(b2), _vsum(b3))
@@ -375,23 +409,25 @@ def int_rows(fmt, wq, ws, lut, xq, xd, xc, out, r0, r1):
     Four weight rows at a time; each group's bytes (a few KB) are read from memory once and
     then stay in L1 while every activation row, two at a time, is multiplied with them.  A
     last group of fewer than four rows repeats its last row (those lanes are dropped)."""
-    b = xq.shape[0]
+    b, nb = xq.shape[0], xd.shape[1]
+    mw, ms, mx, md, mc = _mat(wq), _mat(ws), _mat(xq), _mat(xd), _mat(xc)
+    mlut = (np.intp(lut.ctypes.data), np.intp(0))
     for r in range(r0, r1, 4):
         rows = (r, min(r + 1, r1 - 1), min(r + 2, r1 - 1), min(r + 3, r1 - 1))
         n = min(4, r1 - r)
         for u in range(0, b - 1, 2):
             if fmt == FMT_Q4_0:
-                ya, yb = _q4_idot4x2(wq, ws, rows, lut, xq, xd, xc, u)
+                ya, yb = _q4_idot4x2(mw, ms, rows, mlut, mx, md, mc, u, nb)
             else:
-                ya, yb = _q8_idot4x2(wq, ws, rows, lut, xq, xd, xc, u)
+                ya, yb = _q8_idot4x2(mw, ms, rows, mlut, mx, md, mc, u, nb)
             for i in range(n):
                 out[u, r + i] = ya[i]
                 out[u + 1, r + i] = yb[i]
         if b & 1:
             u = b - 1
             if fmt == FMT_Q4_0:
-                y = _q4_idot4x1(wq, ws, rows, lut, xq, xd, xc, u)
+                y = _q4_idot4x1(mw, ms, rows, mlut, mx, md, mc, u, nb)
             else:
-                y = _q8_idot4x1(wq, ws, rows, lut, xq, xd, xc, u)
+                y = _q8_idot4x1(mw, ms, rows, mlut, mx, md, mc, u, nb)
             for i in range(n):
                 out[u, r + i] = y[i]
