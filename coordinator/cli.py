@@ -87,7 +87,7 @@ class Parser(argparse.ArgumentParser):
 
 def _add_bench(sub) -> None:
     from coordinator.bench import audit as audit_bench
-    from coordinator.bench import disk, kernels, modes, rpc, stream
+    from coordinator.bench import compare_llamacpp, disk, kernels, modes, rpc, stream
 
     p = sub.add_parser("bench", help="benchmarks that print ratios against same-run baselines")
     benches = p.add_subparsers(dest="bench", required=True, metavar="BENCH", help="what to measure")
@@ -99,6 +99,7 @@ def _add_bench(sub) -> None:
         ("stream", stream, "streaming s/token per cache policy vs the disk floor"),
         ("modes", modes, "in-RAM default vs --ram streaming, tok/s side by side"),
         ("audit", audit_bench, "spot checks: liar detection vs theory, false bans, cost in tok/s"),
+        ("compare-llamacpp", compare_llamacpp, "moeshard vs llama.cpp built here, side by side"),
     ]:
         b = benches.add_parser(name, help=text)
         module.add_arguments(b)

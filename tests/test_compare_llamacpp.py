@@ -1,0 +1,139 @@
+"""`moeshard bench compare-llamacpp` (issue 17): what it reads from llama.cpp's tools, how it
+turns per-round values into the table and the goal lines, and that bad options fail before
+anything is built. The fixtures in tests/fixtures/llamacpp/ are real output of the tools,
+captured on this machine from the build the bench makes (llama-cpp-python 0.3.36's vendored
+llama.cpp, commit 0c1e57098); CI does not build llama.cpp (several minutes)."""
+
+from __future__ import annotations
+
+import platform
+import re
+import subprocess
+import sys
+
+import pytest
+
+from coordinator.bench import llamacpp
+from coordinator.bench.compare_llamacpp import (
+    GOALS,
+    Goal,
+    Row,
+    cell,
+    fmt_value,
+    goal_line,
+    spread,
+    table,
+)
+from tests.helpers import ROOT
+
+FIXTURES = ROOT / "tests" / "fixtures" / "llamacpp"
+
+
+def test_backend_ops_perf_output_parses_to_microseconds_per_run():
+    text = (FIXTURES / "test-backend-ops-perf.txt").read_text()
+    assert llamacpp.parse_backend_ops_perf(text) == {
+        ("q4_0", 1): 7877.04,
+        ("q8_0", 1): 7973.09,
+        ("q4_0", 4): 26021.67,
+        ("q8_0", 4): 23315.61,
+    }
+
+
+def test_the_filter_selects_exactly_the_cases_the_bench_reads():
+    text = (FIXTURES / "test-backend-ops-perf.txt").read_text()
+    regex = llamacpp.mul_mat_filter(("q4_0", "q8_0"), (1, 4), 4096, 14336)
+    cases = re.findall(r"MUL_MAT\((.*)\):", text)
+    assert len(cases) == 4 and all(re.search(regex, c) for c in cases)
+    other = cases[0].replace("n=1,", "n=8,")
+    assert not re.search(regex, other)
+    assert not re.search(regex, cases[0].replace("type_a=q4_0", "type_a=q4_1"))
+
+
+def test_llama_bench_json_gives_the_median_of_its_samples():
+    results = llamacpp.parse_llama_bench_json((FIXTURES / "llama-bench.json").read_text())
+    pp, tg = results
+    assert (pp.n_prompt, pp.n_gen, tg.n_prompt, tg.n_gen) == (16, 0, 0, 16)
+    assert pp.tokens_per_s == 3381.17  # samples 4528.5, 3381.17, 2927.53: not their mean
+    assert tg.tokens_per_s == 1451.99  # samples 923.932, 1451.99, 1489.34
+    assert tg.n_threads == 2 and tg.build_commit == "0c1e57098"
+    assert tg.model_type.startswith("qwen3moe")
+
+
+def test_a_backend_ops_line_without_timing_is_left_out():
+    line = "  MUL_MAT(type_a=q4_0,type_b=f32,m=4096,n=1,k=14336,bs=[1,1]): not supported [CPU]"
+    assert llamacpp.parse_backend_ops_perf(line) == {}
+
+
+def test_packed_bytes_are_ggml_block_sizes():
+    assert llamacpp.packed_bytes("q4_0", 4096, 14336) == 4096 * 14336 // 32 * 18
+    assert llamacpp.packed_bytes("q8_0", 2, 64) == 2 * 2 * 34
+
+
+def test_the_upstream_commit_comes_from_the_release_section_of_the_changelog():
+    changelog = (
+        "# Changelog\n\n## [0.3.37]\n\n- feat: Update llama.cpp to ggml-org/llama.cpp@aaaaaaa\n\n"
+        "## [0.3.36]\n\n- feat: Update llama.cpp to ggml-org/llama.cpp@0c1e57098\n- fix: x\n\n"
+        "## [0.3.35]\n\n- feat: Update llama.cpp to ggml-org/llama.cpp@bbbbbbb\n"
+    )
+    assert llamacpp.upstream_commit(changelog, "0.3.36") == "0c1e57098"
+    assert llamacpp.upstream_commit(changelog, "0.3.99") == "unknown"
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 only")
+def test_the_build_switches_amx_off_with_the_compiler_flags():
+    args = llamacpp.cmake_args(ROOT / "src", ROOT / "build", "0c1e570")
+    assert "-DGGML_NATIVE=ON" in args and "-DCMAKE_BUILD_TYPE=Release" in args
+    for lang in ("C", "CXX"):
+        assert f"-DCMAKE_{lang}_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in args
+
+
+def test_cells_ratios_and_the_table():
+    assert [fmt_value(v) for v in (16431, 436.2, 43.27, 6.274)] == ["16431", "436", "43.3", "6.27"]
+    assert spread([3.0, 1.0, 2.0]) == "2.00 [1.00-3.00]" and spread([5.0]) == "5.00"
+    assert cell([None, None], ["OOM-killed", "OOM-killed"]) == "OOM-killed 2/2"
+    assert cell([10.0, None], ["timed out"]) == "10.0 (timed out 1/2)"
+    row = Row("k", "decode", moeshard=[40.0, 50.0, 45.0], llama=[80.0, 100.0, None])
+    assert row.ratios() == [0.5, 0.5]  # a round where a side gave nothing has no ratio
+    lines = table([row, Row("p", "prefill, longer name", [1.0], [2.0])])
+    assert len({len(line) for line in lines[:2]}) == 1  # the rule is as wide as the head
+    assert lines[2].startswith("decode ") and lines[2].endswith("0.50 [0.50-0.50]")
+    assert lines[3].endswith("0.50")
+
+
+def test_goal_lines_say_met_or_not_met():
+    goal = Goal("big decode same", "big decode", 0.67, moonshot=1.0)
+    assert goal_line(goal, None).endswith("not measured in this run (goal >= 0.67, moonshot 1)")
+    met = Row("big decode same", "x", [70.0, 71.0, 69.0], [100.0, 100.0, 100.0])
+    assert goal_line(goal, met) == "big decode: ratio 0.70 (goal >= 0.67, moonshot 1): MET"
+    slow = Row("big decode same", "x", [50.0], [100.0])
+    assert goal_line(goal, slow).endswith(": NOT MET")
+    fast = Row("big decode same", "x", [120.0], [100.0])
+    assert goal_line(goal, fast).endswith("MET (moonshot too)")
+    killed = Row("capped mmap", "x", [28.0], [None], failures=["OOM-killed"])
+    capped = Goal("capped mmap", "capped", 3.0)
+    assert (
+        goal_line(capped, killed) == "capped: llama.cpp OOM-killed, moeshard ran (goal >= 3): MET"
+    )
+    assert goal_line(capped, Row("capped mmap", "x", [None], [None])).endswith("NOT MET")
+    assert {g.key.split()[0] for g in GOALS} == {"kernel", "big", "demo", "capped"}
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--only", "kernels,bogus"], "--only: choose from kernels,demo,big,capped"),
+        (["--rounds", "0"], "at least 1"),
+        (["--cap", "100M"], "--cap must exceed"),
+        (["--threads", "999"], "--threads"),
+    ],
+)
+def test_bad_options_fail_before_anything_is_built(tmp_path, args, message):
+    cache = tmp_path / "cache"
+    proc = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "bench", "compare-llamacpp",
+         "--cache", str(cache), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not cache.exists()  # nothing downloaded, built or converted
