@@ -321,6 +321,7 @@ class InRam:
     def __init__(self, label: str, key: str, moeshard_dir: Path, variants: dict[str, Path], cfg):
         self.label, self.key, self.variants, self.cfg = label, key, variants, cfg
         self.rt = open_local(moeshard_dir)
+        self.rt.experts.preload()  # every record in RAM, as llama.cpp has loaded its model
         vocab = self.rt.config.vocab_size
         self.prompt = np.random.default_rng(0).integers(1, vocab, cfg.prompt_tokens).tolist()
         self.decode_tps()  # warm: first touches, caches, anything lazy
@@ -532,7 +533,7 @@ class Capped:
         cmd = llamacpp.llama_bench_cmd(
             self.cfg.llama, self.gguf, self.cfg.threads, 0, self.cfg.capped_tokens
         )
-        run = self._capped(cmd + self.LLAMA_MODES[mode])
+        run = self._capped(cmd + self.LLAMA_MODES[mode], llamacpp.tool_env())
         if run.returncode == 0:
             return llamacpp.parse_llama_bench_json(run.stdout)[0].tokens_per_s, None
         return None, _failure(run)

@@ -51,6 +51,12 @@ class LocalExperts(ExpertsBase):
             self.bytes_read += record.size
         return self.slot[key] * self.slot_bytes
 
+    def preload(self) -> None:
+        """Read every record held now instead of on first use (what llama.cpp does when it
+        loads a model: a benchmark against it then times the same work)."""
+        for layer, expert in sorted(self.shards.locations):
+            self.offset(layer, expert)
+
     def __call__(
         self, layer, hidden, ids, weights, dtype=np.float32, hint: PrefetchHint | None = None
     ) -> np.ndarray:

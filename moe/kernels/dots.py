@@ -68,6 +68,9 @@ from numba.extending import intrinsic, models, register_model
 # threads sleep (median 0.48 ms, p90 0.55 ms under the same load) at the cost of a futex
 # wake per parallel region on an idle machine.  libgomp reads this once, when numba first
 # starts its pool, so set it before the first parallel kernel call; an explicit setting wins.
+# Other programs this process starts (llama.cpp in `bench compare-llamacpp`) must not
+# inherit it: `OMP_WAIT_POLICY_DEFAULTED` says it was set here, not by the user.
+OMP_WAIT_POLICY_DEFAULTED = "OMP_WAIT_POLICY" not in os.environ
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 FMT_F32 = 0
