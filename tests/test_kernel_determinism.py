@@ -278,16 +278,23 @@ def test_quantised_matmul_equals_numpy_emulation(fmt, run, mode):
                 assert same_bits(got, want), (rows, cols, b, n_threads)
 
 
-def float_emulation(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+def float_emulation(w: np.ndarray, x: np.ndarray, fmt: str) -> np.ndarray:
     """The f32/bf16 rows of `moe.kernels.fdots` in numpy: two sets of 8 lanes over 16-column
-    steps, each step one FMA; the sets added, the lanes halved; the last cols % 16 columns
-    FMA'd in order onto the sum."""
+    steps (f32: set s lane l takes column 8s + l of the step; bf16: column 2l + s), each step
+    one FMA; the sets added, the lanes halved; the last cols % 16 columns FMA'd in order onto
+    the sum."""
     b, cols = x.shape
     c16 = cols - cols % 16
+
+    def sets(a: np.ndarray) -> np.ndarray:  # [..., 16] -> [..., set, lane]
+        if fmt == "bf16":
+            return np.swapaxes(a.reshape(*a.shape[:-1], LANES, 2), -1, -2)
+        return a.reshape(*a.shape[:-1], 2, LANES)
+
     acc = np.zeros((b, w.shape[0], 2, LANES), dtype=np.float32)  # [b, rows, set, lane]
     for j in range(0, c16, 16):
-        ws = w[None, :, j : j + 16].reshape(1, -1, 2, LANES)  # [1, rows, 2, 8]
-        xs = x[:, None, j : j + 16].reshape(b, 1, 2, LANES)  # [b, 1, 2, 8]
+        ws = sets(w[None, :, j : j + 16])  # [1, rows, 2, 8]
+        xs = sets(x[:, None, j : j + 16])  # [b, 1, 2, 8]
         acc = fma32(ws, xs, acc)
     y = halve(acc[..., 0, :] + acc[..., 1, :])  # [b, rows]
     for c in range(c16, cols):
@@ -304,7 +311,7 @@ def test_float_matmul_equals_numpy_emulation(fmt, run, mode):
         w = quant.dequantize(quant.unpack_to_ggml(data, fmt, rows, cols), fmt, (rows, cols))
         for b in (1, 3, 17):
             x = activations(b, cols, seed=b)
-            want = float_emulation(w.astype(np.float32), x)
+            want = float_emulation(w.astype(np.float32), x, fmt)
             for n_threads in (0, 2):
                 got = run(n_threads, quant.matmul, data, fmt, rows, cols, x)
                 assert same_bits(got, want), (fmt, rows, cols, b, n_threads)

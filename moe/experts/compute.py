@@ -93,13 +93,15 @@ def decode_weighted_sum(
     (several rows, an expert routed twice, no such kernel): use the general path then."""
     if hidden.shape[0] != 1 or kernels.batch1_sum is None:
         return None
-    slots = ids[0]  # [k]
-    order = np.argsort(slots, kind="stable")  # ascending expert, as `combine` adds them
-    experts = slots[order]
-    experts, w = experts[experts >= 0], weights[0][order][experts >= 0]  # [m], [m]
-    if experts.size < 2 or bool((experts[1:] == experts[:-1]).any()):
+    # k is a handful: Python lists beat a dozen small numpy calls here (a small model's
+    # decode layer spent longer in them than in its experts)
+    slots = zip(ids[0].tolist(), weights[0].tolist(), strict=True)
+    pairs = sorted((e, w) for e, w in slots if e >= 0)
+    experts = [e for e, _ in pairs]  # ascending, as `combine` adds them
+    if len(experts) < 2 or len(set(experts)) < len(experts):
         return None
-    starts = np.fromiter((offset_of(int(e)) for e in experts), np.int64, experts.size)  # [m]
+    starts = np.array([offset_of(e) for e in experts], dtype=np.int64)  # [m]
+    w = np.array([v for _, v in pairs], dtype=np.float32)  # [m], exact: they were float32
     total = kernels.batch1_sum(arena, starts, fmt, hidden_size, inter, hidden, w)  # f64 [H]
     return total.astype(dtype, copy=False)[None]  # [1, H]
 

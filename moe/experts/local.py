@@ -27,6 +27,7 @@ class LocalExperts(ExpertsBase):
         self.shards, self.kernels = shards, kernels
         self.slot_bytes = align_up(shards.record_nbytes)
         self.arenas: dict[int, np.ndarray] = {}  # layer -> uint8 [experts held * slot_bytes]
+        self.readonly: dict[int, np.ndarray] = {}  # layer -> a read-only view of its arena
         self.slot: dict[tuple[int, int], int] = {}  # (layer, expert) -> its slot in the arena
         self.loaded: set[tuple[int, int]] = set()
         self.bytes_read = 0
@@ -36,6 +37,8 @@ class LocalExperts(ExpertsBase):
             held = self.shards.keys_of_layer(layer)
             self.slot.update(((layer, e), i) for i, e in enumerate(held))
             self.arenas[layer] = aligned_buffer(max(len(held), 1) * self.slot_bytes)
+            view = self.readonly[layer] = self.arenas[layer].view()
+            view.flags.writeable = False  # what the kernels take: made once, not per call
         return self.arenas[layer]
 
     def offset(self, layer: int, expert: int) -> int:
@@ -62,10 +65,10 @@ class LocalExperts(ExpertsBase):
     ) -> np.ndarray:
         s = self.shards
         if hidden.shape[0] == 1:  # a decode step: one kernel call, no Python between
-            arena = self._arena(layer)
+            self._arena(layer)
             out = decode_weighted_sum(
-                arena, lambda e: self.offset(layer, e), s.fmt, s.hidden, s.inter, hidden, ids,
-                weights, dtype, self.kernels,
+                self.readonly[layer], lambda e: self.offset(layer, e), s.fmt, s.hidden,
+                s.inter, hidden, ids, weights, dtype, self.kernels,
             )  # fmt: skip
             if out is not None:
                 return out

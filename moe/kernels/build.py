@@ -25,9 +25,10 @@ import numpy as np
 # between builds, so such a node is refused rather than audited (and accused).
 #   0: not reported (moeshard before this number existed: float32 activations, float64 sums)
 #   2: q4_0/q8_0 with 8-bit activations (`moe.kernels.idots`); f32/bf16 in float32 lanes
-ARITHMETIC = 2
+#   3: as 2, bf16 rows' lanes taking even and odd columns (`moe.kernels.fdots`)
+ARITHMETIC = 3
 
-SOURCES = ("dots.py", "idots.py", "tiles.py", "entry.py", "quant.py")
+SOURCES = ("dots.py", "idots.py", "fdots.py", "tiles.py", "entry.py", "quant.py")
 
 
 @functools.cache

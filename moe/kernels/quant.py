@@ -410,7 +410,9 @@ def experts_ffn_b1_sum(
     if not isinstance(arena, np.ndarray) or arena.dtype != np.uint8 or arena.ndim != 1:
         raise ValueError("arena must be a 1-D uint8 numpy array")
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)  # [m]
-    if offsets.ndim != 1 or ((offsets < 0) | (offsets + nbytes > arena.size)).any():
+    if offsets.ndim != 1 or (
+        offsets.size and (offsets.min() < 0 or offsets.max() + nbytes > arena.size)
+    ):
         raise ValueError(f"expert records must lie inside the arena of {arena.size} bytes")
     x = _check_x(x, hidden)
     w = np.ascontiguousarray(w, dtype=np.float32)  # [m]

@@ -116,6 +116,13 @@ class Bed:
             if not pending:
                 return
             time.sleep(0.1)
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            tail = "\n".join(err.strip().splitlines()[-5:])
+            raise RuntimeError(
+                f"the generation ended (exit {proc.returncode}) before the coordinator was "
+                f"seen connected to {','.join(hosts)}; its stderr ends:\n{tail}"
+            )
         raise RuntimeError(f"the coordinator did not connect to {','.join(hosts)}")
 
     def busiest(self, hosts, window: float = 0.5) -> str:

@@ -149,7 +149,7 @@ def scenarios(bed: Bed, args) -> list[Result]:
         log("coordinator: " + back[0].split(": ", 1)[-1])
 
     # 5. a node SIGKILLed mid-generation.
-    n = sized(5.0)
+    n = sized(8.0)  # long enough to be seen connected, then killed mid-way, on a busy CI box
     proc = bed.generate(model, args.prompt_ids, n)
     bed.wait_admitted(NODES, proc)
     time.sleep(1.0)
