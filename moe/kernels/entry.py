@@ -33,7 +33,7 @@ import numpy as np
 from numba import njit, prange
 
 from moe.kernels.dots import FMT_BF16, FMT_F32, QK, ROWS_PER_ITEM, _b1_rows
-from moe.kernels.fdots import float_rows
+from moe.kernels.fdots import even_odd, float_rows
 from moe.kernels.idots import activation_buffers, int_rows, quantize_activations
 from moe.kernels.tiles import _tile_rows
 
@@ -50,11 +50,12 @@ from moe.kernels.tiles import _tile_rows
 def _rows(fmt, wq, ws, lut, x, act, out, r0, r1):
     """Compute out[:, r0:r1] on the calling thread (the choice of kernel changes no bits).
 
-    act is what `_activations` prepared from x: its 8-bit codes for the integer q4_0/q8_0
-    path, or nothing (f32/bf16 and the float q4_0/q8_0 path read x itself)."""
-    xq, xd, xc = act
+    act is what `_activations` prepared from x once per call: its 8-bit codes for the
+    integer q4_0/q8_0 path, x reordered for the bf16 lanes, or nothing (f32 and the float
+    q4_0/q8_0 path read x itself)."""
+    xq, xd, xc, xp = act
     if fmt == FMT_F32 or fmt == FMT_BF16:
-        float_rows(fmt, wq, x, out, r0, r1)
+        float_rows(fmt, wq, x, xp, out, r0, r1)
     elif xq.shape[0] > 0:
         int_rows(fmt, wq, ws, lut, xq, xd, xc, out, r0, r1)
     elif x.shape[0] == 1:
@@ -78,14 +79,18 @@ def _matrix_views(data, rows, cols, row_bytes, scale_off):
 
 @njit(cache=True, nogil=True)
 def _activations(fmt, int8, x):
-    """What the row kernels of `fmt` need besides x: (xq, xd, xc), x quantised to 8 bits per
-    block for the integer q4_0/q8_0 path (`moe.kernels.idots`, when int8 is set), or empty."""
+    """What the row kernels of `fmt` need besides x, made once per kernel call: (xq, xd, xc)
+    x quantised to 8 bits per block for the integer q4_0/q8_0 path (`moe.kernels.idots`,
+    when int8 is set), and xp, x reordered for the bf16 lanes (`fdots.even_odd`); the parts
+    a format does not use are empty."""
     b, cols = x.shape
+    xp = even_odd(x) if fmt == FMT_BF16 else np.empty((0, cols), dtype=np.float32)
     if fmt == FMT_F32 or fmt == FMT_BF16 or not int8:
-        return activation_buffers(0, cols)
+        xq, xd, xc = activation_buffers(0, cols)
+        return xq, xd, xc, xp
     xq, xd, xc = activation_buffers(b, cols)
     quantize_activations(x, xq, xd, xc)
-    return xq, xd, xc
+    return xq, xd, xc, xp
 
 
 @njit(cache=True, nogil=True)

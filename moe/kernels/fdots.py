@@ -141,7 +141,7 @@ def _fma(typingctx, a, b, c):
 def _bf16_dot4(w, rows, x, xp, u):
     """Four bfloat16 rows of w (uint16 [R, cols]; row numbers `rows`) . float32 row u of x
     [b, cols] (steps 1-3 of the module doc); xp is x with each 16 columns reordered evens
-    then odds (`_even_odd`), the order the bf16 lanes take them in."""
+    then odds (`even_odd`), the order the bf16 lanes take them in."""
     cols = x.shape[1]
     r0, r1, r2, r3 = rows
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _vzero()
@@ -168,7 +168,7 @@ def _bf16_dot4(w, rows, x, xp, u):
 
 
 @njit(cache=True, nogil=True)
-def _even_odd(x):
+def even_odd(x):
     """x [b, cols] with each full 16 columns reordered: the 8 even ones, then the 8 odd."""
     b, cols = x.shape
     xp = np.empty((b, cols - cols % 16), dtype=np.float32)  # [b, C]
@@ -216,8 +216,9 @@ def _widen(bits):
 
 
 @njit(cache=True, nogil=True)
-def float_rows(fmt, wq, x, out, r0, r1):
-    """out[:, r0:r1] for f32/bf16 payload rows wq (raw bytes) and float32 x [b, cols].
+def float_rows(fmt, wq, x, xp, out, r0, r1):
+    """out[:, r0:r1] for f32/bf16 payload rows wq (raw bytes) and float32 x [b, cols]; xp
+    is `even_odd(x)` for bf16 (made once per kernel call by the caller), unused for f32.
 
     Four weight rows at a time (a short last group repeats its last row; those results are
     dropped), every activation row against them while they are in cache.  bf16 rows are
@@ -226,7 +227,6 @@ def float_rows(fmt, wq, x, out, r0, r1):
     b = x.shape[0]
     w32 = wq.view(np.float32) if fmt != FMT_BF16 else np.empty((0, 0), dtype=np.float32)
     w16 = wq.view(np.uint16) if fmt == FMT_BF16 else np.empty((0, 0), dtype=np.uint16)
-    xp = _even_odd(x) if fmt == FMT_BF16 else x
     for r in range(r0, r1, 4):
         group = (r, min(r + 1, r1 - 1), min(r + 2, r1 - 1), min(r + 3, r1 - 1))
         n = min(4, r1 - r)
