@@ -51,18 +51,26 @@ def _ptr2(context, builder, ary_type, ary, row, col, lane_type):
     return builder.bitcast(builder.gep(a.data, [index]), lane_type.as_pointer())
 
 
+def _matrix_at(ary, r, j, dtype) -> bool:
+    """Typing check of an intrinsic (ary, r, j) reading row r of a `dtype` matrix from j."""
+    return _grid(ary, dtype) and isinstance(r, types.Integer) and isinstance(j, types.Integer)
+
+
+def _lanes_at(context, builder, sig, args, lane_type):
+    """Codegen of such an intrinsic: pointer to args[0][args[1], args[2]] as `lane_type`."""
+    row = context.cast(builder, args[1], sig.args[1], types.intp)
+    col = context.cast(builder, args[2], sig.args[2], types.intp)
+    return _ptr2(context, builder, sig.args[0], args[0], row, col, lane_type)
+
+
 @intrinsic
 def _vload2(typingctx, ary, r, j):
     """ary[r, j : j + 8] of a float32 matrix."""
-    if not (_grid(ary, types.float32) and isinstance(r, types.Integer)):
-        return None
-    if not isinstance(j, types.Integer):
+    if not _matrix_at(ary, r, j, types.float32):
         return None
 
     def codegen(context, builder, sig, args):
-        row = context.cast(builder, args[1], sig.args[1], types.intp)
-        col = context.cast(builder, args[2], sig.args[2], types.intp)
-        return builder.load(_ptr2(context, builder, sig.args[0], args[0], row, col, _V8F), align=4)
+        return builder.load(_lanes_at(context, builder, sig, args, _V8F), align=4)
 
     return F32X8(ary, r, j), codegen
 
@@ -76,17 +84,11 @@ def _vload2_bf16_pairs(typingctx, ary, r, j):
     float32 vectors: (even elements j, j+2, ..., odd elements j+1, j+3, ...).  Each 32-bit
     lane holds a pair; its high half is the odd value's float32 bits with the low half
     cleared, and shifted left by 16 the even one's."""
-    if not (_grid(ary, types.uint16) and isinstance(r, types.Integer)):
-        return None
-    if not isinstance(j, types.Integer):
+    if not _matrix_at(ary, r, j, types.uint16):
         return None
 
     def codegen(context, builder, sig, args):
-        row = context.cast(builder, args[1], sig.args[1], types.intp)
-        col = context.cast(builder, args[2], sig.args[2], types.intp)
-        pairs = builder.load(
-            _ptr2(context, builder, sig.args[0], args[0], row, col, _V8I32), align=2
-        )
+        pairs = builder.load(_lanes_at(context, builder, sig, args, _V8I32), align=2)
         odd = builder.and_(pairs, ir.Constant(_V8I32, [_ODD_MASK] * LANES))
         even = builder.shl(pairs, ir.Constant(_V8I32, [16] * LANES))
         lanes = [builder.bitcast(even, _V8F), builder.bitcast(odd, _V8F)]

@@ -310,14 +310,10 @@ def matmul(data: np.ndarray, fmt: str, rows: int, cols: int, x: np.ndarray) -> n
     """x float32 [b, cols] -> float32 [b, rows] = x @ W.T, computed on the packed bytes.
 
     q4_0/q8_0: x quantised to 8 bits per block and integer dot products (or float32 x and
-    codes converted in registers: `use_activations`); f32/bf16 accumulate in float64.
+    codes converted in registers: `use_activations`); f32/bf16 in float32 FMA lanes
+    (`moe.kernels.fdots`).
     """
-    nbytes, row_bytes, s_off = _matrix_layout(fmt, rows, cols)
-    _check_buffer(data, nbytes, f"packed {fmt} {rows}x{cols} matrix")
-    x = _check_x(x, cols)
-    code = _FMT_CODE[fmt]
-    args = (code, _int8(), _readonly(data), rows, cols, row_bytes, s_off, dots.F16_LUT, x)
-    return _run(entry.matmul_kernel, rows * cols, *args, serial=entry.matmul_serial_kernel)
+    return PackedMatrix(data, fmt, rows, cols)(x)
 
 
 class PackedMatrix:
