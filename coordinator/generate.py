@@ -138,7 +138,10 @@ def generate(
         loop.profile = DecodeProfile()
         loop.profile.install(model)
     try:
-        loop.run(result, cache)
+        try:
+            loop.run(result, cache)
+        except SystemError as exc:
+            raise _signal_behind(exc) from None
     except (KeyboardInterrupt, Terminated, MoeshardError) as exc:
         if not keep_partial:
             raise
@@ -157,6 +160,15 @@ def generate(
 
 
 _STOPPED_BY = {KeyboardInterrupt: "interrupted", Terminated: "terminated"}
+
+
+def _signal_behind(exc: SystemError) -> BaseException:
+    """The KeyboardInterrupt or Terminated a signal handler raised while a compiled kernel
+    ran, else exc. numba's dispatcher reports a handler's exception set during its call as
+    a SystemError caused by it ("returned a result with an exception set"), which would
+    otherwise turn a Ctrl-C into an internal error (exit 1, no partial result)."""
+    cause = exc.__cause__
+    return cause if isinstance(cause, (KeyboardInterrupt, Terminated)) else exc
 
 
 class _DecodeLoop:

@@ -218,3 +218,31 @@ def test_sigterm_outside_a_generation_keeps_its_default(demo):
     with terminate_on_sigterm():
         assert signal.getsignal(signal.SIGTERM) is not before
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+class _InterruptedInKernel:
+    """A model whose forward fails as numba reports a Ctrl-C that landed inside a kernel."""
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+    def new_cache(self, max_len):
+        return type("Cache", (), {"length": 0})()
+
+    def forward(self, ids, cache):
+        raise SystemError("CPUDispatcher(...) returned a result with an exception set") from (
+            self.exc
+        )
+
+
+def test_a_signal_inside_a_compiled_kernel_still_stops_as_that_signal():
+    from coordinator.generate import Terminated
+
+    for exc, stopped_by in ((KeyboardInterrupt(), "interrupted"), (Terminated(), "terminated")):
+        model = _InterruptedInKernel(exc)
+        result = generate(model, [1, 2], SamplingOptions(max_tokens=3), keep_partial=True)
+        assert result.stopped_by == stopped_by and result.error is exc and result.tokens == []
+    with pytest.raises(KeyboardInterrupt):
+        generate(_InterruptedInKernel(KeyboardInterrupt()), [1], SamplingOptions(max_tokens=2))
+    with pytest.raises(SystemError):  # any other SystemError stays what it is
+        generate(_InterruptedInKernel(ValueError("x")), [1], SamplingOptions(max_tokens=2))
