@@ -244,20 +244,20 @@ def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def int_emulation(e: np.ndarray, d: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """The integer path (`moe.kernels.idots`): x quantised per block, lane l of a block sums
-    the exact integer products of its columns 4l..4l+3, then acc = fma(dw * dx, t, acc)."""
+    """The integer path (`moe.kernels.idots`): x quantised per block, each block's products
+    summed exactly as integers, then acc = fma(dw * dx, sum, acc) per block in order; one
+    accumulator per row."""
     xq, dx = quantize_x(x)
     b, cols = x.shape
     ei = e.astype(np.int64)  # [rows, cols]
-    acc = np.zeros((b, e.shape[0], LANES), dtype=np.float32)  # [b, rows, 8]
+    acc = np.zeros((b, e.shape[0]), dtype=np.float32)  # [b, rows]
     for k in range(cols // 32):
         cs = slice(32 * k, 32 * k + 32)
-        p = xq[:, None, cs] * ei[None, :, cs]  # [b, rows, 32] exact
-        t = p.reshape(b, -1, LANES, 4).sum(axis=-1).astype(np.float32)  # [b, rows, 8] exact
+        t = (xq[:, None, cs] * ei[None, :, cs]).sum(axis=-1).astype(np.float32)  # [b, rows]
         scale = d[None, :, k] * dx[:, None, k]  # [b, rows] float32
         with np.errstate(invalid="ignore"):
-            acc = fma32(scale[..., None], t, acc)
-    return halve(acc)
+            acc = fma32(scale, t, acc)
+    return acc
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])

@@ -25,6 +25,7 @@ from moe.errors import MoeshardError
 from moe.identity import keys, signed, tls
 from moe.identity.tls import TLS_NAME, certificate_identity, client_tls, node_tls
 from moe.kernels.build import ARITHMETIC
+from moe.storage.manifest import FORMAT_VERSION
 from moe.wire import health_pb2, health_pb2_grpc
 from moe.wire import moeshard_pb2 as pb
 from moe.wire import moeshard_pb2_grpc as pb_grpc
@@ -181,7 +182,13 @@ def test_peers_must_be_pinned_unless_insecure_and_insecure_is_loopback_only():
 
 def test_announcements_are_signed_and_forged_or_expired_ones_fail(tmp_path):
     node, other = keys.generate(tmp_path / "n"), keys.generate(tmp_path / "o")
-    fields = {"name": "n", "model_id": "ab" * 32, "fmt": "1", "wire": "1", "digest": "0" * 8}
+    fields = {
+        "name": "n",
+        "model_id": "ab" * 32,
+        "fmt": str(FORMAT_VERSION),
+        "wire": "1",
+        "digest": "0" * 8,
+    }
     record = signed.sign_announcement(node, fields)
     assert signed.check_announcement(record) == ""
     assert record["node_id"] == node.id
@@ -205,7 +212,7 @@ def test_forged_and_expired_announcements_are_ignored_by_discovery(tmp_path, cap
 
     good, victim = keys.generate(tmp_path / "g"), keys.generate(tmp_path / "v")
     model_id = "e" * 64
-    fields = {"model_id": model_id, "fmt": "1", "wire": "1", "digest": "0" * 8}
+    fields = {"model_id": model_id, "fmt": str(FORMAT_VERSION), "wire": "1", "digest": "0" * 8}
     tag = os.urandom(3).hex()
     records = {
         f"good-{tag}": signed.sign_announcement(good, dict(fields, name=f"good-{tag}")),

@@ -47,6 +47,7 @@ from coordinator.generate import SamplingOptions, generate
 from coordinator.runtime import open_local
 from moe.errors import MoeshardError
 from moe.kernels import quant
+from moe.storage.manifest import FORMAT_VERSION, MANIFEST
 from moe.units import fmt_bytes, parse_size
 
 REPO = Path(__file__).resolve().parents[2]
@@ -209,7 +210,9 @@ class Workspace:
         print(f"compare-llamacpp: {what}", file=sys.stderr, flush=True)
 
     def moeshard_convert(self, hf: Path, out: Path) -> Path:
-        if not (out / "moeshard.json").is_file():
+        """moeshard's conversion of hf, cached in `out` (made again when this build's store
+        format differs from the cached one's)."""
+        if _format_version(out) != FORMAT_VERSION:
             self.step(f"moeshard convert {hf} -> {out}")
             cmd = [*moeshard_cli(), "convert", hf, out, "--force"]
             llamacpp.run_logged(cmd, self.log, f"moeshard convert {hf}", cwd=REPO)
@@ -366,6 +369,13 @@ class InRam:
 
     def all_rows(self) -> list[Row]:
         return [row for pair in self.rows.values() for row in pair]
+
+
+def _format_version(model: Path) -> int | None:
+    try:
+        return json.loads((model / MANIFEST).read_text()).get("format_version")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _short(variant: str) -> str:

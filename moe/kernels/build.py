@@ -26,7 +26,9 @@ import numpy as np
 #   0: not reported (moeshard before this number existed: float32 activations, float64 sums)
 #   2: q4_0/q8_0 with 8-bit activations (`moe.kernels.idots`); f32/bf16 in float32 lanes
 #   3: as 2, bf16 rows' lanes taking even and odd columns (`moe.kernels.fdots`)
-ARITHMETIC = 3
+#   4: q4_0/q8_0 rows in interleaved groups of eight, one exact integer sum per block and one
+#      float32 accumulator per row (`moe.kernels.idots`)
+ARITHMETIC = 4
 
 SOURCES = ("dots.py", "idots.py", "fdots.py", "tiles.py", "entry.py", "quant.py")
 

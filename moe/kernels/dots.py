@@ -1,8 +1,9 @@
-"""Numba kernels: shared constants, the 8-lane vector primitives, and the batch-1 q4_0/q8_0 row
-dots for float32 activations.
+"""Numba kernels: shared constants, the 8-lane vector primitives, and the arithmetic of the
+q4_0/q8_0 rows for float32 activations.
 
 `moe.kernels.entry` holds the entry points called from Python (and the byte layout of the
-``wq``/``ws`` views these helpers receive); `moe.kernels.tiles` holds the batch >= 2 tiles.
+``wq``/``ws`` views these helpers receive); `moe.kernels.tiles` holds the tiles that compute
+this arithmetic, for every batch size.
 This module also sets OMP_WAIT_POLICY (below), so it must be imported before any parallel
 kernel runs; `entry` and `tiles` import it first.  (With 8-bit activations, the default,
 q4_0/q8_0 go through `moe.kernels.idots` instead, which defines its own arithmetic.)
@@ -19,10 +20,9 @@ q4_0, ``e_c = q_c`` for q8_0):
    own: no step is ever fused into an FMA;
 3. ``y = ((a_0 + a_4) + (a_2 + a_6)) + ((a_1 + a_5) + (a_3 + a_7))``.
 
-Scaling once per block (step 2) rather than each weight saves a multiply per weight at batch 1,
-where these kernels are compute-bound on this machine (measured 1.2-1.3x faster, one thread).
-Step 2 is written once, in `_block_kernel`; the batch-1 dots here and the batch >= 2 tiles in
-`moe.kernels.tiles` call the intrinsics it generates.
+Scaling once per block (step 2) rather than each weight saves a multiply per weight.  Step 2 is
+written once, in `_block_kernel`; the tiles in `moe.kernels.tiles` call the intrinsic it
+generates on codes unpacked to float32.
 
 Nothing here depends on how many rows share the call or on how LLVM would vectorise a sum,
 because none of these kernels has a fast-math flag: LLVM must keep IEEE semantics, so it may
@@ -33,9 +33,6 @@ vectoriser will not split a float sum into lanes (and numba runs no SLP vectoris
 lanes are written out: `F32X8` is an LLVM ``<8 x float>`` value (a ymm register on AVX2, two
 xmm on baseline x86-64) handled through the small intrinsics below.
 
-Batch 1 (`_q4_dot4`, `_q8_dot4`): four weight rows per pass, codes unpacked and converted in
-registers, x loaded once per four rows.
-
 Notes for whoever edits these loops (here and in `moe.kernels.tiles`):
 
 * Keep fast-math flags off every q4_0/q8_0 kernel and helper: one ``contract`` or
@@ -44,9 +41,7 @@ Notes for whoever edits these loops (here and in `moe.kernels.tiles`):
   given index with no bounds check; callers keep offsets inside the row.  They accept only
   C-contiguous 1-D arrays (a row of a C-contiguous 2-D array, or a slice of one, is).
 * Every path must follow step 2 exactly: blocks in order, and within a block the four groups
-  of 8 columns in order.  In the pair layout the low nibbles of a 32-byte group are block 2p
-  and the high ones block 2p + 1; in the odd last block (ggml order) the low nibbles of bytes
-  0..15 are its columns 0..15 and the high nibbles 16..31.
+  of 8 columns in order.
 * numba's cache (``cache=True``) checks only each function's own file, yet compiles in the
   helpers and constants it imports: after editing this module or `tiles`, the cached kernels
   of `tiles` and `entry` still hold the old code.  Delete ``moe/kernels/__pycache__/*.nbi``
@@ -57,7 +52,7 @@ import os
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
@@ -82,7 +77,8 @@ QK = 32  # weights per quantisation block
 LANES = 8  # float32 partial sums per (activation row, weight row) pair
 TILE_ROWS = 4  # rows per unpacked tile (micro-kernel height)
 TILE_COLS = 1024  # columns per micro-kernel chunk of a tile (a multiple of 32)
-ROWS_PER_ITEM = 16  # rows per parallel work item (a multiple of TILE_ROWS)
+ROW_GROUP = 8  # q4_0/q8_0 rows interleaved in the packed layout (`moe.kernels.quant`)
+ROWS_PER_ITEM = 16  # rows per parallel work item (a multiple of TILE_ROWS and ROW_GROUP)
 
 # float16 bit pattern -> float32 value, exact (subnormals, inf and nan included).
 F16_LUT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
@@ -176,30 +172,6 @@ def _floats(builder, ptr):
     return builder.load(builder.bitcast(ptr, _V8F.as_pointer()), align=4)
 
 
-def _codes(convert):
-    """A group loader for 8 code bytes at ptr: convert(builder, <8 x i8>) -> <8 x float>."""
-
-    def load(builder, ptr):
-        return convert(builder, builder.load(builder.bitcast(ptr, _V8I8.as_pointer()), align=1))
-
-    return load
-
-
-def _i8(v):
-    return ir.Constant(_V8I8, v)
-
-
-# How one 32-column block is stored: (offset in the row, group loader) for its 4 groups of 8
-# columns, in column order.  A q4_0 block pair shares 32 bytes (low nibbles: the first block,
-# high nibbles: the second); the odd last q4_0 block keeps ggml's order, 16 bytes with byte j
-# = q[j] | q[j + 16] << 4.  Codes come out as float32 q - 8 (q4_0) or q (q8_0), exact.
-_Q4LO = _codes(lambda bld, b: bld.sitofp(bld.sub(bld.and_(b, _i8(15)), _i8(8)), _V8F))
-_Q4HI = _codes(lambda bld, b: bld.sitofp(bld.sub(bld.lshr(b, _i8(4)), _i8(8)), _V8F))
-_Q8 = _codes(lambda bld, b: bld.sitofp(b, _V8F))
-_Q4_LOW_BLOCK = [(0, _Q4LO), (8, _Q4LO), (16, _Q4LO), (24, _Q4LO)]
-_Q4_HIGH_BLOCK = [(0, _Q4HI), (8, _Q4HI), (16, _Q4HI), (24, _Q4HI)]
-_Q4_TAIL_BLOCK = [(0, _Q4LO), (8, _Q4LO), (0, _Q4HI), (8, _Q4HI)]
-_Q8_BLOCK = [(0, _Q8), (8, _Q8), (16, _Q8), (24, _Q8)]
 _FLOAT_BLOCK = [(0, _floats), (8, _floats), (16, _floats), (24, _floats)]
 
 
@@ -265,45 +237,7 @@ def _block_kernel(dtype, layout):
     return block
 
 
-def _unpack_kernel(layout):
-    """An intrinsic ``(src, i, dst, j)``: the block stored at uint8 ``src[i:]`` as `layout`
-    says -> its 32 codes as float32 into ``dst[j : j + 32]`` (for the batch >= 2 tiles)."""
-
-    @intrinsic
-    def unpack(typingctx, src, i, dst, j):
-        if not (
-            _row(src, types.uint8)
-            and isinstance(i, types.Integer)
-            and _row(dst, types.float32)
-            and dst.mutable
-            and isinstance(j, types.Integer)
-        ):
-            return None
-
-        def codegen(context, builder, sig, args):
-            sdata = context.make_array(sig.args[0])(context, builder, args[0]).data
-            base = context.cast(builder, args[1], sig.args[1], types.intp)
-            ddata = context.make_array(sig.args[2])(context, builder, args[2]).data
-            dbase = context.cast(builder, args[3], sig.args[3], types.intp)
-            for g, (offset, load) in enumerate(layout):
-                ptr = builder.bitcast(_at(builder, ddata, dbase, 8 * g), _V8F.as_pointer())
-                builder.store(load(builder, _at(builder, sdata, base, offset)), ptr, align=4)
-            return context.get_dummy_value()
-
-        return types.none(src, i, dst, j), codegen
-
-    return unpack
-
-
-_q4lo_block = _block_kernel(types.uint8, _Q4_LOW_BLOCK)
-_q4hi_block = _block_kernel(types.uint8, _Q4_HIGH_BLOCK)
-_q4tail_block = _block_kernel(types.uint8, _Q4_TAIL_BLOCK)
-_q8_block = _block_kernel(types.uint8, _Q8_BLOCK)
 _float_block = _block_kernel(types.float32, _FLOAT_BLOCK)  # rows of unpacked codes (tiles)
-_q4lo_unpack = _unpack_kernel(_Q4_LOW_BLOCK)
-_q4hi_unpack = _unpack_kernel(_Q4_HIGH_BLOCK)
-_q4tail_unpack = _unpack_kernel(_Q4_TAIL_BLOCK)
-_q8_unpack = _unpack_kernel(_Q8_BLOCK)
 
 
 @intrinsic
@@ -326,58 +260,3 @@ def _vsum(typingctx, v):
         )
 
     return types.float32(v), codegen
-
-
-# ---------------------------------------------------------------------------------------------
-# batch 1: four rows per pass, codes converted in registers
-
-
-@njit(cache=True, nogil=True)
-def _q4_dot4(w0, w1, w2, w3, s0, s1, s2, s3, lut, x):
-    """Four packed Q4_0 rows (pair-interleaved nibbles; payload w, scales s) . float32 x [cols].
-    (Accumulators as separate variables and a loop over pairs: measured 20% faster than a
-    loop-carried tuple and a stepped range.)"""
-    nb = s0.shape[0]
-    a0 = a1 = a2 = a3 = _vzero()
-    w = (w0, w1, w2, w3)
-    xs = (x,)
-    for p in range(nb // 2):  # blocks k = 2p, 2p + 1 share 32 bytes from byte o
-        k = 2 * p
-        o = 32 * p
-        d = (lut[s0[k]], lut[s1[k]], lut[s2[k]], lut[s3[k]])
-        a0, a1, a2, a3 = _q4lo_block((a0, a1, a2, a3), d, w, o, xs, 2 * o)
-        d = (lut[s0[k + 1]], lut[s1[k + 1]], lut[s2[k + 1]], lut[s3[k + 1]])
-        a0, a1, a2, a3 = _q4hi_block((a0, a1, a2, a3), d, w, o, xs, 2 * o + QK)
-    if nb & 1:  # the odd last block, ggml order
-        k = nb - 1
-        d = (lut[s0[k]], lut[s1[k]], lut[s2[k]], lut[s3[k]])
-        a0, a1, a2, a3 = _q4tail_block((a0, a1, a2, a3), d, w, 16 * k, xs, 32 * k)
-    return _vsum(a0), _vsum(a1), _vsum(a2), _vsum(a3)
-
-
-@njit(cache=True, nogil=True)
-def _q8_dot4(w0, w1, w2, w3, s0, s1, s2, s3, lut, x):
-    """Four packed Q8_0 rows (payload w, scales s) . float32 x [cols]."""
-    a0 = a1 = a2 = a3 = _vzero()
-    w = (w0, w1, w2, w3)
-    xs = (x,)
-    for k in range(s0.shape[0]):  # block k: bytes and columns 32k .. 32k + 31
-        d = (lut[s0[k]], lut[s1[k]], lut[s2[k]], lut[s3[k]])
-        a0, a1, a2, a3 = _q8_block((a0, a1, a2, a3), d, w, 32 * k, xs, 32 * k)
-    return _vsum(a0), _vsum(a1), _vsum(a2), _vsum(a3)
-
-
-@njit(cache=True, nogil=True)
-def _b1_rows(fmt, wq, ws, lut, x, out, r0, r1):
-    """out[0, r0:r1] for batch 1 (q4_0/q8_0): four rows per pass (measured 7% faster than two
-    in cache, 3% from DRAM).  A last group of fewer than four rows repeats its last row in the
-    missing places (every row has lanes of its own, so that changes no result)."""
-    xrow = x[0]
-    for r in range(r0, r1, 4):
-        ra, rb, rc = min(r + 1, r1 - 1), min(r + 2, r1 - 1), min(r + 3, r1 - 1)
-        if fmt == FMT_Q4_0:
-            y = _q4_dot4(wq[r], wq[ra], wq[rb], wq[rc], ws[r], ws[ra], ws[rb], ws[rc], lut, xrow)
-        else:
-            y = _q8_dot4(wq[r], wq[ra], wq[rb], wq[rc], ws[r], ws[ra], ws[rb], ws[rc], lut, xrow)
-        for i in range(min(4, r1 - r)):
-            out[0, r + i] = y[i]

@@ -32,7 +32,7 @@ silu uses libm's exp (float64, then rounded to float32).
 import numpy as np
 from numba import njit, prange
 
-from moe.kernels.dots import FMT_BF16, FMT_F32, QK, ROWS_PER_ITEM, _b1_rows
+from moe.kernels.dots import FMT_BF16, FMT_F32, QK, ROW_GROUP, ROWS_PER_ITEM
 from moe.kernels.fdots import even_odd, float_rows
 from moe.kernels.idots import activation_buffers, int_rows, quantize_activations
 from moe.kernels.tiles import _tile_rows
@@ -57,24 +57,23 @@ def _rows(fmt, wq, ws, lut, x, act, out, r0, r1):
     if fmt == FMT_F32 or fmt == FMT_BF16:
         float_rows(fmt, wq, x, xp, out, r0, r1)
     elif xq.shape[0] > 0:
-        int_rows(fmt, wq, ws, lut, xq, xd, xc, out, r0, r1)
-    elif x.shape[0] == 1:
-        _b1_rows(fmt, wq, ws, lut, x, out, r0, r1)
+        int_rows(fmt, wq, ws, xq, xd, xc, out, r0, r1)
     else:
         _tile_rows(fmt, wq, ws, lut, x, out, r0, r1)
 
 
 @njit(cache=True, nogil=True)
 def _matrix_views(data, rows, cols, row_bytes, scale_off):
-    """Payload uint8 [rows, row_bytes] and scales uint16 [rows, cols // 32] of one packed
-    matrix (scale_off < 0: no scales, f32/bf16)."""
-    wq = data[: rows * row_bytes].reshape((rows, row_bytes))
-    if scale_off >= 0:
-        nb = cols // QK
-        ws = data[scale_off : scale_off + rows * nb * 2].view(np.uint16).reshape((rows, nb))
-    else:
-        ws = np.empty((rows, 0), dtype=np.uint16)
-    return wq, ws
+    """The payload and scale views of one packed matrix (`moe.kernels.quant` has the layout):
+    f32/bf16 (scale_off < 0): uint8 [rows, row_bytes] and empty scales; q4_0/q8_0: uint8
+    [groups of 8 rows, row_bytes] and uint16 [groups, cols // 32 * 8]."""
+    if scale_off < 0:
+        wq = data[: rows * row_bytes].reshape((rows, row_bytes))
+        return wq, np.empty((rows, 0), dtype=np.uint16)
+    groups, nb = (rows + ROW_GROUP - 1) // ROW_GROUP, cols // QK
+    wq = data[: groups * row_bytes].reshape((groups, row_bytes))
+    ws = data[scale_off : scale_off + groups * nb * 2 * ROW_GROUP].view(np.uint16)
+    return wq, ws.reshape((groups, nb * ROW_GROUP))
 
 
 @njit(cache=True, nogil=True)

@@ -10,15 +10,15 @@ matrix is zero-padded to a multiple of 64 bytes):
 
 * ``f32``:  rows x cols little-endian float32, row-major.
 * ``bf16``: rows x cols uint16 (upper half of the float32), row-major.
-* ``q8_0``: ``qs`` int8 [rows, cols], then ``d`` float16 [rows, cols // 32].
-* ``q4_0``: ``qs`` uint8 [rows, cols // 2], then ``d`` float16 [rows, cols // 32].
-  Within a row, blocks are taken in pairs (2p, 2p+1) and stored as 32 bytes where byte j is
-  ``q[2p][j] | q[2p+1][j] << 4`` (q = the unsigned 4-bit codes 0..15, value = d * (q - 8)),
-  so one block unpacks with a single shift + mask over 32 contiguous bytes.  A trailing odd
-  block keeps ggml's 16-byte order (byte j = ``q[j] | q[j + 16] << 4``).
-
-Scales are separated from the payload so payload rows are contiguous and vector-friendly.
-Sizes per weight equal ggml's (4.5 bits for q4_0, 8.5 for q8_0) apart from section padding.
+* ``q8_0`` and ``q4_0``: rows in groups of eight (a last group padded with zero rows), each
+  group's blocks interleaved so that one 32-byte load holds the same four columns of all
+  eight rows (as llama.cpp's repacked Q4_0x8 does): ``qs`` uint8 [groups, nb, chunks, 8, 4]
+  then ``d`` float16 [groups, nb, 8].  Byte ``qs[g, k, c, r, i]`` is byte ``4c + i`` of ggml's
+  quant bytes of block k of row 8g + r (ggml: 32 int8 codes for q8_0, c = 0..7; 16 bytes
+  holding ``q[j] | q[j + 16] << 4`` for q4_0, c = 0..3, q the unsigned 4-bit codes 0..15 and
+  value = d * (q - 8)), and ``d[g, k, r]`` its scale.  So a q4_0 load's low nibbles are
+  columns 4c..4c+3 of the eight rows and its high nibbles columns 16+4c..16+4c+3, and the
+  eight scales of a block are one 16-byte load (`moe.kernels.idots` has why).
 
 Expert record (`pack_expert`): gate [inter, hidden], up [inter, hidden], down [hidden, inter],
 each a matrix in the layout above, back to back (each starts at a multiple of 64 bytes).
@@ -133,15 +133,28 @@ def _pad(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _payload_bytes(fmt: str, cols: int) -> int:
-    """Bytes per row of the payload section."""
-    return {"f32": 4 * cols, "bf16": 2 * cols, "q8_0": cols, "q4_0": cols // 2}[fmt]
+ROW_GROUP = dots.ROW_GROUP  # q4_0/q8_0 rows interleaved together
+_QUANT_BYTES = {"q8_0": 32, "q4_0": 16}  # ggml's code bytes per block (after the scale)
+
+
+def _groups(rows: int) -> int:
+    return -(-rows // ROW_GROUP)
+
+
+def _view_row_bytes(fmt: str, cols: int) -> int:
+    """Bytes per row of the payload view: a matrix row (f32/bf16) or a row group (q4_0/q8_0)."""
+    if fmt in _QUANT_BYTES:
+        return cols // QK * ROW_GROUP * _QUANT_BYTES[fmt]
+    return {"f32": 4 * cols, "bf16": 2 * cols}[fmt]
 
 
 def _sections(fmt: str, rows: int, cols: int) -> tuple[int, int, int]:
     """(payload bytes, scale section offset, scale bytes) of one packed matrix."""
-    payload = rows * _payload_bytes(fmt, cols)
-    scales = rows * (cols // QK) * 2 if fmt in ("q8_0", "q4_0") else 0
+    if fmt in _QUANT_BYTES:
+        payload = _groups(rows) * _view_row_bytes(fmt, cols)
+        scales = _groups(rows) * (cols // QK) * ROW_GROUP * 2
+    else:
+        payload, scales = rows * _view_row_bytes(fmt, cols), 0
     return payload, _pad(payload), scales
 
 
@@ -187,32 +200,22 @@ def _ggml_row_bytes(fmt: str, cols: int) -> int:
 # kernel layout
 
 
-def _q4_codes_to_pairs(codes: np.ndarray) -> np.ndarray:
-    """Unsigned 4-bit codes [rows, nb, 32] -> pair-interleaved payload [rows, nb * 16]."""
-    rows, nb, _ = codes.shape
-    npair = nb // 2
-    out = np.empty((rows, nb * 16), dtype=np.uint8)  # [rows, cols // 2]
-    pairs = codes[:, : 2 * npair].reshape(rows, npair, 2, QK)  # [rows, npair, 2, 32]
-    out[:, : npair * 32] = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(rows, -1)
-    if nb & 1:
-        tail = codes[:, -1]  # [rows, 32]
-        out[:, npair * 32 :] = tail[:, :16] | (tail[:, 16:] << 4)
-    return out
+def _interleave(per_row: np.ndarray, rows: int, unit: int) -> np.ndarray:
+    """[rows, nb, n] per-row block bytes -> [groups, nb, n // unit, 8, unit]: rows padded with
+    zeros to whole groups of eight, then each block's bytes dealt out `unit` at a time."""
+    _, nb, n = per_row.shape
+    padded = np.zeros((_groups(rows) * ROW_GROUP, nb, n), dtype=np.uint8)  # [rows8, nb, n]
+    padded[:rows] = per_row
+    split = padded.reshape(-1, ROW_GROUP, nb, n // unit, unit)  # [groups, 8, nb, chunks, unit]
+    return split.transpose(0, 2, 3, 1, 4)  # [groups, nb, chunks, 8, unit]
 
 
-def _q4_pairs_to_codes(payload: np.ndarray, nb: int) -> np.ndarray:
-    """Inverse of `_q4_codes_to_pairs`: [rows, nb * 16] -> codes [rows, nb, 32]."""
-    rows = payload.shape[0]
-    npair = nb // 2
-    codes = np.empty((rows, nb, QK), dtype=np.uint8)  # [rows, nb, 32]
-    pairs = payload[:, : npair * 32].reshape(rows, npair, QK)  # [rows, npair, 32]
-    codes[:, 0 : 2 * npair : 2] = pairs & 15
-    codes[:, 1 : 2 * npair : 2] = pairs >> 4
-    if nb & 1:
-        tail = payload[:, npair * 32 :]  # [rows, 16]
-        codes[:, -1, :16] = tail & 15
-        codes[:, -1, 16:] = tail >> 4
-    return codes
+def _deinterleave(grouped: np.ndarray, rows: int, nb: int, unit: int) -> np.ndarray:
+    """Inverse of `_interleave`: the flat grouped bytes -> [rows, nb, n]."""
+    split = grouped.reshape(
+        -1, nb, grouped.size // (_groups(rows) * nb * ROW_GROUP * unit), ROW_GROUP, unit
+    )  # [groups, nb, chunks, 8, unit]
+    return split.transpose(0, 3, 1, 2, 4).reshape(-1, nb, split.shape[2] * unit)[:rows]
 
 
 def pack(w: np.ndarray, fmt: str) -> np.ndarray:
@@ -225,19 +228,13 @@ def pack(w: np.ndarray, fmt: str) -> np.ndarray:
 def _ggml_to_packed(g: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray:
     out = np.zeros(packed_nbytes(fmt, rows, cols), dtype=np.uint8)
     payload, s_off, s_bytes = _sections(fmt, rows, cols)
-    nb = cols // QK
     if fmt in ("f32", "bf16"):
         out[:payload] = g.reshape(-1)
         return out
-    block_bytes = 34 if fmt == "q8_0" else 18
-    blocks = g.reshape(rows, nb, block_bytes)  # [rows, nb, block_bytes]
-    out[s_off : s_off + s_bytes] = blocks[:, :, :2].reshape(-1)
-    qs = blocks[:, :, 2:]  # [rows, nb, 32 or 16]
-    if fmt == "q8_0":
-        out[:payload] = qs.reshape(-1)
-    else:
-        codes = np.concatenate([qs & 15, qs >> 4], axis=2)  # [rows, nb, 32]
-        out[:payload] = _q4_codes_to_pairs(codes).reshape(-1)
+    nb = cols // QK
+    blocks = g.reshape(rows, nb, 2 + _QUANT_BYTES[fmt])  # [rows, nb, block bytes]
+    out[:payload] = _interleave(blocks[:, :, 2:], rows, 4).reshape(-1)
+    out[s_off : s_off + s_bytes] = _interleave(blocks[:, :, :2], rows, 2).reshape(-1)
     return out
 
 
@@ -247,21 +244,17 @@ def unpack_to_ggml(data: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarr
     if fmt in ("f32", "bf16"):
         return wq.copy()
     nb = cols // QK
-    d = ws.view(np.uint8).reshape(rows, nb, 2)  # [rows, nb, 2]
-    if fmt == "q8_0":
-        qs = wq.reshape(rows, nb, QK)  # [rows, nb, 32]
-    else:
-        codes = _q4_pairs_to_codes(wq, nb)  # [rows, nb, 32]
-        qs = codes[:, :, :16] | (codes[:, :, 16:] << 4)  # [rows, nb, 16]
+    qs = _deinterleave(wq, rows, nb, 4)  # [rows, nb, 16 or 32]
+    d = _deinterleave(ws.view(np.uint8), rows, nb, 2)  # [rows, nb, 2]
     return np.concatenate([d, qs], axis=2).reshape(rows, -1)  # [rows, row_bytes]
 
 
 @functools.lru_cache(maxsize=4096)
 def _matrix_layout(fmt: str, rows: int, cols: int) -> tuple[int, int, int]:
-    """(packed bytes, payload bytes per row, scale section offset or -1), validated."""
+    """(packed bytes, bytes per payload view row, scale section offset or -1), validated."""
     _check_dims(fmt, rows, cols)
     _, s_off, s_bytes = _sections(fmt, rows, cols)
-    return packed_nbytes(fmt, rows, cols), _payload_bytes(fmt, cols), s_off if s_bytes else -1
+    return packed_nbytes(fmt, rows, cols), _view_row_bytes(fmt, cols), s_off if s_bytes else -1
 
 
 def _check_buffer(data: np.ndarray, want: int, what: str) -> None:
@@ -274,15 +267,17 @@ def _check_buffer(data: np.ndarray, want: int, what: str) -> None:
 
 
 def _views(data: np.ndarray, fmt: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """Validated numpy views: payload uint8 [rows, row_bytes], scales uint16 [rows, nb]."""
+    """Validated numpy views: f32/bf16 payload [rows, row_bytes] and empty scales [rows, 0];
+    q4_0/q8_0 payload uint8 [groups, group bytes] and scales uint16 [groups, nb * 8]."""
     nbytes, row_bytes, s_off = _matrix_layout(fmt, rows, cols)
     _check_buffer(data, nbytes, f"packed {fmt} {rows}x{cols} matrix")
-    wq = data[: rows * row_bytes].reshape(rows, row_bytes)  # [rows, row_bytes]
     if s_off < 0:
+        wq = data[: rows * row_bytes].reshape(rows, row_bytes)  # [rows, row_bytes]
         return wq, np.empty((rows, 0), dtype=np.uint16)
-    nb = cols // QK
-    ws = data[s_off : s_off + rows * nb * 2].view(np.uint16).reshape(rows, nb)  # [rows, nb]
-    return wq, ws
+    groups, nb = _groups(rows), cols // QK
+    wq = data[: groups * row_bytes].reshape(groups, row_bytes)  # [groups, nb * 8 * 16 or 32]
+    ws = data[s_off : s_off + groups * nb * 16].view(np.uint16).reshape(groups, nb * ROW_GROUP)
+    return wq, ws  # ws: [groups, nb * 8]
 
 
 def _check_x(x: np.ndarray, cols: int) -> np.ndarray:

@@ -24,7 +24,8 @@ from pathlib import Path
 from moe.errors import StoreError
 from moe.storage.io import write_file
 
-FORMAT_VERSION = 1
+# 2: q4_0/q8_0 matrices in interleaved groups of eight rows (`moe.kernels.quant`)
+FORMAT_VERSION = 2
 MANIFEST = "moeshard.json"
 TRUNK_FILE = "trunk.gguf"
 PLACEHOLDER_ID = "0" * 64  # the model id written first and replaced once the data is hashed

@@ -17,10 +17,12 @@ import socket, sys, time
 from pathlib import Path
 from zeroconf import IPVersion, ServiceInfo, Zeroconf
 from moe.identity import keys, signed
+from moe.storage.manifest import FORMAT_VERSION
 from moe.wire.constants import SERVICE_TYPE
 key_path, addr, victim_id, model_id = sys.argv[1:5]
 liar = keys.load_or_create(key_path)
-fields = {"name": "tb-forged", "model_id": model_id, "fmt": "1", "wire": "1", "digest": "0" * 8}
+fields = {"name": "tb-forged", "model_id": model_id, "fmt": str(FORMAT_VERSION), "wire": "1",
+          "digest": "0" * 8}
 record = dict(signed.sign_announcement(liar, fields), node_id=victim_id)
 info = ServiceInfo(SERVICE_TYPE, "tb-forged." + SERVICE_TYPE, addresses=[socket.inet_aton(addr)],
                    port=50051, properties=record, server="tb-forged.local.")
