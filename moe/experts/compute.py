@@ -100,8 +100,8 @@ def decode_weighted_sum(
     experts = [e for e, _ in pairs]  # ascending, as `combine` adds them
     if len(experts) < 2 or len(set(experts)) < len(experts):
         return None
-    starts = np.array([offset_of(e) for e in experts], dtype=np.int64)  # [m]
-    w = np.array([v for _, v in pairs], dtype=np.float32)  # [m], exact: they were float32
+    starts = [offset_of(e) for e in experts]  # [m]
+    w = [v for _, v in pairs]  # [m], exact in float32: they were float32
     total = kernels.batch1_sum(arena, starts, fmt, hidden_size, inter, hidden, w)  # f64 [H]
     return total.astype(dtype, copy=False)[None]  # [1, H]
 

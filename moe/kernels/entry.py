@@ -176,10 +176,10 @@ def expert_ffn_kernel(fmt, int8, record, hidden, inter, layout, lut, x):
 
 
 @njit(cache=True, nogil=True)
-def _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, y):
-    """One expert on the calling thread, batch 1: x float32 [1, hidden] -> y [hidden]."""
+def _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, act, y):
+    """One expert on the calling thread, batch 1: x float32 [1, hidden] -> y [hidden]; act
+    is `_activations(fmt, int8, x)` (made once for all the experts of a row)."""
     gq, gs, uq, us, dq, ds = _expert_views(record, hidden, inter, layout)
-    act = _activations(fmt, int8, x)
     g = np.empty((1, inter), dtype=np.float32)  # [1, inter]
     u = np.empty((1, inter), dtype=np.float32)  # [1, inter]
     _rows(fmt, gq, gs, lut, x, act, g, 0, inter)
@@ -204,7 +204,9 @@ def experts_b1_kernel(fmt, int8, arena, offsets, nbytes, hidden, inter, layout, 
     y = np.empty((m, hidden), dtype=np.float32)  # [m, hidden]
     for e in prange(m):
         record = arena[offsets[e] : offsets[e] + nbytes]
-        _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x[e : e + 1], y[e])
+        xe = x[e : e + 1]
+        act = _activations(fmt, int8, xe)
+        _expert_b1(fmt, int8, record, hidden, inter, layout, lut, xe, act, y[e])
     return y
 
 
@@ -221,9 +223,10 @@ def experts_b1_sum_kernel(fmt, int8, arena, offsets, nbytes, hidden, inter, layo
     more time there than in the kernels)."""
     m = offsets.shape[0]
     y = np.empty((m, hidden), dtype=np.float32)  # [m, hidden]
+    act = _activations(fmt, int8, x)  # x quantised once for every expert
     for e in prange(m):
         record = arena[offsets[e] : offsets[e] + nbytes]
-        _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, y[e])
+        _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, act, y[e])
     return _weighted_total(y, w)
 
 
@@ -234,9 +237,10 @@ def experts_b1_sum_serial_kernel(
     """`experts_b1_sum_kernel` on the calling thread (the same bits), for small experts."""
     m = offsets.shape[0]
     y = np.empty((m, hidden), dtype=np.float32)  # [m, hidden]
+    act = _activations(fmt, int8, x)
     for e in range(m):
         record = arena[offsets[e] : offsets[e] + nbytes]
-        _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, y[e])
+        _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, act, y[e])
     return _weighted_total(y, w)
 
 

@@ -49,6 +49,7 @@ _FMT_CODE = {
 }
 QK = dots.QK
 ALIGN = 64
+_F32 = np.dtype(np.float32)
 # Below this many weights a matrix is computed on one thread: waking the pool costs more.
 PARALLEL_MIN_WEIGHTS = 1 << 19
 
@@ -281,6 +282,15 @@ def _views(data: np.ndarray, fmt: str, rows: int, cols: int) -> tuple[np.ndarray
 
 
 def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
+    if (  # the common case first, in a few attribute reads (a decode step makes dozens of calls)
+        type(x) is np.ndarray
+        and x.dtype is _F32
+        and x.ndim == 2
+        and x.shape[1] == cols
+        and x.shape[0]
+        and x.flags.c_contiguous
+    ):
+        return _readonly(x)
     x = np.asarray(x)
     if x.ndim != 2 or x.shape[1] != cols or x.shape[0] == 0:
         raise ValueError(f"x must have shape [b, {cols}] with b >= 1, got {x.shape}")
@@ -293,7 +303,7 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     serves mmap'd read-only weights and ordinary arrays alike."""
     if a.flags.writeable:
         a = a.view()
-        a.flags.writeable = False
+        a.setflags(write=False)
     return a
 
 
@@ -351,6 +361,7 @@ def pack_expert(gate: np.ndarray, up: np.ndarray, down: np.ndarray, fmt: str) ->
 
 
 @functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)
 def _expert_layout(fmt: str, hidden: int, inter: int) -> tuple[int, tuple[int, ...]]:
     """(record bytes, kernel layout tuple) for one expert, validated."""
     n_gu, rb_gu, s_gu = _matrix_layout(fmt, inter, hidden)
@@ -400,13 +411,12 @@ def experts_ffn_b1_sum(
     nbytes, layout = _expert_layout(fmt, hidden, inter)
     if not isinstance(arena, np.ndarray) or arena.dtype != np.uint8 or arena.ndim != 1:
         raise ValueError("arena must be a 1-D uint8 numpy array")
-    offsets = np.ascontiguousarray(offsets, dtype=np.int64)  # [m]
-    if offsets.ndim != 1 or (
-        offsets.size and (offsets.min() < 0 or offsets.max() + nbytes > arena.size)
-    ):
+    starts = [int(v) for v in offsets]  # a handful: Python ints are cheaper than numpy here
+    if starts and (min(starts) < 0 or max(starts) + nbytes > arena.size):
         raise ValueError(f"expert records must lie inside the arena of {arena.size} bytes")
+    offsets = np.array(starts, dtype=np.int64)  # [m]
     x = _check_x(x, hidden)
-    w = np.ascontiguousarray(w, dtype=np.float32)  # [m]
+    w = np.array(w, dtype=np.float32)  # [m]
     if x.shape[0] != 1 or w.shape != offsets.shape:
         raise ValueError(f"want one row and one weight per expert, got x {x.shape}, w {w.shape}")
     args = (_FMT_CODE[fmt], _int8(), _readonly(arena), _readonly(offsets), nbytes, hidden, inter)

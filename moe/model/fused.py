@@ -10,7 +10,8 @@ compares them; the families' files state the math with those):
 * `rope_inplace`: bit-identical to `layers.apply_rope` (elementwise float32), in place.
 * `attend_cache`: `layers.attend` against the KV cache without building a mask (a query at
   position p reads keys lo..p); the dot products are float32 in another order than BLAS's
-  (last-bit differences).
+  (last-bit differences): eight lanes (`_dot`, explicit vector lanes, as numba runs no SLP
+  vectoriser: 2.3x faster than eight scalar sums for 64-wide heads), then summed pairwise.
 * `gqa_attention`: everything between a GQA layer's projections and its o_proj in one call:
   q/k norms, clip, RoPE, the KV-cache write and `attend_cache`.
 * `route_softmax_topk`: `Transformer.route`'s softmax, top-k (ties to the lower index, as a
@@ -30,7 +31,11 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from moe.kernels.dots import F32X8, _splat, _vload, _vstore, _vzero
 
 QK_NORM_NONE, QK_NORM_HEAD, QK_NORM_FULL = 0, 1, 2  # gqa_attention's qk_norm
 QK_NORM_CODES = {"none": QK_NORM_NONE, "head": QK_NORM_HEAD, "full": QK_NORM_FULL}
@@ -159,26 +164,67 @@ def rope_inplace(x, dim, cos, sin, interleave):
                 row[lo + i + half] = x2 * c + x1 * s
 
 
+@intrinsic
+def _vmuladd(typingctx, a, b, acc):
+    """acc + a * b in eight float32 lanes: a multiply and an add, each rounded (no FMA)."""
+    if not (a == b == acc == F32X8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fadd(args[2], builder.fmul(args[0], args[1]))
+
+    return F32X8(a, b, acc), codegen
+
+
+@intrinsic
+def _vsplat(typingctx, x):
+    """Eight copies of the float32 x."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _splat(builder, args[0])
+
+    return F32X8(x), codegen
+
+
+@intrinsic
+def _pair_tree_sum(typingctx, v):
+    """((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)) of eight float32 lanes."""
+    if v != F32X8:
+        return None
+
+    def codegen(context, builder, sig, args):
+        lane = [builder.extract_element(args[0], ir.IntType(32)(i)) for i in range(8)]
+        pairs = [builder.fadd(lane[i], lane[i + 1]) for i in range(0, 8, 2)]
+        return builder.fadd(builder.fadd(pairs[0], pairs[1]), builder.fadd(pairs[2], pairs[3]))
+
+    return types.float32(v), codegen
+
+
 @njit(cache=True, nogil=True)
-def _dot(a, a0, b, b0, n):
-    """float32 dot product of a[a0:a0+n] and b[b0:b0+n]: eight interleaved partial sums (no
-    chain of dependent adds; LLVM packs them into vector lanes), then the tail."""
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+def _dot(a, a0, b, n):
+    """float32 dot product of a[a0:a0+n] and b[:n] (1-D C rows): eight partial sums, lane l
+    taking the products j = l mod 8 in order, added pairwise, then the tail in order."""
+    acc = _vzero()
     m = n - n % 8
     for j in range(0, m, 8):
-        i, k = a0 + j, b0 + j
-        s0 += a[i] * b[k]
-        s1 += a[i + 1] * b[k + 1]
-        s2 += a[i + 2] * b[k + 2]
-        s3 += a[i + 3] * b[k + 3]
-        s4 += a[i + 4] * b[k + 4]
-        s5 += a[i + 5] * b[k + 5]
-        s6 += a[i + 6] * b[k + 6]
-        s7 += a[i + 7] * b[k + 7]
-    acc = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+        acc = _vmuladd(_vload(a, a0 + j), _vload(b, j), acc)
+    total = _pair_tree_sum(acc)
     for j in range(m, n):
-        acc += a[a0 + j] * b[b0 + j]
-    return acc
+        total += a[a0 + j] * b[j]
+    return total
+
+
+@njit(cache=True, nogil=True)
+def _add_scaled(out, o0, p, v, n):
+    """out[o0:o0+n] += p * v[:n], elementwise (1-D C rows; a multiply and an add each)."""
+    m = n - n % 8
+    ps = _vsplat(p)
+    for j in range(0, m, 8):
+        _vstore(out, o0 + j, _vmuladd(ps, _vload(v, j), _vload(out, o0 + j)))
+    for j in range(m, n):
+        out[o0 + j] += p * v[j]
 
 
 @njit(cache=True, nogil=True)
@@ -203,7 +249,7 @@ def attend_cache(q, kc, vc, start, scaling, window, out):
             kv = h // group
             best = np.float32(-np.inf)
             for s in range(lo, pos + 1):
-                sc = _dot(qt, h * d, kc[s, kv], 0, d) * scale
+                sc = _dot(qt, h * d, kc[s, kv], d) * scale
                 scores[s] = sc
                 if sc > best:
                     best = sc
@@ -216,10 +262,7 @@ def attend_cache(q, kc, vc, start, scaling, window, out):
             for j in range(dv):
                 ot[o0 + j] = np.float32(0.0)
             for s in range(lo, pos + 1):
-                p = np.float32(scores[s] / total)
-                vs = vc[s, kv]
-                for j in range(dv):
-                    ot[o0 + j] += p * vs[j]
+                _add_scaled(ot, o0, np.float32(scores[s] / total), vc[s, kv], dv)
 
 
 @njit(cache=True, nogil=True)
