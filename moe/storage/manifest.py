@@ -93,7 +93,8 @@ def read_manifest(directory: Path) -> dict:
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise StoreError(
-            f"{path}: format version {version} not supported (this build reads {FORMAT_VERSION})"
+            f"{path}: format version {version} not supported (this build reads {FORMAT_VERSION}):"
+            " convert the checkpoint again with this build"
         )
     for key in ("model_id", "expert_format", "expert_files"):
         if key not in manifest:
