@@ -22,7 +22,7 @@ from moe.convert.converter import convert
 from moe.errors import MoeshardError
 from moe.kernels import quant
 
-QUANTISED = ("q4_0", "q8_0")  # the formats whose kernels take 8-bit or float32 activations
+QUANTISED = quant.BLOCK_FORMATS  # the formats whose kernels take 8-bit or float32 activations
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

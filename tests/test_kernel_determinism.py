@@ -181,11 +181,23 @@ def test_non_finite_row_poisons_only_itself(fmt, run):
 LANES = 8
 
 
+# OCP MX v1.0 E2M1: sign bit 3, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (here doubled: integers)
+E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12], dtype=np.float32)
+
+
 def codes_and_scales(data: np.ndarray, fmt: str, rows: int, cols: int):
     """(e float32 [rows, cols], d float32 [rows, cols // 32]) read from ggml's bytes: e = q - 8
-    (q4_0) or q (q8_0) per weight, d the block scales, so that d * e is gguf's dequantisation."""
+    (q4_0), q (q8_0) or twice the E2M1 value (mxfp4) per weight, d the block scales (mxfp4:
+    half of 2^(E8M0 - 127); 255 is 2^127 in ggml, not the spec's nan), so that d * e is
+    gguf's dequantisation."""
     nb = cols // 32
     raw = quant.unpack_to_ggml(data, fmt, rows, cols).reshape(rows, nb, -1)  # [rows, nb, bytes]
+    if fmt == "mxfp4":
+        d = np.ldexp(np.float64(1.0), raw[:, :, 0].astype(np.int64) - 128).astype(np.float32)
+        qs = raw[:, :, 1:]
+        q = np.concatenate([qs & 15, qs >> 4], axis=2)  # [rows, nb, 32], ggml nibble order
+        e = np.where(q & 8, -1, 1) * E2M1_DOUBLED[q & 7]
+        return e.astype(np.float32).reshape(rows, cols), d
     d = raw[:, :, :2].copy().view(np.float16)[:, :, 0].astype(np.float32)  # [rows, nb]
     qs = raw[:, :, 2:]
     if fmt == "q8_0":
@@ -260,7 +272,7 @@ def int_emulation(e: np.ndarray, d: np.ndarray, x: np.ndarray) -> np.ndarray:
     return acc
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "mxfp4"])
 def test_quantised_matmul_equals_numpy_emulation(fmt, run, mode):
     """The codes and scales from ggml's bytes, then the documented arithmetic in numpy: equal
     bits, so the kernels' result is defined by that arithmetic alone, whatever the CPU,

@@ -36,13 +36,13 @@ json.dump(out, sys.stdout)
 def int_rows_all() -> dict[str, np.ndarray]:
     """`idots.int_rows` on fixed weights and activations, for every format, shape and batch."""
     results = {}
-    for fmt in ("q4_0", "q8_0"):
+    for fmt in ("q4_0", "q8_0", "mxfp4"):
         for rows, cols in SHAPES:
             rng = np.random.default_rng(rows * cols)
             w = rng.standard_normal((rows, cols)).astype(np.float32)  # [rows, cols]
             data = quant._readonly(quant.pack(w, fmt))
             _, row_bytes, scale_off = quant._matrix_layout(fmt, rows, cols)
-            wq, ws = _matrix_views(data, rows, cols, row_bytes, scale_off)
+            wq, ws = _matrix_views(quant._FMT_CODE[fmt], data, rows, cols, row_bytes, scale_off)
             for b in BATCHES:
                 x = rng.standard_normal((b, cols)).astype(np.float32) * 3  # [b, cols]
                 if b == 3:

@@ -16,11 +16,12 @@ QTYPE = {
     "bf16": GGMLQuantizationType.BF16,
     "q8_0": GGMLQuantizationType.Q8_0,
     "q4_0": GGMLQuantizationType.Q4_0,
+    "mxfp4": GGMLQuantizationType.MXFP4,
 }
 # Max error of a kernel vs its float64 twin, relative to sum_j |x_j * w_j| for that output.
 # All formats accumulate in float32 lanes (f32/bf16 with FMAs, so a little tighter); the twins
 # take the activations as the kernels do (`quant.kernel_activations`).
-RTOL = {"f32": 1e-6, "bf16": 1e-6, "q8_0": 2e-6, "q4_0": 2e-6}
+RTOL = {"f32": 1e-6, "bf16": 1e-6, "q8_0": 2e-6, "q4_0": 2e-6, "mxfp4": 2e-6}
 
 
 def awkward(rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -98,6 +99,7 @@ def test_packed_nbytes():
     # q4_0: 4.5 bits/weight, sections already 64-aligned
     assert quant.packed_nbytes("q4_0", 4096, 14336) == 4096 * 14336 * 9 // 16
     assert quant.packed_nbytes("q8_0", 4096, 14336) == 4096 * 14336 * 17 // 16
+    assert quant.packed_nbytes("mxfp4", 4096, 14336) == 4096 * 14336 * 17 // 32  # 4.25 bits
     assert quant.packed_nbytes("bf16", 4, 32) == 256
     assert quant.packed_nbytes("f32", 1, 1) == 64
 
@@ -144,7 +146,7 @@ def test_quantised_matmul_error_vs_float_weights(fmt):
     y = quant.matmul(quant.pack(w, fmt), fmt, rows, cols, x)
     ref = x.astype(np.float64) @ w.astype(np.float64).T
     rel = np.abs(y - ref).max() / np.abs(ref).max()
-    assert rel < {"f32": 1e-6, "bf16": 1e-2, "q8_0": 2e-2, "q4_0": 1e-1}[fmt]
+    assert rel < {"f32": 1e-6, "bf16": 1e-2, "q8_0": 2e-2, "q4_0": 1e-1, "mxfp4": 1.5e-1}[fmt]
 
 
 @pytest.mark.parametrize("fmt", ["f32", "bf16"])
@@ -243,7 +245,7 @@ seconds = quant.warmup()
 warm = signatures()
 hidden, inter = 64, 96
 rng = np.random.default_rng(0)
-for fmt in ("f32", "bf16", "q8_0", "q4_0"):
+for fmt in ("f32", "bf16", "q8_0", "q4_0", "mxfp4"):
     w = rng.standard_normal((inter, hidden)).astype(np.float32)
     record = quant.pack_expert(w, w, np.ascontiguousarray(w.T), fmt)
     for b in (1, 3):
@@ -279,7 +281,7 @@ def test_warmup_compiles_the_one_signature_every_call_uses():
 # bad input
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "mxfp4"])
 def test_cols_not_multiple_of_32(fmt):
     w = np.zeros((4, 48), dtype=np.float32)
     for call in (

@@ -10,28 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import struct
 from pathlib import Path
 
 import numpy as np
 
-
-def write_safetensors(path: Path, tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> None:
-    header, offset = {}, 0
-    for name, (dtype, shape, data) in tensors.items():
-        header[name] = {
-            "dtype": dtype,
-            "shape": list(shape),
-            "data_offsets": [offset, offset + len(data)],
-        }
-        offset += len(data)
-    blob = json.dumps(header).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for _, _, data in tensors.values():
-            f.write(data)
+from moe.convert.checkpoint import write_safetensors
 
 
 def bf16(rng: np.random.Generator, shape: tuple[int, ...], scale: float) -> bytes:

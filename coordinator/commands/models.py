@@ -23,8 +23,8 @@ def add_convert(sub) -> None:
     p.add_argument(
         "--experts",
         choices=EXPERT_FORMATS,
-        default=DEFAULT_EXPERT_FORMAT,
-        help="weight format of the experts",
+        help=f"weight format of the experts (default: mxfp4 for a checkpoint that publishes "
+        f"its experts in MXFP4, their bits kept; else {DEFAULT_EXPERT_FORMAT})",
     )
     p.add_argument(
         "--trunk",

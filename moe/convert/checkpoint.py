@@ -166,6 +166,13 @@ class Checkpoint:
     def describe(self, name: str) -> str:
         return f"{self.where[name].path.name}:{name}"
 
+    def dtype(self, name: str) -> str:
+        return self.where[name].entries[name].dtype
+
+    def raw(self, name: str) -> np.ndarray:
+        """Tensor `name` as stored (no conversion)."""
+        return self.where[name].raw(name)
+
     def float32(self, name: str, block: tuple[int, int] | None = None) -> np.ndarray:
         """Tensor `name` as float32; fp8 weights with a scale_inv companion are dequantized."""
         f = self.where[name]
@@ -196,3 +203,26 @@ def dequantize_fp8_blocks(
         )
     scale = np.repeat(np.repeat(scale_inv, b0, axis=0)[:rows], b1, axis=1)[:, :cols]  # [out, in]
     return (w * scale).astype(np.float32)
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> None:
+    """Write name -> (safetensors dtype, shape, raw little-endian bytes) as one .safetensors
+    file (for checkpoints made here: `tools/make_big_checkpoint.py`, tests), through a
+    temporary name renamed when complete."""
+    header, offset = {}, 0
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
+        offset += len(data)
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = path.with_name(f".{path.name}.partial")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for _, _, data in tensors.values():
+            f.write(data)
+    os.replace(tmp, path)

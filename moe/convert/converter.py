@@ -20,6 +20,7 @@ from typing import TextIO
 
 import numpy as np
 
+from moe.convert import mxfp4
 from moe.convert.checkpoint import Checkpoint
 from moe.convert.outdir import check_output, staged
 from moe.errors import CheckpointError, ConfigError
@@ -41,7 +42,7 @@ from moe.storage.trunk_file import TrunkWriter
 
 log = logging.getLogger(__name__)
 
-EXPERT_FORMATS = ("f32", "bf16", "q8_0", "q4_0")
+EXPERT_FORMATS = ("f32", "bf16", "q8_0", "q4_0", "mxfp4")
 TRUNK_FORMATS = ("f32", "bf16", "q8_0")
 DEFAULT_EXPERT_FORMAT = "q4_0"
 DEFAULT_TRUNK_FORMAT = "bf16"
@@ -50,7 +51,7 @@ COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
 
 _PER_EXPERT = re.compile(
     r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
-    r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+    r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight(?:_packed)?$"
 )
 _STACKED = re.compile(
     r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\."
@@ -70,6 +71,7 @@ class Plan:
     per_expert: dict[tuple[int, int, str], str] = field(default_factory=dict)  # (L, E, proj)
     stacked: dict[tuple[int, str], str] = field(default_factory=dict)  # (L, proj) -> name
     skipped: dict[str, str] = field(default_factory=dict)  # name -> reason
+    mxfp4_experts: bool = False  # experts published as compressed-tensors MXFP4 (`mxfp4`)
 
 
 def plan_conversion(config, family, ckpt: Checkpoint, quantization: dict) -> Plan:
@@ -78,9 +80,12 @@ def plan_conversion(config, family, ckpt: Checkpoint, quantization: dict) -> Pla
     plan = Plan(fp8_block=(int(block[0]), int(block[1])))
     wanted = config.trunk_shapes()
     moe_layers = set(config.moe_layers)
+    names = set(ckpt.names())
     for name in ckpt.names():
         if name.endswith("_scale_inv"):
             continue  # fp8 scales travel with their weight
+        if name.endswith(mxfp4.SCALE) and name[: -len(mxfp4.SCALE)] + mxfp4.PACKED in names:
+            continue  # MXFP4 scales travel with their codes
         m = _LAYER.match(name)
         if m and int(m.group(1)) >= config.num_hidden_layers:
             plan.skipped[name] = "layer beyond num_hidden_layers (e.g. multi-token prediction)"
@@ -88,6 +93,7 @@ def plan_conversion(config, family, ckpt: Checkpoint, quantization: dict) -> Pla
         if (m := _PER_EXPERT.match(name)) is not None:
             layer, expert, proj = int(m.group(1)), int(m.group(2)), _PROJ.get(m[3], m[3])
             plan.per_expert[(layer, expert, proj)] = name
+            plan.mxfp4_experts |= name.endswith(mxfp4.PACKED)
             continue
         if (m := _STACKED.match(name)) is not None:
             plan.stacked[(int(m.group(1)), m.group(2))] = name
@@ -100,6 +106,8 @@ def plan_conversion(config, family, ckpt: Checkpoint, quantization: dict) -> Pla
         else:
             plan.skipped[name] = "not used by inference"
     source = ckpt.directory
+    if plan.mxfp4_experts:
+        mxfp4.check_scheme(quantization, f"{source / 'config.json'}")
     for canonical, shape in wanted.items():
         if canonical not in plan.trunk:
             raise CheckpointError(f"{source}: missing tensor '{canonical}'")
@@ -115,12 +123,16 @@ def plan_conversion(config, family, ckpt: Checkpoint, quantization: dict) -> Pla
 
 
 def expert_shapes(config, plan: Plan, ckpt: Checkpoint, layer, expert, check_only=False):
-    """Check (or load) expert `expert` of `layer`: returns gate, up [I, H], down [H, I] float32."""
+    """Check (or load) expert `expert` of `layer`: returns gate, up [I, H], down [H, I], each
+    float32, or a `mxfp4.PackedMxfp4` where the checkpoint publishes them so."""
     h, inter = config.hidden_size, config.expert_intermediate
     want = {"gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
     out = {}
     for proj, shape in want.items():
         name = plan.per_expert.get((layer, expert, proj))
+        if name is not None and name.endswith(mxfp4.PACKED):
+            out[proj] = _mxfp4_matrix(ckpt, name, shape, check_only)
+            continue
         if name is not None:
             if tuple(ckpt.shape(name)) != shape:
                 raise CheckpointError(
@@ -132,6 +144,17 @@ def expert_shapes(config, plan: Plan, ckpt: Checkpoint, layer, expert, check_onl
     if check_only:
         return None
     return out["gate_proj"], out["up_proj"], out["down_proj"]
+
+
+def _mxfp4_matrix(ckpt: Checkpoint, name: str, shape: tuple[int, int], check_only: bool):
+    """The published codes and scales of one MXFP4 matrix (`name` its weight_packed), checked;
+    None when only checking."""
+    scale = name[: -len(mxfp4.PACKED)] + mxfp4.SCALE
+    if scale not in ckpt.where:
+        raise CheckpointError(f"{ckpt.describe(name)}: no {scale} beside it")
+    dtypes = (ckpt.dtype(name), ckpt.dtype(scale))
+    mxfp4.check_shapes(ckpt.describe(name), ckpt.shape(name), ckpt.shape(scale), shape, dtypes)
+    return None if check_only else mxfp4.PackedMxfp4(ckpt.raw(name), ckpt.raw(scale))
 
 
 def _from_stack(config, plan, ckpt, layer, expert, proj, shape, check_only):
@@ -257,18 +280,19 @@ class ConvertSummary:
 def convert(
     src: str | Path,
     out: str | Path,
-    expert_format: str = DEFAULT_EXPERT_FORMAT,
+    expert_format: str | None = None,
     trunk_fmt: str = DEFAULT_TRUNK_FORMAT,
     force: bool = False,
     progress: bool | Progress = True,
 ) -> ConvertSummary:
     """Convert checkpoint directory `src` into model directory `out` (see module docstring).
 
-    progress: True for a progress bar on stderr (drawn only if it is a terminal), False for
-    none, or a `Progress` to draw on."""
+    expert_format None: mxfp4 where the checkpoint publishes its experts so (their bits
+    kept), else DEFAULT_EXPERT_FORMAT.  progress: True for a progress bar on stderr (drawn
+    only if it is a terminal), False for none, or a `Progress` to draw on."""
     started = time.perf_counter()
     src, out = Path(src), Path(out)
-    if expert_format not in EXPERT_FORMATS:
+    if expert_format is not None and expert_format not in EXPERT_FORMATS:
         raise ConfigError(f"--experts {expert_format}: choose one of {', '.join(EXPERT_FORMATS)}")
     if trunk_fmt not in TRUNK_FORMATS:
         raise ConfigError(f"--trunk {trunk_fmt}: choose one of {', '.join(TRUNK_FORMATS)}")
@@ -278,23 +302,39 @@ def convert(
     raw = read_json(src / "config.json")
     config = load_config(src)
     family = family_for(config.model_type, str(src / "config.json"))
-    if expert_format in ("q8_0", "q4_0"):
+    ckpt = Checkpoint(src)
+    bar = progress if isinstance(progress, Progress) else Progress("convert") if progress else None
+    try:
+        with staged(out, out.parent / f".{out.name}.tmp-convert") as tmp:
+            plan = plan_conversion(config, family, ckpt, raw.get("quantization_config") or {})
+            if expert_format is None:
+                expert_format = "mxfp4" if plan.mxfp4_experts else DEFAULT_EXPERT_FORMAT
+            _check_block_dims(config, expert_format, src)
+            summary = _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, bar)
+            summary.seconds = time.perf_counter() - started
+        return summary
+    finally:
+        ckpt.close()
+
+
+def _check_block_dims(config, expert_format: str, src: Path) -> None:
+    if expert_format in quant.BLOCK_FORMATS:
         for dim, what in ((config.hidden_size, "hidden_size"), (config.expert_intermediate, "moe")):
             if dim % 32:
                 raise ConfigError(
                     f"{src / 'config.json'}: {what} {dim} is not a multiple of 32, so experts "
                     f"cannot be {expert_format}; use --experts bf16 or f32"
                 )
-    ckpt = Checkpoint(src)
-    bar = progress if isinstance(progress, Progress) else Progress("convert") if progress else None
-    try:
-        with staged(out, out.parent / f".{out.name}.tmp-convert") as tmp:
-            plan = plan_conversion(config, family, ckpt, raw.get("quantization_config") or {})
-            summary = _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, bar)
-            summary.seconds = time.perf_counter() - started
-        return summary
-    finally:
-        ckpt.close()
+
+
+def _expert_record(gate, up, down, fmt: str) -> np.ndarray:
+    """One expert's record: published MXFP4 matrices kept bit for bit when fmt is mxfp4,
+    decoded to float32 for any other format; float32 matrices packed to fmt."""
+    mats = (gate, up, down)
+    if fmt == "mxfp4" and all(isinstance(m, mxfp4.PackedMxfp4) for m in mats):
+        return np.concatenate([quant.pack_ggml(m.ggml_blocks(), fmt, *m.shape) for m in mats])
+    floats = [m.float32() if isinstance(m, mxfp4.PackedMxfp4) else m for m in mats]
+    return quant.pack_expert(*floats, fmt)
 
 
 def _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, bar) -> ConvertSummary:
@@ -364,7 +404,7 @@ def _write_files(
             bar.advance(shard.file.bytes_written)
         for layer, expert in zip(shard.index.layers, shard.index.experts, strict=True):
             gate, up, down = expert_shapes(config, plan, ckpt, layer, expert)
-            record = quant.pack_expert(gate, up, down, expert_format)
+            record = _expert_record(gate, up, down, expert_format)
             before = shard.file.bytes_written
             crc = shard.write(record)
             roots[(layer, expert)] = merkle.root(record)

@@ -52,7 +52,7 @@ import os
 
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
@@ -72,6 +72,7 @@ FMT_F32 = 0
 FMT_BF16 = 1
 FMT_Q8_0 = 2
 FMT_Q4_0 = 3
+FMT_MXFP4 = 4
 
 QK = 32  # weights per quantisation block
 LANES = 8  # float32 partial sums per (activation row, weight row) pair
@@ -79,6 +80,20 @@ TILE_ROWS = 4  # rows per unpacked tile (micro-kernel height)
 TILE_COLS = 1024  # columns per micro-kernel chunk of a tile (a multiple of 32)
 ROW_GROUP = 8  # q4_0/q8_0 rows interleaved in the packed layout (`moe.kernels.quant`)
 ROWS_PER_ITEM = 16  # rows per parallel work item (a multiple of TILE_ROWS and ROW_GROUP)
+
+# MXFP4: the E2M1 value of each 4-bit code, doubled (exact small integers; ggml's kvalues),
+# and the E8M0 block scale halved to match (`e8m0_half`).
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
+
+
+@njit(cache=True, nogil=True)
+def e8m0_half(e):
+    """An MXFP4 block's E8M0 scale byte -> half its value, 2^(e - 128), as float32 (exact; the
+    two smallest as subnormals, 255 as 2^127, as ggml's ggml_e8m0_to_fp32_half does)."""
+    x = np.uint32(e)
+    bits = np.uint32(0x00200000) << x if x < 2 else (x - np.uint32(1)) << np.uint32(23)
+    return np.uint32(bits).view(np.float32)
+
 
 # float16 bit pattern -> float32 value, exact (subnormals, inf and nan included).
 F16_LUT = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)

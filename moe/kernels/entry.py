@@ -32,7 +32,7 @@ silu uses libm's exp (float64, then rounded to float32).
 import numpy as np
 from numba import njit, prange
 
-from moe.kernels.dots import FMT_BF16, FMT_F32, QK, ROW_GROUP, ROWS_PER_ITEM
+from moe.kernels.dots import FMT_BF16, FMT_F32, FMT_MXFP4, QK, ROW_GROUP, ROWS_PER_ITEM
 from moe.kernels.fdots import even_odd, float_rows
 from moe.kernels.idots import activation_buffers, int_rows, quantize_activations
 from moe.kernels.tiles import _tile_rows
@@ -63,17 +63,19 @@ def _rows(fmt, wq, ws, lut, x, act, out, r0, r1):
 
 
 @njit(cache=True, nogil=True)
-def _matrix_views(data, rows, cols, row_bytes, scale_off):
+def _matrix_views(fmt, data, rows, cols, row_bytes, scale_off):
     """The payload and scale views of one packed matrix (`moe.kernels.quant` has the layout):
-    f32/bf16 (scale_off < 0): uint8 [rows, row_bytes] and empty scales; q4_0/q8_0: uint8
-    [groups of 8 rows, row_bytes] and uint16 [groups, cols // 32 * 8]."""
+    f32/bf16 (scale_off < 0): uint8 [rows, row_bytes] and empty scales; q4_0/q8_0/mxfp4:
+    uint8 [groups of 8 rows, row_bytes] and the scales as uint16 [groups, cols // 32 * 8]
+    (float16) or [groups, cols // 32 * 4] (mxfp4: one-byte E8M0 scales, two to a uint16)."""
     if scale_off < 0:
         wq = data[: rows * row_bytes].reshape((rows, row_bytes))
         return wq, np.empty((rows, 0), dtype=np.uint16)
     groups, nb = (rows + ROW_GROUP - 1) // ROW_GROUP, cols // QK
     wq = data[: groups * row_bytes].reshape((groups, row_bytes))
-    ws = data[scale_off : scale_off + groups * nb * 2 * ROW_GROUP].view(np.uint16)
-    return wq, ws.reshape((groups, nb * ROW_GROUP))
+    per_group = nb * ROW_GROUP if fmt != FMT_MXFP4 else nb * ROW_GROUP // 2  # uint16 each
+    ws = data[scale_off : scale_off + groups * per_group * 2].view(np.uint16)
+    return wq, ws.reshape((groups, per_group))
 
 
 @njit(cache=True, nogil=True)
@@ -117,7 +119,7 @@ def matmul_kernel(fmt, int8, data, rows, cols, row_bytes, scale_off, lut, x):
     Rows are split across numba's threads in ROWS_PER_ITEM work items (the caller sets
     `quant._run` runs matrices too small to pay for waking the pool on one thread).
     """
-    wq, ws = _matrix_views(data, rows, cols, row_bytes, scale_off)
+    wq, ws = _matrix_views(fmt, data, rows, cols, row_bytes, scale_off)
     out = np.empty((x.shape[0], rows), dtype=np.float32)  # [b, rows]
     act = _activations(fmt, int8, x)
     for it in prange((rows + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
@@ -130,18 +132,18 @@ def matmul_kernel(fmt, int8, data, rows, cols, row_bytes, scale_off, lut, x):
 def matmul_serial_kernel(fmt, int8, data, rows, cols, row_bytes, scale_off, lut, x):
     """`matmul_kernel` on the calling thread (the same bits): for matrices too small to wake
     numba's pool, which costs a parallel kernel 2-6 us per call even on one thread."""
-    wq, ws = _matrix_views(data, rows, cols, row_bytes, scale_off)
+    wq, ws = _matrix_views(fmt, data, rows, cols, row_bytes, scale_off)
     out = np.empty((x.shape[0], rows), dtype=np.float32)  # [b, rows]
     _rows(fmt, wq, ws, lut, x, _activations(fmt, int8, x), out, 0, rows)
     return out
 
 
 @njit(cache=True, nogil=True)
-def _expert_views(record, hidden, inter, layout):
+def _expert_views(fmt, record, hidden, inter, layout):
     n_gu, rb_gu, s_gu, rb_d, s_d = layout
-    gq, gs = _matrix_views(record[:n_gu], inter, hidden, rb_gu, s_gu)
-    uq, us = _matrix_views(record[n_gu : 2 * n_gu], inter, hidden, rb_gu, s_gu)
-    dq, ds = _matrix_views(record[2 * n_gu :], hidden, inter, rb_d, s_d)
+    gq, gs = _matrix_views(fmt, record[:n_gu], inter, hidden, rb_gu, s_gu)
+    uq, us = _matrix_views(fmt, record[n_gu : 2 * n_gu], inter, hidden, rb_gu, s_gu)
+    dq, ds = _matrix_views(fmt, record[2 * n_gu :], hidden, inter, rb_d, s_d)
     return gq, gs, uq, us, dq, ds
 
 
@@ -153,7 +155,7 @@ def expert_ffn_kernel(fmt, int8, record, hidden, inter, layout, lut, x):
     down scale offset), as computed by `moe.quant`.  Gate and up rows share one parallel
     region, down rows a second; the [b, inter] activation stays float32.
     """
-    gq, gs, uq, us, dq, ds = _expert_views(record, hidden, inter, layout)
+    gq, gs, uq, us, dq, ds = _expert_views(fmt, record, hidden, inter, layout)
     b = x.shape[0]
     act = _activations(fmt, int8, x)
     g = np.empty((b, inter), dtype=np.float32)  # [b, inter]
@@ -179,7 +181,7 @@ def expert_ffn_kernel(fmt, int8, record, hidden, inter, layout, lut, x):
 def _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, act, y):
     """One expert on the calling thread, batch 1: x float32 [1, hidden] -> y [hidden]; act
     is `_activations(fmt, int8, x)` (made once for all the experts of a row)."""
-    gq, gs, uq, us, dq, ds = _expert_views(record, hidden, inter, layout)
+    gq, gs, uq, us, dq, ds = _expert_views(fmt, record, hidden, inter, layout)
     g = np.empty((1, inter), dtype=np.float32)  # [1, inter]
     u = np.empty((1, inter), dtype=np.float32)  # [1, inter]
     _rows(fmt, gq, gs, lut, x, act, g, 0, inter)

@@ -1,7 +1,9 @@
-"""Integer q4_0/q8_0 dot products: activations quantised to 8 bits per block, as llama.cpp does.
+"""Integer q4_0/q8_0/mxfp4 dot products: activations quantised to 8 bits per block, as llama.cpp
+does.
 
-For one activation row x and one weight row (codes q, float16 block scales dw; ``e = q - 8``
-for q4_0, ``e = q`` for q8_0), the arithmetic, identical on every CPU, batch size and thread
+For one activation row x and one weight row (codes q, block scales dw; ``e = q - 8`` for
+q4_0, ``e = q`` for q8_0, twice the E2M1 value for mxfp4, whose dw is then half the E8M0
+scale, as in ggml), the arithmetic, identical on every CPU, batch size and thread
 split (tests/test_kernel_determinism.py emulates it in numpy bit for bit):
 
 1. x is quantised per 32-column block k (`quantize_activations`): ``amax = max |x_c|``,
@@ -32,6 +34,8 @@ Step 2 is where the time goes and is exact, so the CPU may do it any way it like
   is at most 2 * 15 * 127, eight of them fit in 16 bits.  q8_0 codes are signed, so the sign
   moves onto the activations (``|e| * sign(e) xq``, llama.cpp's trick) and each load gets its
   own ``vpmaddwd`` (2 * 128 * 127 fits in 16 bits once, not twice).
+  mxfp4 codes are looked up with ``vpshufb`` as value + 12 (unsigned 0..24; 12 * sum xq
+  comes off afterwards), four 16-bit results added before each of two ``vpmaddwd``.
 * anywhere else: plain LLVM vector integer code (widen, multiply, add groups of four), which
   gives the same integers.
 
@@ -58,7 +62,18 @@ from numba import njit, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
-from moe.kernels.dots import F32X8, FMT_Q4_0, LANES, QK, ROW_GROUP, _splat, _vstore, _vzero
+from moe.kernels.dots import (
+    F32X8,
+    FMT_MXFP4,
+    FMT_Q4_0,
+    LANES,
+    MXFP4_VALUES,
+    QK,
+    ROW_GROUP,
+    _splat,
+    _vstore,
+    _vzero,
+)
 
 
 def _target_isa() -> str:
@@ -191,6 +206,72 @@ def _q4_sums(builder, loads, xs):
     return out
 
 
+def _mx_values(builder, codes):
+    """4-bit E2M1 codes (<32 x i8>, 0..15) -> their doubled values, int8 -12..12 (portable)."""
+
+    def c(v):
+        return ir.Constant(_V32I8, [v] * 32)
+
+    mag = builder.and_(codes, c(7))  # 0..7 -> 0, 1, 2, 3, 4, 6, 8, 12
+    e, f = builder.lshr(mag, c(1)), builder.and_(mag, c(1))
+    small = builder.icmp_unsigned("==", e, c(0))
+    shift = builder.select(small, c(0), builder.sub(e, c(1)))
+    v = builder.select(small, f, builder.shl(builder.add(f, c(2)), shift))
+    negative = builder.icmp_unsigned("!=", builder.and_(codes, c(8)), c(0))
+    return builder.select(negative, builder.sub(c(0), v), v)
+
+
+_MX_OFFSET = 12  # AVX2: codes looked up as value + 12 (0..24, unsigned), taken out after
+_MX_TABLE_UNSIGNED = ir.Constant(_V32I8, [int(v) + _MX_OFFSET for v in MXFP4_VALUES] * 2)
+
+
+def _mx_sums(builder, loads, xs):
+    """`_q4_sums` for mxfp4: the same nibble order.  On AVX2 the codes are looked up
+    (vpshufb, shared by every activation row) as value + 12, unsigned, so `vpmaddubsw` takes
+    them without a sign trick; four of its 16-bit results (each at most 2 * 24 * 127) add up
+    exactly, then `vpmaddwd`, and 12 * sum xq comes off in the caller (`_MX_OFFSET`).
+    Elsewhere the signed values, and nothing to take off."""
+    parts = []
+    for c, w in enumerate(loads):
+        lo = builder.and_(w, ir.Constant(_V32I8, [15] * 32))
+        hi = builder.lshr(w, ir.Constant(_V32I8, [4] * 32))
+        parts += [(lo, 4 * c), (hi, 16 + 4 * c)]
+    if ISA != "avx2":
+        vals = [(_mx_values(builder, w), col) for w, col in parts]
+        return [
+            _add_all(builder, [_dot_generic(builder, w, xs(u, col), True) for w, col in vals])
+            for u in range(xs.m)
+        ]
+    table = _MX_TABLE_UNSIGNED
+    vals = [(_call(builder, "llvm.x86.avx2.pshuf.b", _V32I8, table, w), col) for w, col in parts]
+    ones = ir.Constant(_V16I16, [1] * 16)
+    out = []
+    for u in range(xs.m):
+        halves = []
+        for half in (vals[:4], vals[4:]):
+            h = None
+            for w, col in half:
+                p = _madd_avx2(builder, w, xs(u, col), signed=False)  # <16 x i16>
+                h = p if h is None else builder.add(h, p)
+            halves.append(_call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, h, ones))
+        out.append(builder.add(*halves))
+    return out
+
+
+def _e8m0_half_lanes(builder, ptr):
+    """Eight E8M0 scale bytes at ptr -> <8 x float> of 2^(e - 128) (`dots.e8m0_half`)."""
+    e = builder.zext(_load(builder, ptr, ir.VectorType(_I8, LANES)), _V8I32)
+
+    def c(v):
+        return ir.Constant(_V8I32, [v] * LANES)
+
+    small = builder.icmp_unsigned("<", e, c(2))
+    bits = builder.select(
+        small, builder.shl(c(0x00200000), e), builder.shl(builder.sub(e, c(1)), c(23))
+    )
+    return builder.bitcast(bits, _V8F)
+
+
 def _q8_sums(builder, loads, xs):
     """`_q4_sums` for q8_0: eight loads, signed codes, columns 4c..4c+3 in load c."""
     return [
@@ -222,14 +303,17 @@ class _Broadcasts:
         )
 
 
-def _group_block_kernel(q4: bool):
-    """An intrinsic running steps 2-3 on block k of one row group for m activation rows:
-    ``(a, wq, g, k, ws, xq, us, xd, xc) -> a'``.  wq uint8 [groups, group bytes] and ws
-    uint16 [groups, nb * 8] are the packed matrix (`_mat` pairs, as xq, xd and xc), g the
-    group; xq int8 [b, cols] holds the activation codes, rows `us` (an m-tuple), xd float32
-    [b, nb] their block scales and xc int32 [b, nb] 8 * their block sums (q4_0 only); a is
-    the m lane accumulators, lane r of a[u] for (activation row us[u], weight row 8g + r)."""
-    n_loads = 4 if q4 else 8  # 32-byte loads per block of a row group
+def _group_block_kernel(kind: str):
+    """An intrinsic running steps 2-3 on block k of one row group for m activation rows
+    (kind "q4_0", "q8_0" or "mxfp4"): ``(a, wq, g, k, ws, xq, us, xd, xc) -> a'``.  wq uint8
+    [groups, group bytes] and ws [groups, ...] (the scales: eight float16 or E8M0 per block)
+    are the packed matrix (`_mat` pairs, as xq, xd and xc), g the group; xq int8 [b, cols]
+    holds the activation codes, rows `us` (an m-tuple), xd float32 [b, nb] their block
+    scales and xc int32 [b, nb] 8 * their block sums (q4_0, and mxfp4 on AVX2); a is the m lane
+    accumulators, lane r of a[u] for (activation row us[u], weight row 8g + r)."""
+    n_loads = 8 if kind == "q8_0" else 4  # 32-byte loads per block of a row group
+    sums_of = {"q4_0": _q4_sums, "q8_0": _q8_sums, "mxfp4": _mx_sums}[kind]
+    scale_bytes = 1 if kind == "mxfp4" else 2
 
     @intrinsic
     def block(typingctx, a, wq, g, k, ws, xq, us, xd, xc):
@@ -259,17 +343,22 @@ def _group_block_kernel(q4: bool):
                 _load(builder, builder.gep(group, [_I32(32 * c)]), _V32I8) for c in range(n_loads)
             ]
             xs = _Broadcasts(context, builder, args[5], rows, builder.mul(ki, const(QK)))
-            sums = (_q4_sums if q4 else _q8_sums)(builder, loads, xs)  # m x <8 x i32>, exact
-            scales = _load(
-                builder, _at(context, builder, args[4], gi, builder.mul(ki, const(16))), _V8H
-            )
-            dw = builder.fpext(scales, _V8F)  # exact
+            sums = sums_of(builder, loads, xs)  # m x <8 x i32>, exact
+            scale_ptr = _at(context, builder, args[4], gi, builder.mul(ki, const(8 * scale_bytes)))
+            if kind == "mxfp4":
+                dw = _e8m0_half_lanes(builder, scale_ptr)  # exact
+            else:
+                dw = builder.fpext(_load(builder, scale_ptr, _V8H), _V8F)  # exact
             k4 = builder.mul(ki, const(4))
             out = []
             for u in range(m):
                 t = sums[u]
-                if q4:  # sum (q - 8) xq = sum q xq - 8 sum xq
+                if kind == "q4_0" or (kind == "mxfp4" and ISA == "avx2"):
+                    # q4_0: sum (q - 8) xq = sum q xq - 8 sum xq (xc holds 8 sum xq);
+                    # mxfp4 on AVX2: sum (v + 12) xq - 12 sum xq
                     corr = _load(builder, _at(context, builder, args[8], rows[u], k4), _I32)
+                    if kind == "mxfp4":
+                        corr = builder.add(corr, builder.ashr(corr, _I32(1)))  # 12 sum xq
                     t = builder.sub(t, _splat_i32(builder, corr))
                 dx = _load(builder, _at(context, builder, args[7], rows[u], k4), ir.FloatType())
                 d = builder.fmul(dw, _splat(builder, dx))  # dw_r * dx, rounded to float32
@@ -282,8 +371,9 @@ def _group_block_kernel(q4: bool):
     return block
 
 
-_q4_group_block = _group_block_kernel(q4=True)
-_q8_group_block = _group_block_kernel(q4=False)
+_q4_group_block = _group_block_kernel("q4_0")
+_q8_group_block = _group_block_kernel("q8_0")
+_mx_group_block = _group_block_kernel("mxfp4")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,26 +431,30 @@ def activation_buffers(b, cols):
 
 
 @njit(cache=True, nogil=True)
-def _group_x1(q4, wq, ws, g, xq, xd, xc, u, nb):
+def _group_x1(fmt, wq, ws, g, xq, xd, xc, u, nb):
     """Lane r: weight row 8g + r . quantised activation row u (every matrix a `_mat` pair)."""
     a = _vzero()
     us = (u,)
     for k in range(nb):
-        if q4:
+        if fmt == FMT_Q4_0:
             (a,) = _q4_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_MXFP4:
+            (a,) = _mx_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
         else:
             (a,) = _q8_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
     return a
 
 
 @njit(cache=True, nogil=True)
-def _group_x2(q4, wq, ws, g, xq, xd, xc, u, nb):
+def _group_x2(fmt, wq, ws, g, xq, xd, xc, u, nb):
     """`_group_x1` for activation rows u and u + 1: each weight block is loaded once."""
     a = b = _vzero()
     us = (u, u + 1)
     for k in range(nb):
-        if q4:
+        if fmt == FMT_Q4_0:
             a, b = _q4_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_MXFP4:
+            a, b = _mx_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
         else:
             a, b = _q8_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
     return a, b
@@ -386,14 +480,13 @@ def int_rows(fmt, wq, ws, xq, xd, xc, out, r0, r1):
     stay in L1/L2 while every activation row, two at a time, is multiplied with them.  The
     padding rows of a last partial group are computed and dropped."""
     b, nb = xq.shape[0], xd.shape[1]
-    q4 = fmt == FMT_Q4_0
     mw, ms, mx, md, mc = _mat(wq), _mat(ws), _mat(xq), _mat(xd), _mat(xc)
     lanes = np.empty(LANES, dtype=np.float32)
     for g in range(r0 // ROW_GROUP, (r1 + ROW_GROUP - 1) // ROW_GROUP):
         r = ROW_GROUP * g
         for u in range(0, b - 1, 2):
-            ya, yb = _group_x2(q4, mw, ms, g, mx, md, mc, u, nb)
+            ya, yb = _group_x2(fmt, mw, ms, g, mx, md, mc, u, nb)
             _put(out, u, r, r1, lanes, ya)
             _put(out, u + 1, r, r1, lanes, yb)
         if b & 1:
-            _put(out, b - 1, r, r1, lanes, _group_x1(q4, mw, ms, g, mx, md, mc, b - 1, nb))
+            _put(out, b - 1, r, r1, lanes, _group_x1(fmt, mw, ms, g, mx, md, mc, b - 1, nb))

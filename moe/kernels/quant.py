@@ -1,7 +1,7 @@
 """Weight formats, the on-disk/kernel byte layout, and matmul / expert FFN on packed bytes.
 
-Formats: ``f32``, ``bf16``, ``q8_0``, ``q4_0``.  `quantize` / `dequantize` produce and read
-ggml's byte order and delegate to ``gguf.quants`` so they are bit-identical to it by
+Formats: ``f32``, ``bf16``, ``q8_0``, ``q4_0``, ``mxfp4``.  `quantize` / `dequantize` produce
+and read ggml's byte order and delegate to ``gguf.quants`` so they are bit-identical to it by
 construction.  `pack` writes the *kernel layout*, which is also the on-disk layout; it holds
 exactly the same bits as ggml (`unpack_to_ggml` proves it) but arranged for the kernels:
 
@@ -10,15 +10,20 @@ matrix is zero-padded to a multiple of 64 bytes):
 
 * ``f32``:  rows x cols little-endian float32, row-major.
 * ``bf16``: rows x cols uint16 (upper half of the float32), row-major.
-* ``q8_0`` and ``q4_0``: rows in groups of eight (a last group padded with zero rows), each
+* ``q8_0``, ``q4_0`` and ``mxfp4``: rows in groups of eight (a last group padded with zero
+  rows), each
   group's blocks interleaved so that one 32-byte load holds the same four columns of all
   eight rows (as llama.cpp's repacked Q4_0x8 does): ``qs`` uint8 [groups, nb, chunks, 8, 4]
   then ``d`` float16 [groups, nb, 8].  Byte ``qs[g, k, c, r, i]`` is byte ``4c + i`` of ggml's
   quant bytes of block k of row 8g + r (ggml: 32 int8 codes for q8_0, c = 0..7; 16 bytes
   holding ``q[j] | q[j + 16] << 4`` for q4_0, c = 0..3, q the unsigned 4-bit codes 0..15 and
-  value = d * (q - 8)), and ``d[g, k, r]`` its scale.  So a q4_0 load's low nibbles are
-  columns 4c..4c+3 of the eight rows and its high nibbles columns 16+4c..16+4c+3, and the
-  eight scales of a block are one 16-byte load (`moe.kernels.idots` has why).
+  value = d * (q - 8); mxfp4 the same nibble order, q an E2M1 code), and ``d[g, k, r]`` its
+  scale (float16; mxfp4: the E8M0 byte, so ``d`` is [groups, nb, 8] uint8 there).  So a
+  q4_0/mxfp4 load's low nibbles are columns 4c..4c+3 of the eight rows and its high nibbles
+  columns 16+4c..16+4c+3, and the eight scales of a block are one 16-byte (8-byte) load
+  (`moe.kernels.idots` has why).  mxfp4 is ggml's MXFP4 (OCP MX: E2M1 values, one E8M0
+  power-of-two scale per 32), the format published checkpoints such as Kimi K3 ship their
+  experts in; its bytes are kept as published, only reordered.
 
 Expert record (`pack_expert`): gate [inter, hidden], up [inter, hidden], down [hidden, inter],
 each a matrix in the layout above, back to back (each starts at a multiple of 64 bytes).
@@ -33,19 +38,22 @@ from gguf import GGMLQuantizationType, quants
 
 from moe.kernels import dots, entry, idots
 
-FORMATS = ("f32", "bf16", "q8_0", "q4_0")
+FORMATS = ("f32", "bf16", "q8_0", "q4_0", "mxfp4")
+BLOCK_FORMATS = ("q8_0", "q4_0", "mxfp4")  # 32-column blocks, a scale each
 
 _QTYPE = {
     "f32": GGMLQuantizationType.F32,
     "bf16": GGMLQuantizationType.BF16,
     "q8_0": GGMLQuantizationType.Q8_0,
     "q4_0": GGMLQuantizationType.Q4_0,
+    "mxfp4": GGMLQuantizationType.MXFP4,
 }
 _FMT_CODE = {
     "f32": dots.FMT_F32,
     "bf16": dots.FMT_BF16,
     "q8_0": dots.FMT_Q8_0,
     "q4_0": dots.FMT_Q4_0,
+    "mxfp4": dots.FMT_MXFP4,
 }
 QK = dots.QK
 ALIGN = 64
@@ -118,7 +126,7 @@ def _check_dims(fmt: str, rows: int, cols: int) -> None:
     _check_fmt(fmt)
     if rows <= 0 or cols <= 0:
         raise ValueError(f"matrix shape must be positive, got ({rows}, {cols})")
-    if fmt in ("q8_0", "q4_0") and cols % QK:
+    if fmt in BLOCK_FORMATS and cols % QK:
         raise ValueError(f"{fmt} needs cols to be a multiple of {QK}, got cols={cols}")
 
 
@@ -135,7 +143,8 @@ def _pad(n: int) -> int:
 
 
 ROW_GROUP = dots.ROW_GROUP  # q4_0/q8_0 rows interleaved together
-_QUANT_BYTES = {"q8_0": 32, "q4_0": 16}  # ggml's code bytes per block (after the scale)
+_QUANT_BYTES = {"q8_0": 32, "q4_0": 16, "mxfp4": 16}  # ggml's code bytes per block
+_SCALE_BYTES = {"q8_0": 2, "q4_0": 2, "mxfp4": 1}  # the block scale before them: f16 / E8M0
 
 
 def _groups(rows: int) -> int:
@@ -153,7 +162,7 @@ def _sections(fmt: str, rows: int, cols: int) -> tuple[int, int, int]:
     """(payload bytes, scale section offset, scale bytes) of one packed matrix."""
     if fmt in _QUANT_BYTES:
         payload = _groups(rows) * _view_row_bytes(fmt, cols)
-        scales = _groups(rows) * (cols // QK) * ROW_GROUP * 2
+        scales = _groups(rows) * (cols // QK) * ROW_GROUP * _SCALE_BYTES[fmt]
     else:
         payload, scales = rows * _view_row_bytes(fmt, cols), 0
     return payload, _pad(payload), scales
@@ -192,9 +201,9 @@ def dequantize(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> np.ndarray:
 
 
 def _ggml_row_bytes(fmt: str, cols: int) -> int:
-    return {"f32": 4 * cols, "bf16": 2 * cols, "q8_0": cols // QK * 34, "q4_0": cols // QK * 18}[
-        fmt
-    ]
+    if fmt in BLOCK_FORMATS:
+        return cols // QK * (_SCALE_BYTES[fmt] + _QUANT_BYTES[fmt])
+    return {"f32": 4 * cols, "bf16": 2 * cols}[fmt]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,16 +235,27 @@ def pack(w: np.ndarray, fmt: str) -> np.ndarray:
     return _ggml_to_packed(quantize(w, fmt), fmt, rows, cols)
 
 
+def pack_ggml(g: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray:
+    """ggml bytes of a rows x cols matrix ([rows, row_bytes], as `quantize` makes them or a
+    checkpoint publishes them) -> the kernel/disk layout: the same bits, reordered."""
+    _check_dims(fmt, rows, cols)
+    g = np.ascontiguousarray(g, dtype=np.uint8).reshape(-1)
+    want = rows * _ggml_row_bytes(fmt, cols)
+    if g.size != want:
+        raise ValueError(f"{fmt} {rows}x{cols} needs {want} ggml bytes, got {g.size}")
+    return _ggml_to_packed(g, fmt, rows, cols)
+
+
 def _ggml_to_packed(g: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray:
     out = np.zeros(packed_nbytes(fmt, rows, cols), dtype=np.uint8)
     payload, s_off, s_bytes = _sections(fmt, rows, cols)
     if fmt in ("f32", "bf16"):
         out[:payload] = g.reshape(-1)
         return out
-    nb = cols // QK
-    blocks = g.reshape(rows, nb, 2 + _QUANT_BYTES[fmt])  # [rows, nb, block bytes]
-    out[:payload] = _interleave(blocks[:, :, 2:], rows, 4).reshape(-1)
-    out[s_off : s_off + s_bytes] = _interleave(blocks[:, :, :2], rows, 2).reshape(-1)
+    nb, sb = cols // QK, _SCALE_BYTES[fmt]
+    blocks = g.reshape(rows, nb, sb + _QUANT_BYTES[fmt])  # [rows, nb, block bytes]
+    out[:payload] = _interleave(blocks[:, :, sb:], rows, 4).reshape(-1)
+    out[s_off : s_off + s_bytes] = _interleave(blocks[:, :, :sb], rows, sb).reshape(-1)
     return out
 
 
@@ -246,7 +266,7 @@ def unpack_to_ggml(data: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarr
         return wq.copy()
     nb = cols // QK
     qs = _deinterleave(wq, rows, nb, 4)  # [rows, nb, 16 or 32]
-    d = _deinterleave(ws.view(np.uint8), rows, nb, 2)  # [rows, nb, 2]
+    d = _deinterleave(ws.view(np.uint8), rows, nb, _SCALE_BYTES[fmt])  # [rows, nb, 2 or 1]
     return np.concatenate([d, qs], axis=2).reshape(rows, -1)  # [rows, row_bytes]
 
 
@@ -269,7 +289,8 @@ def _check_buffer(data: np.ndarray, want: int, what: str) -> None:
 
 def _views(data: np.ndarray, fmt: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
     """Validated numpy views: f32/bf16 payload [rows, row_bytes] and empty scales [rows, 0];
-    q4_0/q8_0 payload uint8 [groups, group bytes] and scales uint16 [groups, nb * 8]."""
+    q4_0/q8_0/mxfp4 payload uint8 [groups, group bytes] and scales as uint16 [groups,
+    nb * 8 * scale bytes / 2] (mxfp4's one-byte E8M0 scales two to a uint16)."""
     nbytes, row_bytes, s_off = _matrix_layout(fmt, rows, cols)
     _check_buffer(data, nbytes, f"packed {fmt} {rows}x{cols} matrix")
     if s_off < 0:
@@ -277,8 +298,9 @@ def _views(data: np.ndarray, fmt: str, rows: int, cols: int) -> tuple[np.ndarray
         return wq, np.empty((rows, 0), dtype=np.uint16)
     groups, nb = _groups(rows), cols // QK
     wq = data[: groups * row_bytes].reshape(groups, row_bytes)  # [groups, nb * 8 * 16 or 32]
-    ws = data[s_off : s_off + groups * nb * 16].view(np.uint16).reshape(groups, nb * ROW_GROUP)
-    return wq, ws  # ws: [groups, nb * 8]
+    s_bytes = groups * nb * ROW_GROUP * _SCALE_BYTES[fmt]
+    ws = data[s_off : s_off + s_bytes].view(np.uint16).reshape(groups, -1)
+    return wq, ws  # ws: [groups, nb * 8] (q4_0, q8_0) or [groups, nb * 4] (mxfp4)
 
 
 def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
@@ -361,7 +383,6 @@ def pack_expert(gate: np.ndarray, up: np.ndarray, down: np.ndarray, fmt: str) ->
 
 
 @functools.lru_cache(maxsize=1024)
-@functools.lru_cache(maxsize=256)
 def _expert_layout(fmt: str, hidden: int, inter: int) -> tuple[int, tuple[int, ...]]:
     """(record bytes, kernel layout tuple) for one expert, validated."""
     n_gu, rb_gu, s_gu = _matrix_layout(fmt, inter, hidden)
@@ -460,7 +481,7 @@ def kernel_activations(x: np.ndarray, fmt: str) -> np.ndarray:
     """The activations the kernels of `fmt` multiply, as float64 [b, cols]: x itself, or for
     q4_0/q8_0 with 8-bit activations (`use_activations`) the codes times their block scales."""
     x = np.ascontiguousarray(x, dtype=np.float32)  # [b, cols]
-    if fmt not in ("q4_0", "q8_0") or not _int8():
+    if fmt not in BLOCK_FORMATS or not _int8():
         return x.astype(np.float64)
     xq, xd, xc = idots.activation_buffers(x.shape[0], x.shape[1])
     idots.quantize_activations(x, xq, xd, xc)

@@ -21,8 +21,10 @@ import numpy as np
 from numba import njit
 
 from moe.kernels.dots import (
+    FMT_MXFP4,
     FMT_Q8_0,
     LANES,
+    MXFP4_VALUES,
     QK,
     ROW_GROUP,
     TILE_COLS,
@@ -31,6 +33,7 @@ from moe.kernels.dots import (
     _vload,
     _vstore,
     _vsum,
+    e8m0_half,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -40,11 +43,12 @@ from moe.kernels.dots import (
 @njit(cache=True, nogil=True)
 def _unpack_row(fmt, wgroup, sgroup, r8, lut, dst, dscale):
     """Row r8 of a packed row group (payload wgroup, scales sgroup: rows of the views) -> its
-    codes as float32 dst [cols] (q - 8 for q4_0, q for q8_0: exact) and its block scales
-    dscale [cols // 32].  Layout in `moe.kernels.quant`: per block, load c holds bytes
-    4c..4c+3 of each row's ggml code bytes, row r8 at 4 * r8."""
-    nb = sgroup.shape[0] // ROW_GROUP
-    q8 = fmt == FMT_Q8_0
+    codes as float32 dst [cols] (q - 8 for q4_0, q for q8_0, the doubled E2M1 value for
+    mxfp4: exact) and its block scales dscale [cols // 32].  Layout in `moe.kernels.quant`:
+    per block, load c holds bytes 4c..4c+3 of each row's ggml code bytes, row r8 at 4 * r8."""
+    q8, mx = fmt == FMT_Q8_0, fmt == FMT_MXFP4
+    sbytes = sgroup.view(np.uint8)  # mxfp4's E8M0 scales
+    nb = wgroup.shape[0] // (32 * (8 if q8 else 4))
     n_loads = 8 if q8 else 4
     for k in range(nb):
         for c in range(n_loads):
@@ -53,10 +57,16 @@ def _unpack_row(fmt, wgroup, sgroup, r8, lut, dst, dscale):
                 col = QK * k + 4 * c + i
                 if q8:
                     dst[col] = np.float32(byte - 256 if byte > 127 else byte)
+                elif mx:  # as q4_0: low nibble column j, high nibble column j + 16
+                    dst[col] = np.float32(MXFP4_VALUES[byte & 15])
+                    dst[col + 16] = np.float32(MXFP4_VALUES[byte >> 4])
                 else:  # ggml q4_0: low nibble column j, high nibble column j + 16
                     dst[col] = np.float32((byte & 15) - 8)
                     dst[col + 16] = np.float32((byte >> 4) - 8)
-        dscale[k] = lut[sgroup[ROW_GROUP * k + r8]]
+        if mx:
+            dscale[k] = e8m0_half(sbytes[ROW_GROUP * k + r8])
+        else:
+            dscale[k] = lut[sgroup[ROW_GROUP * k + r8]]
 
 
 @njit(cache=True, nogil=True)
@@ -104,7 +114,7 @@ def _tile_rows(fmt, wq, ws, lut, x, out, r0, r1):
     dropped.
     """
     b = x.shape[0]
-    nb = ws.shape[1] // ROW_GROUP
+    nb = x.shape[1] // QK
     tile = np.empty((TILE_ROWS, nb * QK), dtype=np.float32)  # [4, cols] codes
     scales = np.empty((TILE_ROWS, nb), dtype=np.float32)  # [4, cols // 32]
     acc = np.empty((b, TILE_ROWS * LANES), dtype=np.float32)  # [b, 4 * 8] lanes
