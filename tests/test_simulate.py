@@ -179,3 +179,14 @@ def test_bench_disk_writes_a_profile_that_simulate_reads(tmp_path, capsys):
         profile.write_text(bad)
         assert main(["simulate", str(trace_path), "--geometry", "k2", "--disk", str(profile)]) == 2
         assert "disk profile" in capsys.readouterr().err
+
+
+def test_k3_geometry_is_the_released_model():
+    """2.78 T parameters like the original 8 GB setup's model; 92 LatentMoE layers of 896
+    MXFP4 experts (3 x 3584 x 3072 weights at 17 bytes per 32) and a bf16 trunk."""
+    g = simulate.GEOMETRIES["k3"]
+    assert (g.layers, g.n_experts, g.top_k) == (92, 896, 16)
+    assert g.record_bytes == 3 * 3584 * 3072 * 17 // 32 == 17_547_264
+    assert round(g.params / 1e10) == 278
+    routed = 92 * 896 * 3 * 3584 * 3072
+    assert g.trunk_bytes == 2 * (g.params - routed)

@@ -54,9 +54,54 @@ def q4_record(hidden: int, inter: int) -> int:
     return 3 * hidden * inter * 18 // 32  # q4_0: 18 bytes per 32 weights
 
 
+def mxfp4_record(hidden: int, inter: int) -> int:
+    return 3 * hidden * inter * 17 // 32  # mxfp4: 17 bytes per 32 weights
+
+
+def k3_geometry() -> Geometry:
+    """Kimi K3 as released (the "Kimi-K3" flavor of torchtitan's kimi_k3 model at
+    pytorch/torchtitan@9f8bcf0c): 93 layers (69 KDA, 24 gated MLA at 3, 7, ..., 91 and 92),
+    hidden 7168, vocabulary 163840, layer 0 a dense FFN of 33792, the other 92 LatentMoE with
+    896 experts of 3072 in a 3584-wide latent space, 16 active, two shared experts at full
+    width.  Routed experts are MXFP4 as published (17.5 MB a record); the trunk, everything
+    else, is counted in bf16 as published (small norms included): 56.7 G parameters, 113.5
+    GB.  Total 2.78 T parameters."""
+    dim, vocab, heads, layers, n_mla = 7168, 163840, 96, 93, 24
+    latent, expert_inter, n_experts, shared = 3584, 3072, 896, 2
+    kda_width, q_rank, kv_rank, nope, rope, v_dim, conv = 96 * 128, 1536, 512, 128, 64, 128, 4
+    kda = (
+        5 * dim * kda_width  # q, k, v, output gate, output projection
+        + dim * 128
+        + 128 * kda_width  # forget gate (low rank)
+        + dim * heads
+        + 3 * kda_width * conv
+        + 2 * kda_width
+        + 128  # beta, convs, A, dt, norm
+    )
+    mla = (
+        dim * q_rank
+        + q_rank
+        + q_rank * heads * (nope + rope)  # q
+        + dim * (kv_rank + rope)
+        + kv_rank
+        + kv_rank * heads * (nope + v_dim)  # kv
+        + 2 * dim * heads * v_dim  # output gate, o_proj
+    )
+    moe = dim * n_experts + n_experts + 2 * dim * latent + latent + 3 * dim * shared * expert_inter
+    trunk = (
+        2 * vocab * dim  # embeddings, lm_head
+        + (layers - n_mla) * kda + n_mla * mla
+        + 3 * dim * 33792 + (layers - 1) * moe  # dense layer 0, LatentMoE's own weights
+        + layers * (4 * dim + 2) + 2 * dim + 1  # norms, attention-residual projections
+    )  # fmt: skip
+    routed = (layers - 1) * n_experts * 3 * latent * expert_inter
+    record = mxfp4_record(latent, expert_inter)
+    return Geometry("k3", layers - 1, n_experts, 16, record, 2 * trunk, float(trunk + routed))
+
+
 GEOMETRIES = {
-    # Kimi-K3-class: 2.78 T parameters, 896 experts per layer, 16 active, 4-bit experts.
-    "k3": Geometry("k3", 60, 896, 16, q4_record(7168, 2400), int(16.0e9), 2.78e12),
+    # Kimi K3: 2.78 T parameters, 92 MoE layers of 896 experts, 16 active, MXFP4 experts.
+    "k3": k3_geometry(),
     # Kimi-K2 (DeepSeek-V3 architecture): 1.04 T, 384 experts, 8 active, 60 MoE layers.
     "k2": Geometry("k2", 60, 384, 8, q4_record(7168, 2048), int(16.0e9), 1.04e12),
 }
