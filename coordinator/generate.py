@@ -105,6 +105,9 @@ class Verifier(Protocol):
         """Wait for the checks still in flight."""
 
 
+ROLLBACK_STEPS = 8  # steps a recurrent (KDA) state can be rolled back when nodes are audited
+
+
 def generate(
     model,
     prompt_ids: list[int],
@@ -134,6 +137,8 @@ def generate(
     loop = _DecodeLoop(model, opts, on_token, on_forward, verifier, on_rollback)
     result = GenerationResult(prompt_ids=list(prompt_ids), tokens=[])
     cache = model.new_cache(len(prompt_ids) + opts.max_tokens)
+    if verifier is not None and hasattr(cache, "keep_rollback"):
+        cache.keep_rollback(ROLLBACK_STEPS)  # a recurrent state keeps copies to roll back to
     if profile:
         loop.profile = DecodeProfile()
         loop.profile.install(model)

@@ -139,12 +139,12 @@ def perplexity(model_dir: Path, ids: list[int], window: int) -> float:
 def perplexity_by_format(
     src: str | Path, text: str, expert_formats: list[str], trunk: str, window: int, max_tokens: int
 ) -> tuple[int, dict[str, float]]:
-    from tokenizers import Tokenizer
+    from coordinator import tokenizer
 
-    tok_path = Path(src) / "tokenizer.json"
-    if not tok_path.exists():
-        raise MoeshardError(f"{src}: no tokenizer.json to tokenize the text with")
-    ids = Tokenizer.from_file(str(tok_path)).encode(text).ids[: max_tokens or None]
+    tok = tokenizer.load(Path(src))
+    if tok is None:
+        raise MoeshardError(f"{src}: no {tokenizer.TOKENIZER_FILES} to tokenize the text with")
+    ids = tok.encode(text)[: max_tokens or None]
     if len(ids) < 2:
         raise MoeshardError("the text has fewer than two tokens")
     results = {}

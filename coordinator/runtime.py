@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from tokenizers import Tokenizer
-
+from coordinator.tokenizer import TOKENIZER_FILES, TextTokenizer
+from coordinator.tokenizer import load as load_text_tokenizer
 from moe.errors import StoreError
 from moe.experts.backend import ExpertsBackend
 from moe.experts.local import LocalExperts
@@ -65,7 +65,7 @@ class Runtime:
     model: ModelDir
     transformer: object  # the family's Transformer
     experts: ExpertsBackend
-    tokenizer: Tokenizer | None
+    tokenizer: TextTokenizer | None
     eos_ids: list[int]
     warmup_s: float = 0.0  # JIT compile / numba cache load of every kernel, done at start-up
     startup_s: float = 0.0  # opening the model + warm-up, before the first token
@@ -80,13 +80,13 @@ class Runtime:
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise StoreError(f"{self.model.path}: no tokenizer.json; use --prompt-ids")
-        return self.tokenizer.encode(text).ids
+            raise StoreError(f"{self.model.path}: no {TOKENIZER_FILES}; use --prompt-ids")
+        return self.tokenizer.encode(text)
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
             return " ".join(str(i) for i in ids)
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return self.tokenizer.decode(ids)
 
     def text_streamer(self, out: TextIO) -> TextStreamer:
         return TextStreamer(self, out)
@@ -136,15 +136,9 @@ class Runtime:
         self.model.close()
 
 
-def load_tokenizer(model: ModelDir) -> Tokenizer | None:
-    """The model directory's tokenizer.json, or None when it has none (--prompt-ids only)."""
-    path = model.path / "tokenizer.json"
-    if not path.exists():
-        return None
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:  # the tokenizers library raises its own bare Exception
-        raise StoreError(f"{path}: not a tokenizer file: {exc}") from None
+def load_tokenizer(model: ModelDir) -> TextTokenizer | None:
+    """The model directory's tokenizer, or None when it has none (--prompt-ids only)."""
+    return load_text_tokenizer(model.path)
 
 
 def _model_dir(path: str | Path | ModelDir) -> ModelDir:

@@ -10,6 +10,7 @@ import numpy as np
 
 from coordinator.commands import EXIT_OK
 from coordinator.commands.network import add_peer_options
+from coordinator.tokenizer import TOKENIZER_FILES
 from moe.errors import MoeshardError
 
 
@@ -225,8 +226,8 @@ def _parse_prompt_ids(text: str) -> list[int]:
 
 def _encode_prompt(tokenizer, prompt: str, path) -> list[int]:
     if tokenizer is None:
-        raise MoeshardError(f"{path}: no tokenizer.json; use --prompt-ids")
-    ids = tokenizer.encode(prompt).ids
+        raise MoeshardError(f"{path}: no {TOKENIZER_FILES}; use --prompt-ids")
+    ids = tokenizer.encode(prompt)
     if not ids:
         raise MoeshardError("--prompt: the prompt is empty (it encodes to no tokens)")
     return ids

@@ -130,15 +130,16 @@ def add_quality(sub) -> None:
 
 
 def cmd_quality(args) -> int:
-    from tokenizers import Tokenizer
-
+    from coordinator import tokenizer
     from coordinator.quality import compare_formats
     from moe.kernels import quant
 
     prompts = [[int(t) for t in p.split(",")] for p in args.prompt_ids or []]
     if args.prompt:
-        tokenizer = Tokenizer.from_file(str(Path(args.src) / "tokenizer.json"))
-        prompts += [tokenizer.encode(p).ids for p in args.prompt]
+        tok = tokenizer.load(Path(args.src))
+        if tok is None:
+            raise MoeshardError(f"{args.src}: no {tokenizer.TOKENIZER_FILES} for --prompt")
+        prompts += [tok.encode(p) for p in args.prompt]
     if not prompts:
         raise MoeshardError("give at least one --prompt or --prompt-ids")
     modes = tuple(args.activations.split(","))

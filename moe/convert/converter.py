@@ -38,7 +38,7 @@ from moe.storage.manifest import (
     write_manifest,
 )
 from moe.storage.shards import ShardWriter
-from moe.storage.trunk_file import TrunkWriter
+from moe.storage.trunk_file import TrunkWriter, as_matrix
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,13 @@ TRUNK_FORMATS = ("f32", "bf16", "q8_0")
 DEFAULT_EXPERT_FORMAT = "q4_0"
 DEFAULT_TRUNK_FORMAT = "bf16"
 SHARD_MAX_BYTES = 4 << 30  # a new expert shard file starts at the next layer past this size
-COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+COPIED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tiktoken.model",  # Kimi's tokenizer (`coordinator.tokenizer`)
+)
 
 _PER_EXPERT = re.compile(
     r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
@@ -59,7 +65,14 @@ _STACKED = re.compile(
 )
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_ALWAYS_F32 = ("norm.weight", "layernorm.weight", ".bias", "mlp.gate.weight", "shared_expert_gate")
+_ALWAYS_F32 = (
+    "norm.weight",
+    "layernorm.weight",
+    ".bias",
+    "mlp.gate.weight",
+    "block_sparse_moe.gate.weight",  # Kimi Linear's router
+    "shared_expert_gate",
+)
 
 
 @dataclass
@@ -196,9 +209,10 @@ def _slice_expert(ckpt: Checkpoint, name: str, expert: int) -> np.ndarray:
 
 
 def trunk_format(name: str, shape: tuple[int, ...], requested: str) -> str:
-    """Norms, biases and routers stay f32 (tiny, and routing decisions are sensitive);
-    matrices whose rows are not whole 32-weight blocks fall back to bf16/f32."""
-    if len(shape) == 1 or any(name.endswith(s) or s in name for s in _ALWAYS_F32):
+    """Norms, biases, routers and the small tensors of other shapes (KDA's convolutions and
+    decay rates) stay f32 (tiny, and routing decisions are sensitive); matrices whose rows
+    are not whole 32-weight blocks fall back to bf16/f32."""
+    if len(shape) != 2 or any(name.endswith(s) or s in name for s in _ALWAYS_F32):
         return "f32"
     if requested == "q8_0" and shape[-1] % 32:
         return "bf16"
@@ -389,7 +403,7 @@ def _write_files(
     trunk_params = 0
     for name, (_, fmt, shape) in zip(trunk_names, trunk.entries, strict=True):
         value = ckpt.float32(plan.trunk[name], plan.fp8_block).reshape(shape)
-        matrix = value.reshape(1, -1) if value.ndim == 1 else value
+        matrix = value.reshape(as_matrix(shape))  # what the trunk file stores for any shape
         before = trunk.file.bytes_written
         crc = trunk.write(quant.pack(np.ascontiguousarray(matrix), fmt))
         digest.update(f"{name}:{fmt}:{crc};".encode())

@@ -92,6 +92,25 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(scale) + 1.0
 
 
+def decoder_shapes(c, layer_shapes) -> dict[str, tuple[int, ...]]:
+    """A decoder's trunk tensors by canonical name: the embedding, the final norm, the head
+    (unless tied), and per layer its two norms plus `layer_shapes(i, "model.layers.{i}.")`
+    (attention and MLP, per family)."""
+    h = c.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes |= layer_shapes(i, p)
+    return shapes
+
+
 def require(raw: dict[str, Any], key: str, source: str) -> Any:
     """raw[key], or a ConfigError naming the file and the missing field.
 
@@ -136,6 +155,9 @@ INT_FIELDS: dict[str, tuple[int, int, bool]] = {
     "n_routed_experts": (1, MAX_EXPERTS, True),
     "num_experts_per_tok": (1, MAX_EXPERTS, True),
     "n_shared_experts": (0, MAX_EXPERTS, True),
+    "num_experts_per_token": (1, MAX_EXPERTS, True),  # Kimi Linear's names
+    "num_shared_experts": (0, MAX_EXPERTS, True),
+    "num_expert_group": (1, MAX_EXPERTS, True),
     "n_group": (0, MAX_EXPERTS, True),  # 0/null: 1
     "topk_group": (0, MAX_EXPERTS, True),  # 0/null: 1
     "decoder_sparse_step": (0, MAX_LAYERS, True),  # 0/null: 1
@@ -164,9 +186,10 @@ BOOL_FIELDS = (
     "qkv_bias",
     "attention_bias",
     "rope_interleave",
+    "moe_renormalize",
 )
 STR_FIELDS = ("model_type", "scoring_func")
-DICT_FIELDS = ("rope_scaling", "rope_parameters", "quantization_config")
+DICT_FIELDS = ("rope_scaling", "rope_parameters", "quantization_config", "linear_attn_config")
 
 
 def _shown(value: Any) -> str:

@@ -29,7 +29,7 @@ import numpy as np
 
 from moe.errors import ConfigError
 from moe.experts.backend import ExpertsBackend
-from moe.model.config import RopeConfig, parse_rope, require, yarn_mscale
+from moe.model.config import RopeConfig, decoder_shapes, parse_rope, require, yarn_mscale
 from moe.model.layers import (
     apply_rope,
     causal_mask,
@@ -134,51 +134,61 @@ class Config:
 
     def trunk_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every trunk tensor inference needs, by canonical name, with its shape."""
-        h, heads = self.hidden_size, self.num_attention_heads
-        r, rope = self.kv_lora_rank, self.qk_rope_head_dim
-        shapes: dict[str, tuple[int, ...]] = {
-            "model.embed_tokens.weight": (self.vocab_size, h),
-            "model.norm.weight": (h,),
-        }
-        if not self.tie_word_embeddings:
-            shapes["lm_head.weight"] = (self.vocab_size, h)
-        for i in range(self.num_hidden_layers):
-            p = f"model.layers.{i}."
-            shapes[p + "input_layernorm.weight"] = (h,)
-            shapes[p + "post_attention_layernorm.weight"] = (h,)
-            a = p + "self_attn."
-            if self.q_lora_rank is None:
-                shapes[a + "q_proj.weight"] = (heads * self.qk_head_dim, h)
-            else:
-                shapes[a + "q_a_proj.weight"] = (self.q_lora_rank, h)
-                shapes[a + "q_a_layernorm.weight"] = (self.q_lora_rank,)
-                shapes[a + "q_b_proj.weight"] = (heads * self.qk_head_dim, self.q_lora_rank)
-                if self.attention_bias:
-                    shapes[a + "q_a_proj.bias"] = (self.q_lora_rank,)
-            shapes[a + "kv_a_proj_with_mqa.weight"] = (r + rope, h)
-            shapes[a + "kv_a_layernorm.weight"] = (r,)
-            shapes[a + "kv_b_proj.weight"] = (heads * (self.qk_nope_head_dim + self.v_head_dim), r)
-            shapes[a + "o_proj.weight"] = (h, heads * self.v_head_dim)
-            if self.attention_bias:
-                shapes[a + "kv_a_proj_with_mqa.bias"] = (r + rope,)
-                shapes[a + "o_proj.bias"] = (h,)
-            m = p + "mlp."
-            if i in self.moe_layers:
-                shapes[m + "gate.weight"] = (self.n_experts, h)
-                shapes[m + "gate.e_score_correction_bias"] = (self.n_experts,)
-                if self.n_shared_experts:
-                    s = self.expert_intermediate * self.n_shared_experts
-                    shapes[m + "shared_experts.gate_proj.weight"] = (s, h)
-                    shapes[m + "shared_experts.up_proj.weight"] = (s, h)
-                    shapes[m + "shared_experts.down_proj.weight"] = (h, s)
-            else:
-                shapes[m + "gate_proj.weight"] = (self.dense_intermediate, h)
-                shapes[m + "up_proj.weight"] = (self.dense_intermediate, h)
-                shapes[m + "down_proj.weight"] = (h, self.dense_intermediate)
-        return shapes
+        return decoder_shapes(
+            self,
+            lambda i, p: (
+                mla_shapes(self, p + "self_attn.")
+                | mlp_shapes(self, p + "mlp.", i in self.moe_layers)
+            ),
+        )
 
     def kv_bytes_per_token(self) -> int:
         return self.num_hidden_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * 4
+
+
+def mla_shapes(c, a: str) -> dict[str, tuple[int, ...]]:
+    """The MLA tensors under prefix `a` (a layer's "self_attn."), for any config with
+    DeepSeek-V3's attention fields (Kimi Linear's MLA layers too)."""
+    h, heads, r, rope = c.hidden_size, c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+    shapes: dict[str, tuple[int, ...]] = {}
+    if c.q_lora_rank is None:
+        shapes[a + "q_proj.weight"] = (heads * c.qk_head_dim, h)
+    else:
+        shapes[a + "q_a_proj.weight"] = (c.q_lora_rank, h)
+        shapes[a + "q_a_layernorm.weight"] = (c.q_lora_rank,)
+        shapes[a + "q_b_proj.weight"] = (heads * c.qk_head_dim, c.q_lora_rank)
+        if c.attention_bias:
+            shapes[a + "q_a_proj.bias"] = (c.q_lora_rank,)
+    shapes[a + "kv_a_proj_with_mqa.weight"] = (r + rope, h)
+    shapes[a + "kv_a_layernorm.weight"] = (r,)
+    shapes[a + "kv_b_proj.weight"] = (heads * (c.qk_nope_head_dim + c.v_head_dim), r)
+    shapes[a + "o_proj.weight"] = (h, heads * c.v_head_dim)
+    if c.attention_bias:
+        shapes[a + "kv_a_proj_with_mqa.bias"] = (r + rope,)
+        shapes[a + "o_proj.bias"] = (h,)
+    return shapes
+
+
+def mlp_shapes(c, m: str, moe: bool) -> dict[str, tuple[int, ...]]:
+    """A layer's router and shared experts (moe) or dense MLP under prefix `m`."""
+    h = c.hidden_size
+    if not moe:
+        d = c.dense_intermediate
+        return {
+            m + "gate_proj.weight": (d, h),
+            m + "up_proj.weight": (d, h),
+            m + "down_proj.weight": (h, d),
+        }
+    shapes = {
+        m + "gate.weight": (c.n_experts, h),
+        m + "gate.e_score_correction_bias": (c.n_experts,),
+    }
+    if c.n_shared_experts:
+        s = c.expert_intermediate * c.n_shared_experts
+        shapes[m + "shared_experts.gate_proj.weight"] = (s, h)
+        shapes[m + "shared_experts.up_proj.weight"] = (s, h)
+        shapes[m + "shared_experts.down_proj.weight"] = (h, s)
+    return shapes
 
 
 def canonical_name(name: str) -> str:
@@ -204,6 +214,8 @@ class LatentCache:
 
 class Transformer:
     """The trunk's forward pass; routed experts go to `experts` (local or remote)."""
+
+    MLP = "mlp"  # the MoE / dense MLP modules' name in each layer (Kimi Linear: block_sparse_moe)
 
     def __init__(self, config: Config, trunk: Trunk, experts: ExpertsBackend):
         self.config, self.trunk, self.experts = config, trunk, experts
@@ -268,8 +280,10 @@ class Transformer:
             compressed[:, : c.kv_lora_rank], w.vector(a + "kv_a_layernorm.weight"), LATENT_NORM_EPS
         )  # [T, rank]
         k_rot = compressed[:, None, c.kv_lora_rank :]  # [T, 1, rope]
-        q_rot = apply_rope(q_rot, cos, sin, c.rope_interleave)  # [T, heads, rope]
-        k_rot = apply_rope(k_rot, cos, sin, c.rope_interleave)[:, 0]  # [T, rope]
+        if cos is not None:  # (Kimi Linear's MLA has no positions: cos and sin None)
+            q_rot = apply_rope(q_rot, cos, sin, c.rope_interleave)  # [T, heads, rope]
+            k_rot = apply_rope(k_rot, cos, sin, c.rope_interleave)
+        k_rot = k_rot[:, 0]  # [T, rope]
 
         start, end = cache.length, cache.length + t
         cache.latent[i][start:end], cache.k_rot[i][start:end] = latent, k_rot
@@ -289,7 +303,7 @@ class Transformer:
     def route(self, i: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Grouped sigmoid router of layer i: h [T, H] -> expert ids [T, k], weights [T, k]."""
         c, w = self.config, self.trunk
-        m = f"model.layers.{i}.mlp.gate."
+        m = f"model.layers.{i}.{self.MLP}.gate."
         scores = sigmoid(h @ w.vector(m + "weight").T)  # [T, E]
         choice = scores + w.vector(m + "e_score_correction_bias")  # [T, E]
         t, per_group = h.shape[0], c.n_experts // c.n_group
@@ -311,14 +325,14 @@ class Transformer:
         hint = next_layer_hint(self, i, h)  # the next layer's experts, fetched meanwhile
         out = self.experts(i, h, ids, weights, hint=hint)  # [T, H]
         if self.config.n_shared_experts:
-            m, w = f"model.layers.{i}.mlp.shared_experts.", self.trunk
+            m, w = f"model.layers.{i}.{self.MLP}.shared_experts.", self.trunk
             out = out + swiglu_mlp(
                 h, w.linear(m + "gate_proj"), w.linear(m + "up_proj"), w.linear(m + "down_proj")
             )  # [T, H]
         return out
 
     def dense_mlp(self, i: int, h: np.ndarray) -> np.ndarray:
-        m, w = f"model.layers.{i}.mlp.", self.trunk
+        m, w = f"model.layers.{i}.{self.MLP}.", self.trunk
         return swiglu_mlp(
             h, w.linear(m + "gate_proj"), w.linear(m + "up_proj"), w.linear(m + "down_proj")
         )

@@ -21,7 +21,7 @@ import numpy as np
 from moe.errors import ConfigError
 from moe.experts.backend import ExpertsBackend, PrefetchHint
 from moe.model import fused
-from moe.model.config import RopeConfig, parse_rope, require
+from moe.model.config import RopeConfig, decoder_shapes, parse_rope, require
 from moe.model.fused import (
     QK_NORM_CODES,
     add_rms_norm,
@@ -120,46 +120,40 @@ class Config:
 
     def trunk_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every trunk tensor inference needs, by canonical name, with its shape."""
+        return decoder_shapes(self, self._layer_shapes)
+
+    def _layer_shapes(self, i: int, p: str) -> dict[str, tuple[int, ...]]:
         h, d = self.hidden_size, self.head_dim
         q_out, kv_out = self.num_attention_heads * d, self.num_key_value_heads * d
-        shapes: dict[str, tuple[int, ...]] = {
-            "model.embed_tokens.weight": (self.vocab_size, h),
-            "model.norm.weight": (h,),
-        }
-        if not self.tie_word_embeddings:
-            shapes["lm_head.weight"] = (self.vocab_size, h)
-        for i in range(self.num_hidden_layers):
-            p = f"model.layers.{i}."
-            shapes[p + "input_layernorm.weight"] = (h,)
-            shapes[p + "post_attention_layernorm.weight"] = (h,)
-            a = p + "self_attn."
-            shapes[a + "q_proj.weight"] = (q_out, h)
-            shapes[a + "k_proj.weight"] = (kv_out, h)
-            shapes[a + "v_proj.weight"] = (kv_out, h)
-            shapes[a + "o_proj.weight"] = (h, q_out)
-            if self.qkv_bias:
-                shapes[a + "q_proj.bias"] = (q_out,)
-                shapes[a + "k_proj.bias"] = (kv_out,)
-                shapes[a + "v_proj.bias"] = (kv_out,)
-            if self.qk_norm == "head":
-                shapes[a + "q_norm.weight"] = (d,)
-                shapes[a + "k_norm.weight"] = (d,)
-            elif self.qk_norm == "full":
-                shapes[a + "q_norm.weight"] = (q_out,)
-                shapes[a + "k_norm.weight"] = (kv_out,)
-            m = p + "mlp."
-            if i in self.moe_layers:
-                shapes[m + "gate.weight"] = (self.n_experts, h)
-                if self.shared_expert_intermediate:
-                    s = self.shared_expert_intermediate
-                    shapes[m + "shared_expert.gate_proj.weight"] = (s, h)
-                    shapes[m + "shared_expert.up_proj.weight"] = (s, h)
-                    shapes[m + "shared_expert.down_proj.weight"] = (h, s)
-                    shapes[m + "shared_expert_gate.weight"] = (1, h)
-            else:
-                shapes[m + "gate_proj.weight"] = (self.dense_intermediate, h)
-                shapes[m + "up_proj.weight"] = (self.dense_intermediate, h)
-                shapes[m + "down_proj.weight"] = (h, self.dense_intermediate)
+        shapes: dict[str, tuple[int, ...]] = {}
+        a = p + "self_attn."
+        shapes[a + "q_proj.weight"] = (q_out, h)
+        shapes[a + "k_proj.weight"] = (kv_out, h)
+        shapes[a + "v_proj.weight"] = (kv_out, h)
+        shapes[a + "o_proj.weight"] = (h, q_out)
+        if self.qkv_bias:
+            shapes[a + "q_proj.bias"] = (q_out,)
+            shapes[a + "k_proj.bias"] = (kv_out,)
+            shapes[a + "v_proj.bias"] = (kv_out,)
+        if self.qk_norm == "head":
+            shapes[a + "q_norm.weight"] = (d,)
+            shapes[a + "k_norm.weight"] = (d,)
+        elif self.qk_norm == "full":
+            shapes[a + "q_norm.weight"] = (q_out,)
+            shapes[a + "k_norm.weight"] = (kv_out,)
+        m = p + "mlp."
+        if i in self.moe_layers:
+            shapes[m + "gate.weight"] = (self.n_experts, h)
+            if self.shared_expert_intermediate:
+                s = self.shared_expert_intermediate
+                shapes[m + "shared_expert.gate_proj.weight"] = (s, h)
+                shapes[m + "shared_expert.up_proj.weight"] = (s, h)
+                shapes[m + "shared_expert.down_proj.weight"] = (h, s)
+                shapes[m + "shared_expert_gate.weight"] = (1, h)
+        else:
+            shapes[m + "gate_proj.weight"] = (self.dense_intermediate, h)
+            shapes[m + "up_proj.weight"] = (self.dense_intermediate, h)
+            shapes[m + "down_proj.weight"] = (h, self.dense_intermediate)
         return shapes
 
     def kv_bytes_per_token(self) -> int:

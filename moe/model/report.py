@@ -19,6 +19,13 @@ def describe(path: str | Path, verify: bool = False) -> tuple[str, bool]:
         f"family     {c.model_type}: {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
         f"vocab {c.vocab_size}"
     )
+    if getattr(c, "kda_layers", None) is not None:  # Kimi Linear: KDA and MLA layers
+        kda, mla = ",".join(map(str, c.kda_layers)), ",".join(map(str, c.mla_layers))
+        lines.append(
+            f"attention  (layers from 0) KDA {kda or '-'} ({c.kda_heads} heads of "
+            f"{c.kda_head_dim}, state {fmt_bytes(c.state_bytes())}); MLA {mla or '-'} "
+            f"(latent {c.kv_lora_rank}, no positions)"
+        )
     lines.append(
         f"experts    {c.n_experts} per MoE layer x {len(c.moe_layers)} MoE layers, "
         f"{c.top_k} active per token, intermediate {c.expert_intermediate}"

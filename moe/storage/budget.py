@@ -88,12 +88,19 @@ def check_context(config, prompt_tokens: int, max_tokens: int, beyond: bool = Fa
         )
 
 
+def cache_bytes(config, context: int) -> int:
+    """The sequence's cache: KV (or latent) bytes per token for `context` tokens, plus the
+    fixed-size state of recurrent layers (Kimi Linear's KDA: `state_bytes`)."""
+    state = config.state_bytes() if hasattr(config, "state_bytes") else 0
+    return config.kv_bytes_per_token() * context + state
+
+
 def check_memory(model, context: int, prompt_tokens: int, remote: bool) -> None:
     """Refuse, before allocating anything, a run without --ram whose RAM need is larger than
     the memory available: the whole trunk, every expert (in-RAM mode reads them all sooner or
     later; with nodes they stay remote), the KV cache for `context` tokens and the scratch."""
     c = model.config
-    kv = c.kv_bytes_per_token() * context
+    kv = cache_bytes(c, context)
     scratch = scratch_bytes(c, prompt_tokens, context)
     trunk = TrunkLayout(model.path / "trunk.gguf", model.model_id).total_bytes()
     experts = 0 if remote else sum(os.path.getsize(shard.path) for shard in model.shards)
@@ -184,7 +191,7 @@ def plan_budget(
     """Split `budget` bytes; raises MoeshardError naming the minimum when it is too small."""
     c = model.config
     layout = layout or TrunkLayout(model.path / "trunk.gguf", model.model_id)
-    kv = c.kv_bytes_per_token() * context
+    kv = cache_bytes(c, context)
     scratch = scratch_bytes(c, prefill_tokens or context, context)
     slot = align_up(
         quant.expert_record_nbytes(model.expert_format, c.hidden_size, c.expert_intermediate)

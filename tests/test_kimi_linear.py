@@ -1,0 +1,135 @@
+"""Kimi Linear beyond the reference match (tests/test_reference.py): a config that leaves a
+field out is refused by name, the recurrent state rolls back to a recent step, and the
+default formats run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from helpers import FIXTURES, reference
+
+from coordinator.generate import SamplingOptions, generate
+from coordinator.runtime import open_local
+from moe.errors import ConfigError
+from moe.model.families import load_config
+
+SRC = FIXTURES / "kimi_linear"
+
+
+def with_config(tmp_path, edit) -> object:
+    raw = json.loads((SRC / "config.json").read_text())
+    edit(raw)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["linear_attn_config", "num_experts_per_token", "routed_scaling_factor", "q_lora_rank"],
+)
+def test_a_missing_field_is_named_never_defaulted(tmp_path, field):
+    def drop(raw):
+        raw.pop(field)
+        raw.pop("num_experts_per_tok", None)  # nor its other spelling
+
+    with pytest.raises(ConfigError, match=f"'{field}'"):
+        load_config(with_config(tmp_path, drop))
+
+
+def test_the_layer_map_must_cover_every_layer_once(tmp_path):
+    def bad(raw):
+        raw["linear_attn_config"]["kda_layers"] = [1, 2]  # layer 4 in neither list
+
+    with pytest.raises(ConfigError, match="each of the 4 layers"):
+        load_config(with_config(tmp_path, bad))
+    cfg = load_config(SRC)
+    assert cfg.kda_layers == (0, 1, 3) and cfg.mla_layers == (2,)  # one-based in the file
+
+
+def test_recurrent_state_rolls_back_to_a_recent_step(converted):
+    rt = open_local(converted("kimi_linear"))
+    model = rt.transformer
+    prompt = reference("kimi_linear")["prompt_ids"]
+    cache = model.new_cache(32)
+    cache.keep_rollback(3)
+    model.forward(prompt, cache)
+    first = model.forward(np.array([61]), cache)  # one decode step from length 7
+    model.forward(np.array([370]), cache)
+    cache.truncate(len(prompt))  # roll back both steps
+    again = model.forward(np.array([61]), cache)
+    np.testing.assert_array_equal(again, first)
+    for _ in range(3):
+        model.forward(np.array([5]), cache)
+    with pytest.raises(ValueError, match="only the starts of the last 3 steps"):
+        cache.truncate(len(prompt))
+    plain = model.new_cache(32)  # without keep_rollback: no copies, no rollback
+    model.forward(prompt, plain)
+    model.forward(np.array([61]), plain)
+    with pytest.raises(ValueError, match="cannot roll a recurrent"):
+        plain.truncate(len(prompt))
+
+
+def test_default_formats_generate_close_to_f32(converted):
+    ref = reference("kimi_linear")
+    prompt = [int(t) for t in ref["prompt_ids"]]
+    opts = SamplingOptions(max_tokens=len(ref["greedy_ids"]), keep_logits=True)
+    q4 = generate(open_local(converted("kimi_linear", experts="q4_0", trunk="bf16")).transformer,
+                  prompt, opts)  # fmt: skip
+    span = float(np.ptp(ref["greedy_logits"]))
+    first = np.abs(q4.logits[0] - ref["greedy_logits"][0]).max()
+    assert first < 0.1 * span  # the 4-bit experts' error on the first step
+    assert q4.tokens[0] == int(ref["greedy_ids"][0])
+
+
+def test_convert_refuses_a_checkpoint_missing_a_kda_tensor(tmp_path):
+    from moe.convert.checkpoint import Checkpoint, write_safetensors
+    from moe.convert.converter import convert
+    from moe.errors import CheckpointError
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(SRC, src)
+    ckpt = Checkpoint(src)
+    tensors = {n: (ckpt.dtype(n), ckpt.shape(n), ckpt.raw(n).tobytes()) for n in ckpt.names()}
+    ckpt.close()
+    del tensors["model.layers.1.self_attn.k_conv1d.weight"]
+    write_safetensors(src / "model.safetensors", tensors)
+    with pytest.raises(CheckpointError, match="model.layers.1.self_attn.k_conv1d.weight"):
+        convert(src, tmp_path / "out", progress=False)
+
+
+def test_inspect_shows_the_layer_map(converted):
+    from moe.model.report import describe
+
+    text, _ = describe(converted("kimi_linear"))
+    assert "attention  (layers from 0) KDA 0,1,3 (2 heads of 16, state 9.38 KiB); MLA 2" in text
+
+
+def test_through_two_nodes_equals_one_machine(converted, tmp_path):
+    """The experts of a Kimi Linear model on nodes: the same tokens and logits bits as one
+    process (the coordinator keeps the KDA states and MLA caches; nodes see expert rows)."""
+    from helpers import node_process, remote_runtime
+
+    from moe.convert.placement import shard_model
+
+    model = converted("kimi_linear")
+    plan = shard_model(model, 2, 1, tmp_path / "shards")
+    prompt = [int(t) for t in reference("kimi_linear")["prompt_ids"]]
+    opts = SamplingOptions(max_tokens=8, keep_logits=True)
+    local = generate(open_local(model).transformer, prompt, opts)
+    nodes = [node_process(n["dir"]) for n in plan["nodes"]]
+    try:
+        transformer, remote = remote_runtime(model, [n.spec for n in nodes])
+        try:
+            result = generate(transformer, prompt, opts)
+            calls = [n["calls"] for n in remote.stats()["nodes"]]
+        finally:
+            remote.close()
+    finally:
+        for n in nodes:
+            n.stop()
+    assert result.tokens == local.tokens
+    assert all(np.array_equal(a, b) for a, b in zip(result.logits, local.logits, strict=True))
+    assert all(c > 0 for c in calls)
