@@ -11,6 +11,7 @@ from helpers import parse_bench_disk, positive
 
 from moe.analysis import simulate
 from moe.analysis.disk import DISK_PROFILES, Disk
+from moe.errors import MoeshardError
 from moe.storage.traces import DECODE, FORMAT, Trace
 
 
@@ -190,3 +191,13 @@ def test_k3_geometry_is_the_released_model():
     assert round(g.params / 1e10) == 278
     routed = 92 * 896 * 3 * 3584 * 3072
     assert g.trunk_bytes == 2 * (g.params - routed)
+
+
+def test_trunk_format_rescales_a_known_trunk():
+    g = simulate.GEOMETRIES["k3"]
+    q8 = simulate.with_trunk(g, "q8_0")
+    assert q8.trunk_bytes == int(g.trunk_params * 34 / 32) and q8.record_bytes == g.record_bytes
+    with pytest.raises(MoeshardError, match="parameter count of k2 is not known"):
+        simulate.with_trunk(simulate.GEOMETRIES["k2"], "q8_0")
+    with pytest.raises(MoeshardError, match="choose one of"):
+        simulate.with_trunk(g, "q3_k")

@@ -102,6 +102,11 @@ def add_simulate(sub) -> None:
     p.add_argument("traces", nargs="+", help="trace file(s) (with --validate: the prompt ids)")
     p.add_argument("--geometry", default="k3", help="k3, k2, or a model directory")
     p.add_argument("--ram", default="8G", help="RAM budget, e.g. 8G")
+    p.add_argument(
+        "--trunk",
+        help="the trunk stored in this format instead (f32, bf16, q8_0, q4_0; default: as the "
+        "geometry has it, bf16 for k3)",
+    )
     p.add_argument("--disk", default="this-machine", help="this-machine, pcie4-nvme or a JSON file")
     p.add_argument("--depth", type=int, default=8, help="reads in flight")
     p.add_argument("--kernel-gbps", type=float, default=7.0, help="expert kernel throughput")
@@ -158,6 +163,8 @@ def cmd_simulate(args) -> int:
 
     merged = trace.merge([trace.load(p) for p in args.traces])
     geometry = simulate.geometry_of(args.geometry)
+    if args.trunk:
+        geometry = simulate.with_trunk(geometry, args.trunk)
     ram = parse_size(args.ram)
     disk = Disk.load(args.disk)
     results = simulate.run_all(

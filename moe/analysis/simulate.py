@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -48,6 +48,22 @@ class Geometry:
     record_bytes: int  # one expert's packed bytes (gate + up + down)
     trunk_bytes: int  # whole trunk as stored
     params: float  # total parameters, for the report
+    trunk_params: float | None = None  # the trunk's parameters, where known (`with_trunk`)
+
+
+# bytes per weight of a trunk stored in each format (norms and routers, under 1% of a trunk,
+# counted at the same rate)
+TRUNK_BYTES_PER_WEIGHT = {"f32": 4.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+
+
+def with_trunk(g: Geometry, fmt: str) -> Geometry:
+    """The geometry with its trunk stored in `fmt` (`simulate --trunk`)."""
+    if fmt not in TRUNK_BYTES_PER_WEIGHT:
+        raise MoeshardError(f"--trunk {fmt}: choose one of {', '.join(TRUNK_BYTES_PER_WEIGHT)}")
+    if not g.trunk_params:
+        raise MoeshardError(f"--trunk: the trunk's parameter count of {g.name} is not known")
+    trunk = int(g.trunk_params * TRUNK_BYTES_PER_WEIGHT[fmt])
+    return replace(g, name=f"{g.name} (trunk {fmt})", trunk_bytes=trunk)
 
 
 def q4_record(hidden: int, inter: int) -> int:
@@ -96,7 +112,9 @@ def k3_geometry() -> Geometry:
     )  # fmt: skip
     routed = (layers - 1) * n_experts * 3 * latent * expert_inter
     record = mxfp4_record(latent, expert_inter)
-    return Geometry("k3", layers - 1, n_experts, 16, record, 2 * trunk, float(trunk + routed))
+    return Geometry(
+        "k3", layers - 1, n_experts, 16, record, 2 * trunk, float(trunk + routed), float(trunk)
+    )
 
 
 GEOMETRIES = {
@@ -380,6 +398,7 @@ def geometry_of(spec: str) -> Geometry:
         record,
         trunk.stat().st_size if trunk.exists() else 0,
         float(params.get("trunk", 0) + params.get("experts", 0)),
+        float(params.get("trunk", 0)) or None,
     )
 
 
