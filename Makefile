@@ -39,6 +39,8 @@ ref-venv: $(REF_VENV)/.stamp
 
 fixtures: $(REF_VENV)/.stamp
 	$(REF_PY) tools/make_fixtures.py --out tests/fixtures
+	$(REF_PY) tools/make_kda_fixture.py --out tests/fixtures/kda/kimi_linear_kda.npz
+	$(REF_PY) tools/make_kimi_linear_fixture.py --out tests/fixtures/kimi_linear
 
 $(DEMO_OUT)/moeshard.json: $(DEMO_SRC)/model.safetensors $(DEMO_SRC)/config.json $(VENV)/.stamp
 	$(VENV)/bin/moeshard convert $(DEMO_SRC) $(DEMO_OUT) --force
