@@ -11,15 +11,17 @@ Entry points (called by `moe.kernels.quant` only): `matmul_kernel`, `expert_ffn_
 numbers, and slice each matrix into two 2-D views (`_matrix_views`; `moe.kernels.quant`'s
 docstring has the byte layout):
 
-* ``wq`` uint8 [rows, row_bytes]: per-row payload (q4_0 nibbles, q8_0 int8, raw f32/bf16);
-* ``ws`` uint16 [rows, cols // 32]: per-block float16 scales ([rows, 0] for f32/bf16).
+* ``wq`` uint8: f32/bf16 [rows, row_bytes], the raw rows; q4_0/q8_0/mxfp4 [groups of eight
+  rows, group bytes], the interleaved codes;
+* ``ws`` uint16: the block scales, [groups, cols // 32 * 8] float16 (mxfp4: its one-byte
+  E8M0 scales two to a uint16), or [rows, 0] for f32/bf16.
 
 The row kernels, picked per row range by `_rows`:
 
-* q4_0/q8_0, 8-bit activations (`int8`): `idots.int_rows`, any batch (x is quantised once
-  per call, by `_activations`);
-* q4_0/q8_0, float32 activations: `dots._b1_rows` at batch 1 (four rows per pass, codes
-  converted in registers), `tiles._tile_rows` above (four rows' codes unpacked, 4x2 tiles);
+* q4_0/q8_0/mxfp4, 8-bit activations (`int8`): `idots.int_rows`, any batch (x is quantised
+  once per call, by `_activations`), one row group at a time;
+* q4_0/q8_0/mxfp4, float32 activations: `tiles._tile_rows` (four rows' codes unpacked,
+  4x2 tiles), any batch;
 * f32/bf16: `fdots.float_rows` (float32 lanes and FMAs in a fixed order).
 
 Each of them performs the same operations, in the same order, for every (activation row,
