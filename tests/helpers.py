@@ -278,6 +278,24 @@ def remote_runtime(model_dir, specs, insecure: bool = False, referee: bool = Fal
 # -- a node with extra flags, and what its process holds in RAM -------------------------------
 
 
+def generate_on_nodes(model_dir, plan: dict, prompt: list[int], opts):
+    """Start a node for each of the plan's shard directories, generate through them, stop
+    them: (the GenerationResult, each node's call count)."""
+    from coordinator.generate import generate
+
+    nodes = [node_process(n["dir"]) for n in plan["nodes"]]
+    try:
+        transformer, remote = remote_runtime(model_dir, [n.spec for n in nodes])
+        try:
+            result = generate(transformer, prompt, opts)
+            return result, [n["calls"] for n in remote.stats()["nodes"]]
+        finally:
+            remote.close()
+    finally:
+        for n in nodes:
+            n.stop()
+
+
 def node_process(path, *flags: str, allow: str | None = None, insecure: bool = False):
     """A ready `moeshard node PATH --no-advertise FLAGS...` subprocess (a NodeProcess), for the
     flags NodeProcess has no argument for (e.g. the limits)."""

@@ -22,6 +22,7 @@ from helpers import (
     ROOT,
     TOKENS,
     NodeProcess,
+    generate_on_nodes,
     node_process,
     remote_runtime,
     wait_until,
@@ -114,17 +115,7 @@ def test_many_experts_per_token_give_the_same_bits_as_one_machine(tmp_path):
     plan = shard_model(wide, 3, 2, tmp_path / "top4-shards")
     opts = SamplingOptions(max_tokens=TOKENS, keep_logits=True)
     local = generate(open_local(wide).transformer, PROMPT, opts)
-    nodes = [node_process(n["dir"]) for n in plan["nodes"]]
-    try:
-        transformer, remote = remote_runtime(wide, [n.spec for n in nodes])
-        try:
-            result = generate(transformer, PROMPT, opts)
-            calls = [n["calls"] for n in remote.stats()["nodes"]]
-        finally:
-            remote.close()
-    finally:
-        for n in nodes:
-            n.stop()
+    result, calls = generate_on_nodes(wide, plan, PROMPT, opts)
     assert result.tokens == local.tokens
     assert all(np.array_equal(a, b) for a, b in zip(result.logits, local.logits, strict=True))
     assert sum(c > 0 for c in calls) == 3

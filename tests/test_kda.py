@@ -51,15 +51,15 @@ def close(got, want, rel=2e-6):  # measured: 5.3e-7 (outputs), 4.5e-7 (state)
 
 def test_sequence_matches_transformers(ref):
     w = weights(ref)
-    y = kda_forward(w, ref["x"], KdaState.empty(w))
+    y = kda_forward(w, ref["x"], KdaState.empty(w.heads, w.head_dim, w.kernel))
     close(y, ref["prefill_y"])
     close(y, ref["step_y"])
 
 
 def test_token_by_token_equals_the_whole_sequence_and_keeps_transformers_state(ref):
     w = weights(ref)
-    whole = kda_forward(w, ref["x"], KdaState.empty(w))
-    state = KdaState.empty(w)
+    whole = kda_forward(w, ref["x"], KdaState.empty(w.heads, w.head_dim, w.kernel))
+    state = KdaState.empty(w.heads, w.head_dim, w.kernel)
     steps = np.concatenate([kda_forward(w, ref["x"][t : t + 1], state) for t in range(9)])
     close(steps, whole, rel=1e-6)  # the same recurrence; numpy's BLAS rounds T rows its own way
     close(state.s, ref["recurrent_state"])
@@ -70,7 +70,7 @@ def test_token_by_token_equals_the_whole_sequence_and_keeps_transformers_state(r
 def test_state_carries_a_split_prefill(ref):
     """A prompt in two calls (5 tokens, then 4) gives what one call gives."""
     w = weights(ref)
-    whole = kda_forward(w, ref["x"], KdaState.empty(w))
-    state = KdaState.empty(w)
+    whole = kda_forward(w, ref["x"], KdaState.empty(w.heads, w.head_dim, w.kernel))
+    state = KdaState.empty(w.heads, w.head_dim, w.kernel)
     parts = [kda_forward(w, ref["x"][:5], state), kda_forward(w, ref["x"][5:], state)]
     close(np.concatenate(parts), whole, rel=1e-6)

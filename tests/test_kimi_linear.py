@@ -110,7 +110,7 @@ def test_inspect_shows_the_layer_map(converted):
 def test_through_two_nodes_equals_one_machine(converted, tmp_path):
     """The experts of a Kimi Linear model on nodes: the same tokens and logits bits as one
     process (the coordinator keeps the KDA states and MLA caches; nodes see expert rows)."""
-    from helpers import node_process, remote_runtime
+    from helpers import generate_on_nodes
 
     from moe.convert.placement import shard_model
 
@@ -119,17 +119,7 @@ def test_through_two_nodes_equals_one_machine(converted, tmp_path):
     prompt = [int(t) for t in reference("kimi_linear")["prompt_ids"]]
     opts = SamplingOptions(max_tokens=8, keep_logits=True)
     local = generate(open_local(model).transformer, prompt, opts)
-    nodes = [node_process(n["dir"]) for n in plan["nodes"]]
-    try:
-        transformer, remote = remote_runtime(model, [n.spec for n in nodes])
-        try:
-            result = generate(transformer, prompt, opts)
-            calls = [n["calls"] for n in remote.stats()["nodes"]]
-        finally:
-            remote.close()
-    finally:
-        for n in nodes:
-            n.stop()
+    result, calls = generate_on_nodes(model, plan, prompt, opts)
     assert result.tokens == local.tokens
     assert all(np.array_equal(a, b) for a, b in zip(result.logits, local.logits, strict=True))
     assert all(c > 0 for c in calls)

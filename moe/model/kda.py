@@ -76,10 +76,11 @@ class KdaState:
     s: np.ndarray  # [heads, dk, dv]
 
     @classmethod
-    def empty(cls, w: KdaWeights) -> KdaState:
-        d = w.head_dim
-        tail = np.zeros((w.kernel - 1, 3 * w.heads * d), dtype=np.float32)
-        return cls(tail, np.zeros((w.heads, d, d), dtype=np.float32))
+    def empty(cls, heads: int, head_dim: int, kernel: int) -> KdaState:
+        """The state before a sequence's first token (zeros; only the sizes are needed, not
+        the layer's weights: a streamed trunk need not be read to make a cache)."""
+        tail = np.zeros((kernel - 1, 3 * heads * head_dim), dtype=np.float32)
+        return cls(tail, np.zeros((heads, head_dim, head_dim), dtype=np.float32))
 
 
 def _silu(x: np.ndarray) -> np.ndarray:

@@ -205,7 +205,7 @@ class HybridCache:
     any of those lengths; otherwise, and further back, it refuses.  (Each copy costs
     `Config.state_bytes`; the RAM plan counts them.)"""
 
-    def __init__(self, config: Config, kda: dict[int, KdaWeights], max_len: int):
+    def __init__(self, config: Config, max_len: int):
         mla, n = set(config.mla_layers), config.num_hidden_layers
         rank, rope = config.kv_lora_rank, config.qk_rope_head_dim
 
@@ -214,7 +214,8 @@ class HybridCache:
 
         self.latent, self.k_rot = rows(rank), rows(rope)
         # (None for the KDA layers: `deepseek_v3.Transformer.attention` runs on MLA layers only)
-        self.kda = {i: KdaState.empty(w) for i, w in kda.items()}
+        sizes = (config.kda_heads, config.kda_head_dim, config.kda_kernel)
+        self.kda = {i: KdaState.empty(*sizes) for i in config.kda_layers}
         self.length = 0
         self.max_len = max_len
         self.rollback_steps = 0
@@ -279,8 +280,7 @@ class Transformer(deepseek_v3.Transformer):
         )  # fmt: skip
 
     def new_cache(self, max_len: int) -> HybridCache:
-        layers = {i: self.kda_weights(i) for i in self.config.kda_layers}
-        return HybridCache(self.config, layers, max_len)
+        return HybridCache(self.config, max_len)
 
     def forward(self, ids: np.ndarray, cache: HybridCache) -> np.ndarray:
         """Token ids [T] at positions cache.length.. -> logits [T, V]; appends to the cache."""
