@@ -9,7 +9,8 @@ DEMO_SRC := models/demo-hf
 DEMO_OUT := out/demo
 PROMPT ?= The function returns
 
-.PHONY: all test lint demo demo-local demo-ppl fixtures ref-venv proto clean testbed compose-check
+.PHONY: all test lint demo demo-local demo-ppl k3-demo fixtures ref-venv proto clean testbed \
+	compose-check
 
 all: test
 
@@ -52,6 +53,18 @@ demo: $(DEMO_OUT)/moeshard.json
 # The single-node mode under a hard RAM budget (experts streamed with O_DIRECT).
 demo-local: $(DEMO_OUT)/moeshard.json
 	$(VENV)/bin/moeshard generate $(DEMO_OUT) --ram 60M --prompt "$(PROMPT)" --max-tokens 48
+
+# Kimi K3's architecture end to end on a tiny random K3 in the released layout (safetensors,
+# nested config, MXFP4 experts, tiktoken): convert, inspect, generate in RAM, under a RAM
+# budget and through three nodes. Random weights: the text is noise; the three agree.
+K3_OUT := out/k3
+k3-demo: $(VENV)/.stamp
+	$(VENV)/bin/moeshard synth $(K3_OUT)-ckpt --preset k3 --checkpoint --force
+	$(VENV)/bin/moeshard convert $(K3_OUT)-ckpt $(K3_OUT) --force
+	$(VENV)/bin/moeshard inspect $(K3_OUT)
+	$(VENV)/bin/moeshard generate $(K3_OUT) --prompt "$(PROMPT)" --max-tokens 16
+	$(VENV)/bin/moeshard generate $(K3_OUT) --ram 52M --prompt "$(PROMPT)" --max-tokens 16
+	PY=$(PY) bash tools/demo_cluster.sh $(K3_OUT) "$(PROMPT)" 16
 
 # Validation perplexity of the committed model with f32 and with q4_0 experts.
 demo-ppl: $(VENV)/.stamp

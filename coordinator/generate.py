@@ -171,9 +171,19 @@ def _signal_behind(exc: SystemError) -> BaseException:
     """The KeyboardInterrupt or Terminated a signal handler raised while a compiled kernel
     ran, else exc. numba's dispatcher reports a handler's exception set during its call as
     a SystemError caused by it ("returned a result with an exception set"), which would
-    otherwise turn a Ctrl-C into an internal error (exit 1, no partial result)."""
-    cause = exc.__cause__
-    return cause if isinstance(cause, (KeyboardInterrupt, Terminated)) else exc
+    otherwise turn a Ctrl-C into an internal error (exit 1, no partial result).  Depending on
+    where in the call the signal lands, the handler's exception is the SystemError's cause, its
+    context, or further down a chain of such SystemErrors (one dispatcher inside another): the
+    first KeyboardInterrupt or Terminated along the chain counts."""
+    seen, pending = set(), [exc]
+    while pending:
+        e = pending.pop()
+        if isinstance(e, (KeyboardInterrupt, Terminated)):
+            return e
+        if e is not None and id(e) not in seen:
+            seen.add(id(e))
+            pending += [e.__context__, e.__cause__]
+    return exc
 
 
 class _DecodeLoop:

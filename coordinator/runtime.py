@@ -234,7 +234,7 @@ def open_remote(
             remote_config.roots = model.possession_roots()
         except StoreError as exc:
             log.warning("no possession challenges: %s", exc)
-    experts = RemoteExperts(model.model_id, model.config.hidden_size, specs, remote_config)
+    experts = RemoteExperts(model.model_id, model.config.expert_hidden, specs, remote_config)
     watcher = None
     if discover and not peers:  # keep browsing: nodes that start later join the generation
         watcher = Watcher(model.model_id, lambda node: experts.add_peer(node.spec))

@@ -79,7 +79,7 @@ def resolve_limits(model: ModelDir, config: NodeConfig) -> Limits:
     cache, --ram, or without one the bytes of the records it holds) and the model's sizes."""
     c = model.config
     budget = config.ram if config.ram > 0 else len(model.locations) * model.shard_set.record_nbytes
-    row_bytes = 4 * c.hidden_size + 8 * c.top_k  # one f32 row on the wire: hidden, ids, weights
+    row_bytes = 4 * c.expert_hidden + 8 * c.top_k  # one f32 row on the wire: hidden, ids, weights
     return config.limits.resolve(budget, row_bytes, len(c.moe_layers))
 
 
@@ -150,7 +150,7 @@ class Node:
             format_version=FORMAT_VERSION,
             model_type=c.model_type,
             expert_format=self.model.expert_format,
-            hidden_size=c.hidden_size,
+            hidden_size=c.expert_hidden,
             n_experts=c.n_experts,
             moe_layers=tuple(c.moe_layers),
             ram_budget=config.ram,

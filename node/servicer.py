@@ -58,7 +58,7 @@ class NodeIdentity:
     format_version: int  # moe.storage.manifest.FORMAT_VERSION of the shard files
     model_type: str  # HF model_type of the model
     expert_format: str  # f32, bf16, q8_0, q4_0
-    hidden_size: int  # H: width of every hidden row
+    hidden_size: int  # H: width of the rows the experts take (Kimi K3: its latent width)
     n_experts: int  # routed experts per MoE layer in the model
     moe_layers: tuple[int, ...]  # the model's MoE layer indices
     ram_budget: int  # bytes the expert cache may use (0 = unbounded)

@@ -269,7 +269,7 @@ def remote_runtime(model_dir, specs, insecure: bool = False, referee: bool = Fal
     if referee:
         config["referee"] = LocalReferee.of(model)
     remote = RemoteExperts(
-        model.model_id, model.config.hidden_size, specs, RemoteConfig(identity=identity, **config)
+        model.model_id, model.config.expert_hidden, specs, RemoteConfig(identity=identity, **config)
     )
     transformer = model.family.Transformer(model.config, model.load_trunk(), remote)
     return transformer, remote

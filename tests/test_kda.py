@@ -29,11 +29,11 @@ def weights(ref) -> KdaWeights:
         q=m(w["q_proj.weight"]),
         k=m(w["k_proj.weight"]),
         v=m(w["v_proj.weight"]),
-        f_a=m(w["forget_gate.f_a_proj.weight"]),
-        f_b=m(w["forget_gate.f_b_proj.weight"]),
+        f=KdaWeights.chain(
+            m(w["forget_gate.f_a_proj.weight"]), m(w["forget_gate.f_b_proj.weight"])
+        ),
         b=m(w["b_proj.weight"]),
-        g_a=m(w["g_a_proj.weight"]),
-        g_b=m(w["g_b_proj.weight"]),
+        g=KdaWeights.chain(m(w["g_a_proj.weight"]), m(w["g_b_proj.weight"])),
         o=m(w["o_proj.weight"]),
         conv=w["conv1d.weight"][:, 0, :],
         dt_bias=w["forget_gate.dt_bias"],

@@ -80,7 +80,7 @@ def run(args) -> int:
 
 def _remote(model: ModelDir, specs, **config) -> RemoteExperts:
     return RemoteExperts(
-        model.model_id, model.config.hidden_size, specs, RemoteConfig(prefetch=False, **config)
+        model.model_id, model.config.expert_hidden, specs, RemoteConfig(prefetch=False, **config)
     )
 
 

@@ -100,7 +100,7 @@ def _forward(model: ModelDir, rows: int, dtype: int) -> tuple[pb.ForwardRequest,
     """A Forward of `rows` rows to expert 0 of the first MoE layer, and its LocalExperts args."""
     layer = model.config.moe_layers[0]
     hidden = np.random.default_rng(0).standard_normal(
-        (rows, model.config.hidden_size), dtype=np.float32
+        (rows, model.config.expert_hidden), dtype=np.float32
     )  # [T, H]
     ids, weights = np.zeros((rows, 1), np.int32), np.ones((rows, 1), np.float32)  # [T, 1]
     request = pb.ForwardRequest(
@@ -134,7 +134,9 @@ def _calls(stub: pb_grpc.ExpertNodeStub, stream: ForwardStream, small, big) -> l
 
 def _round_trips(model: ModelDir, plain: PeerSpec, tls: PeerSpec, me: Identity, args) -> None:
     dtype = codec.BY_NAME[args.wire_dtype]
-    big_rows = max(1, round(BIG_FORWARD_BYTES / (model.config.hidden_size * codec.ITEMSIZE[dtype])))
+    big_rows = max(
+        1, round(BIG_FORWARD_BYTES / (model.config.expert_hidden * codec.ITEMSIZE[dtype]))
+    )
     small, small_args = _forward(model, 1, dtype)
     big, big_args = _forward(model, big_rows, dtype)
     names = [
@@ -194,7 +196,7 @@ def _remotes(
             identity=identity,
             audit=0.0,
         )
-        return RemoteExperts(model.model_id, model.config.hidden_size, specs, config)
+        return RemoteExperts(model.model_id, model.config.expert_hidden, specs, config)
 
     for k, specs in plain.items():
         for transport in ("unary", "stream") if k == n else ("stream",):
@@ -210,7 +212,7 @@ def _layer_inputs(model: ModelDir, count: int) -> list[tuple]:
     rng = np.random.default_rng(1)
     out = []
     for i in range(count):
-        hidden = rng.standard_normal((1, c.hidden_size), dtype=np.float32)  # [1, H]
+        hidden = rng.standard_normal((1, c.expert_hidden), dtype=np.float32)  # [1, H]
         ids = rng.choice(c.n_experts, size=(1, c.top_k), replace=False)  # [1, k]
         weights = np.full((1, c.top_k), 1.0 / c.top_k, np.float32)  # [1, k]
         out.append((c.moe_layers[i % len(c.moe_layers)], hidden, ids, weights))

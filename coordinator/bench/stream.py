@@ -44,7 +44,7 @@ from moe.units import fmt_bytes, parse_size
 log = logging.getLogger(__name__)
 
 
-def no_ffn(record, fmt, hidden, inter, x) -> np.ndarray:
+def no_ffn(record, fmt, hidden, inter, x, glu=None) -> np.ndarray:
     """--io-only: the expert contributes nothing (its record is still read and checked)."""
     return np.zeros_like(x)  # [n, H]
 
@@ -84,7 +84,7 @@ class NaiveExperts(ExpertsBase):
             t0 = time.perf_counter()
             parts.update(
                 run_experts(self.buf, {e: 0}, s.fmt, s.hidden, s.inter, hidden, ids, weights,
-                            self.kernels)
+                            self.kernels, s.glu)
             )  # fmt: skip
             st.compute_s += time.perf_counter() - t0
             self.counts[(layer, e)] += len(parts[e][0])

@@ -80,16 +80,32 @@ def cmd_inspect(args) -> int:
 
 
 def add_synth(sub) -> None:
-    from moe.convert.synth import PRESETS
+    from moe.convert.synth import ALL_PRESETS
 
     p = sub.add_parser("synth", help="write a large random-weight model (streaming benchmarks)")
     p.add_argument("out", help="model directory to create")
     p.add_argument(
         "--preset",
-        choices=sorted(PRESETS),
+        choices=ALL_PRESETS,
         default="k3-mini",
-        help="geometry (moe/convert/synth.py)",
+        help="geometry (moe/convert/synth.py, synth_k3.py): k3, k3-mini and k3-full are Kimi "
+        "K3 (LatentMoE, MXFP4 experts); k3-shaped and tiny are Qwen3-MoE",
     )
+    p.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="K3 presets: write a checkpoint in Kimi K3's released layout (safetensors, "
+        "nested config, MXFP4 experts, tiktoken) for `moeshard convert`, not a model directory",
+    )
+    for flag, what in (
+        ("--layers", "layers"),
+        ("--experts", "routed experts per layer"),
+        ("--top-k", "experts per token"),
+        ("--hidden", "hidden size"),
+        ("--latent", "latent (routed expert) width, a multiple of 32"),
+        ("--inter", "expert intermediate size, a multiple of 32"),
+    ):
+        p.add_argument(flag, type=int, metavar="N", help=f"K3 presets: {what}")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument(
         "--force",
@@ -102,10 +118,13 @@ def add_synth(sub) -> None:
 def cmd_synth(args) -> int:
     from moe.convert.synth import synth
 
-    s = synth(args.out, args.preset, args.force, args.seed)
+    sizes = {"layers": args.layers, "n_experts": args.experts, "top_k": args.top_k}
+    sizes |= {"hidden": args.hidden, "latent": args.latent, "inter": args.inter}
+    s = synth(args.out, args.preset, args.force, args.seed, args.checkpoint, **sizes)
+    made = "checkpoint (convert it)" if s["id"] is None else f"model id {s['id'][:16]}"
     print(
         f"synth {args.preset} -> {args.out}: {s['bytes'] / 1e9:.2f} GB in {s['seconds']:.1f} s "
-        f"({s['gb_per_s']:.2f} GB/s); model id {s['id'][:16]}"
+        f"({s['gb_per_s']:.2f} GB/s); {made}"
     )
     return EXIT_OK
 

@@ -58,7 +58,7 @@ def cluster_report(
 ) -> dict:
     """What `moeshard cluster --json` prints: the nodes (with what `reputation` knows of each
     id), the ignored addresses, the coverage (experts with 0, 1, >=2 live replicas)."""
-    remote = RemoteExperts(model.model_id, model.config.hidden_size, specs, config)
+    remote = RemoteExperts(model.model_id, model.config.expert_hidden, specs, config)
     try:
         nodes = []
         for peer in remote.peers.peers:

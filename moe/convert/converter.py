@@ -71,6 +71,7 @@ _ALWAYS_F32 = (
     ".bias",
     "mlp.gate.weight",
     "block_sparse_moe.gate.weight",  # Kimi Linear's router
+    "_res_proj.weight",  # Kimi K3's attention-residual scores ([1, H])
     "shared_expert_gate",
 )
 
@@ -87,8 +88,16 @@ class Plan:
     mxfp4_experts: bool = False  # experts published as compressed-tensors MXFP4 (`mxfp4`)
 
 
+def quantization_config(raw: dict) -> dict:
+    """config.json's quantization_config: top level, or (Kimi K3) in its text_config."""
+    text = raw.get("text_config")
+    nested = text.get("quantization_config") if isinstance(text, dict) else None
+    return raw.get("quantization_config") or nested or {}
+
+
 def plan_conversion(config, family, ckpt: Checkpoint, quantization: dict) -> Plan:
     """Sort every checkpoint tensor into trunk / expert / skipped; check nothing is missing."""
+    skip_reason = getattr(family, "skip_reason", lambda name: None)
     block = quantization.get("weight_block_size") or (128, 128)
     plan = Plan(fp8_block=(int(block[0]), int(block[1])))
     wanted = config.trunk_shapes()
@@ -99,25 +108,25 @@ def plan_conversion(config, family, ckpt: Checkpoint, quantization: dict) -> Pla
             continue  # fp8 scales travel with their weight
         if name.endswith(mxfp4.SCALE) and name[: -len(mxfp4.SCALE)] + mxfp4.PACKED in names:
             continue  # MXFP4 scales travel with their codes
-        m = _LAYER.match(name)
+        canonical = family.canonical_name(name)
+        m = _LAYER.match(canonical)
         if m and int(m.group(1)) >= config.num_hidden_layers:
             plan.skipped[name] = "layer beyond num_hidden_layers (e.g. multi-token prediction)"
             continue
-        if (m := _PER_EXPERT.match(name)) is not None:
+        if (m := _PER_EXPERT.match(canonical)) is not None:
             layer, expert, proj = int(m.group(1)), int(m.group(2)), _PROJ.get(m[3], m[3])
             plan.per_expert[(layer, expert, proj)] = name
             plan.mxfp4_experts |= name.endswith(mxfp4.PACKED)
             continue
-        if (m := _STACKED.match(name)) is not None:
+        if (m := _STACKED.match(canonical)) is not None:
             plan.stacked[(int(m.group(1)), m.group(2))] = name
             continue
-        canonical = family.canonical_name(name)
         if canonical in wanted:
             plan.trunk[canonical] = name
-        elif name == "lm_head.weight" and config.tie_word_embeddings:
+        elif canonical == "lm_head.weight" and config.tie_word_embeddings:
             plan.skipped[name] = "tied to the embeddings"
         else:
-            plan.skipped[name] = "not used by inference"
+            plan.skipped[name] = skip_reason(name) or "not used by inference"
     source = ckpt.directory
     if plan.mxfp4_experts:
         mxfp4.check_scheme(quantization, f"{source / 'config.json'}")
@@ -138,7 +147,7 @@ def plan_conversion(config, family, ckpt: Checkpoint, quantization: dict) -> Pla
 def expert_shapes(config, plan: Plan, ckpt: Checkpoint, layer, expert, check_only=False):
     """Check (or load) expert `expert` of `layer`: returns gate, up [I, H], down [H, I], each
     float32, or a `mxfp4.PackedMxfp4` where the checkpoint publishes them so."""
-    h, inter = config.hidden_size, config.expert_intermediate
+    h, inter = config.expert_hidden, config.expert_intermediate
     want = {"gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
     out = {}
     for proj, shape in want.items():
@@ -320,7 +329,7 @@ def convert(
     bar = progress if isinstance(progress, Progress) else Progress("convert") if progress else None
     try:
         with staged(out, out.parent / f".{out.name}.tmp-convert") as tmp:
-            plan = plan_conversion(config, family, ckpt, raw.get("quantization_config") or {})
+            plan = plan_conversion(config, family, ckpt, quantization_config(raw))
             if expert_format is None:
                 expert_format = "mxfp4" if plan.mxfp4_experts else DEFAULT_EXPERT_FORMAT
             _check_block_dims(config, expert_format, src)
@@ -333,7 +342,8 @@ def convert(
 
 def _check_block_dims(config, expert_format: str, src: Path) -> None:
     if expert_format in quant.BLOCK_FORMATS:
-        for dim, what in ((config.hidden_size, "hidden_size"), (config.expert_intermediate, "moe")):
+        width = "hidden_size" if config.expert_hidden == config.hidden_size else "expert width"
+        for dim, what in ((config.expert_hidden, width), (config.expert_intermediate, "moe")):
             if dim % 32:
                 raise ConfigError(
                     f"{src / 'config.json'}: {what} {dim} is not a multiple of 32, so experts "
@@ -367,7 +377,7 @@ def _write_files(
         trunk.declare(name, trunk_format(name, shapes[name], trunk_fmt), shapes[name])
 
     record_bytes = quant.expert_record_nbytes(
-        expert_format, config.hidden_size, config.expert_intermediate
+        expert_format, config.expert_hidden, config.expert_intermediate
     )
     shards: list[ShardWriter] = []
     shard_files: list[str] = []
@@ -381,7 +391,7 @@ def _write_files(
                 ShardWriter(
                     tmp / shard_files[-1],
                     expert_format,
-                    config.hidden_size,
+                    config.expert_hidden,
                     config.expert_intermediate,
                     config.model_type,
                 )
@@ -447,6 +457,7 @@ def _write_files(
         "trunk_file": TRUNK_FILE,
         "expert_files": shard_files,
         "hidden_size": config.hidden_size,
+        "expert_hidden": config.expert_hidden,
         "expert_intermediate": config.expert_intermediate,
         "n_experts": config.n_experts,
         "moe_layers": list(config.moe_layers),

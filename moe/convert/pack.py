@@ -65,7 +65,7 @@ def _write_packed(src: Path, model: ModelDir, order, trace: Trace, dst: Path) ->
     writer = ShardWriter(
         dst / PACKED_SHARD,
         model.expert_format,
-        c.hidden_size,
+        c.expert_hidden,
         c.expert_intermediate,
         c.model_type,
     )

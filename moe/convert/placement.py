@@ -87,7 +87,7 @@ def _write_node_files(model: ModelDir, keys, out: Path, closing: ExitStack) -> i
                     ShardWriter(
                         out / files[-1],
                         model.expert_format,
-                        c.hidden_size,
+                        c.expert_hidden,
                         c.expert_intermediate,
                         c.model_type,
                     ),

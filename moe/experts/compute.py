@@ -23,6 +23,7 @@ from moe.kernels import quant
 class ExpertKernels:
     """The kernels an expert runs on (`bench stream --io-only` swaps in no-ops)."""
 
+    # each also takes the gated unit (`quant.Glu`) last
     # (record uint8 [nbytes], fmt, H, I, x [n, H]) -> [n, H]: one expert on its rows
     one: Callable = quant.expert_ffn
     # (arena, offsets [m], fmt, H, I, x [m, H]) -> [m, H]: m experts on one row each, one call
@@ -49,6 +50,7 @@ def run_experts(
     ids: np.ndarray,
     weights: np.ndarray,
     kernels: ExpertKernels = KERNELS,
+    glu: quant.Glu = quant.SWIGLU,
 ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Run every expert in `offsets` (expert -> byte offset of its record in `arena`) on the
     rows routed to it: hidden [T, H], ids/weights [T, k] -> {expert: (rows [n], weighted
@@ -63,7 +65,7 @@ def run_experts(
     if kernels.batch1 is not None and hidden.shape[0] == 1 and len(experts) > 1:
         x = np.repeat(hidden, len(experts), axis=0)  # [m, H]: the decode row once per expert
         starts = np.asarray([offsets[e] for e in experts], dtype=np.int64)  # [m]
-        y = kernels.batch1(arena, starts, fmt, hidden_size, inter, x)  # [m, H]
+        y = kernels.batch1(arena, starts, fmt, hidden_size, inter, x, glu)  # [m, H]
         for i, e in enumerate(experts):
             rows, slots = routed_rows(ids, e)  # [1], [1]
             out[e] = (rows, y[i : i + 1] * weights[rows, slots][:, None])  # [1, H]
@@ -71,7 +73,7 @@ def run_experts(
     for e in experts:
         rows, slots = routed_rows(ids, e)  # [n], [n]
         record = arena[offsets[e] : offsets[e] + nbytes]  # uint8 [nbytes]
-        y = kernels.one(record, fmt, hidden_size, inter, hidden[rows])  # [n, H]
+        y = kernels.one(record, fmt, hidden_size, inter, hidden[rows], glu)  # [n, H]
         out[e] = (rows, y * weights[rows, slots][:, None])  # [n, H]
     return out
 
@@ -87,6 +89,7 @@ def decode_weighted_sum(
     weights: np.ndarray,
     dtype,
     kernels: ExpertKernels = KERNELS,
+    glu: quant.Glu = quant.SWIGLU,
 ) -> np.ndarray | None:
     """`weighted_sum(run_experts(...))` of one decode row in one kernel call, the same bits:
     hidden [1, H], ids/weights [1, k] -> [1, H] of `dtype`.  None where it does not apply
@@ -102,7 +105,7 @@ def decode_weighted_sum(
         return None
     starts = [offset_of(e) for e in experts]  # [m]
     w = [v for _, v in pairs]  # [m], exact in float32: they were float32
-    total = kernels.batch1_sum(arena, starts, fmt, hidden_size, inter, hidden, w)  # f64 [H]
+    total = kernels.batch1_sum(arena, starts, fmt, hidden_size, inter, hidden, w, glu)  # [H]
     return total.astype(dtype, copy=False)[None]  # [1, H]
 
 

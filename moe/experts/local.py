@@ -68,14 +68,14 @@ class LocalExperts(ExpertsBase):
             self._arena(layer)
             out = decode_weighted_sum(
                 self.readonly[layer], lambda e: self.offset(layer, e), s.fmt, s.hidden,
-                s.inter, hidden, ids, weights, dtype, self.kernels,
+                s.inter, hidden, ids, weights, dtype, self.kernels, s.glu,
             )  # fmt: skip
             if out is not None:
                 return out
         offsets = {int(e): self.offset(layer, int(e)) for e in np.unique(ids[ids >= 0])}
         parts = run_experts(
             self.arenas[layer], offsets, s.fmt, s.hidden, s.inter, hidden, ids, weights,
-            self.kernels,
+            self.kernels, s.glu,
         )  # fmt: skip
         return weighted_sum(parts, hidden.shape, dtype)
 

@@ -63,6 +63,7 @@ class ExpertStore(ExpertsBase):
     ):
         self.shards, self.kernels, self.on_layer = shards, kernels, on_layer
         self.fmt, self.hidden, self.inter = shards.fmt, shards.hidden, shards.inter
+        self.glu = shards.glu
         self.record_nbytes = shards.record_nbytes
         self.slot_bytes = align_up(self.record_nbytes)
         self.prefetch_slots = top_k if prefetch_slots is None else prefetch_slots
@@ -289,6 +290,7 @@ class ExpertStore(ExpertsBase):
                 ids,
                 weights,
                 self.kernels,
+                self.glu,
             )
         )
         self.stats_.compute_s += time.perf_counter() - t0

@@ -28,7 +28,7 @@ Each of them performs the same operations, in the same order, for every (activat
 weight row) pair whatever else is in the batch and however rows are split across threads, and
 without fast-math flags, so a row's result is the same bits in any batch and on any CPU (the
 modules define their arithmetic; tests/test_kernel_determinism.py pins it).  The expert FFN's
-silu uses libm's exp (float64, then rounded to float32).
+gated unit (silu, or K3's SiTU) uses libm's exp and tanh (float64, then rounded to float32).
 """
 
 import numpy as np
@@ -104,13 +104,20 @@ def _item(it, rows):
 
 
 @njit(cache=True, nogil=True)
-def _silu_mul(g, u):
-    """silu(g) * u elementwise, float32 [b, inter] (computed in float64)."""
+def _glu_mul(g, u, glu):
+    """The gated unit elementwise, float32 [b, inter] (computed in float64): glu = (kind,
+    beta, linear_beta); kind 0 is SwiGLU, silu(g) * u; kind 1 is Kimi K3's SiTU-GLU,
+    [beta tanh(g / beta) sigmoid(g)] * [linear_beta tanh(u / linear_beta)]."""
+    kind, beta, linear_beta = glu
     h = np.empty_like(g)  # [b, inter]
     for i in range(g.shape[0]):
         for j in range(g.shape[1]):
-            gv = np.float64(g[i, j])
-            h[i, j] = gv / (1.0 + np.exp(-gv)) * np.float64(u[i, j])
+            gv, uv = np.float64(g[i, j]), np.float64(u[i, j])
+            if kind == 1:
+                gate = beta * np.tanh(gv / beta) / (1.0 + np.exp(-gv))
+                h[i, j] = gate * (linear_beta * np.tanh(uv / linear_beta))
+            else:
+                h[i, j] = gv / (1.0 + np.exp(-gv)) * uv
     return h
 
 
@@ -150,8 +157,8 @@ def _expert_views(fmt, record, hidden, inter, layout):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def expert_ffn_kernel(fmt, int8, record, hidden, inter, layout, lut, x):
-    """(silu(x @ gate.T) * (x @ up.T)) @ down.T for x float32 [b, hidden] -> [b, hidden].
+def expert_ffn_kernel(fmt, int8, record, hidden, inter, layout, lut, x, glu):
+    """glu(x @ gate.T, x @ up.T) @ down.T for x float32 [b, hidden] -> [b, hidden] (`_glu_mul`).
 
     layout = (gate/up matrix bytes, their row bytes, their scale offset, down row bytes,
     down scale offset), as computed by `moe.quant`.  Gate and up rows share one parallel
@@ -170,7 +177,7 @@ def expert_ffn_kernel(fmt, int8, record, hidden, inter, layout, lut, x):
         else:
             r0, r1 = _item(it - n_items, inter)
             _rows(fmt, uq, us, lut, x, act, u, r0, r1)
-    h = _silu_mul(g, u)  # [b, inter]
+    h = _glu_mul(g, u, glu)  # [b, inter]
     h_act = _activations(fmt, int8, h)
     y = np.empty((b, hidden), dtype=np.float32)  # [b, hidden]
     for it in prange((hidden + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
@@ -180,7 +187,7 @@ def expert_ffn_kernel(fmt, int8, record, hidden, inter, layout, lut, x):
 
 
 @njit(cache=True, nogil=True)
-def _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, act, y):
+def _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, act, y, glu):
     """One expert on the calling thread, batch 1: x float32 [1, hidden] -> y [hidden]; act
     is `_activations(fmt, int8, x)` (made once for all the experts of a row)."""
     gq, gs, uq, us, dq, ds = _expert_views(fmt, record, hidden, inter, layout)
@@ -188,14 +195,14 @@ def _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, act, y):
     u = np.empty((1, inter), dtype=np.float32)  # [1, inter]
     _rows(fmt, gq, gs, lut, x, act, g, 0, inter)
     _rows(fmt, uq, us, lut, x, act, u, 0, inter)
-    h = _silu_mul(g, u)  # [1, inter]
+    h = _glu_mul(g, u, glu)  # [1, inter]
     out = np.empty((1, hidden), dtype=np.float32)  # [1, hidden]
     _rows(fmt, dq, ds, lut, h, _activations(fmt, int8, h), out, 0, hidden)
     y[:] = out[0]
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def experts_b1_kernel(fmt, int8, arena, offsets, nbytes, hidden, inter, layout, lut, x):
+def experts_b1_kernel(fmt, int8, arena, offsets, nbytes, hidden, inter, layout, lut, x, glu):
     """Several experts at batch 1 in one parallel region: expert e is the record at
     arena[offsets[e] : offsets[e] + nbytes], applied to x[e] (float32 [m, hidden]) -> [m, hidden].
 
@@ -210,12 +217,12 @@ def experts_b1_kernel(fmt, int8, arena, offsets, nbytes, hidden, inter, layout, 
         record = arena[offsets[e] : offsets[e] + nbytes]
         xe = x[e : e + 1]
         act = _activations(fmt, int8, xe)
-        _expert_b1(fmt, int8, record, hidden, inter, layout, lut, xe, act, y[e])
+        _expert_b1(fmt, int8, record, hidden, inter, layout, lut, xe, act, y[e], glu)
     return y
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def experts_b1_sum_kernel(fmt, int8, arena, offsets, nbytes, hidden, inter, layout, lut, x, w):
+def experts_b1_sum_kernel(fmt, int8, arena, offsets, nbytes, hidden, inter, layout, lut, x, w, glu):
     """The weighted sum of several experts on one decode row: sum_e w[e] * expert_e(x[0]) for
     x float32 [1, hidden], the record of expert e at arena[offsets[e]:][:nbytes] and w float32
     [m] -> float64 [hidden].
@@ -230,13 +237,13 @@ def experts_b1_sum_kernel(fmt, int8, arena, offsets, nbytes, hidden, inter, layo
     act = _activations(fmt, int8, x)  # x quantised once for every expert
     for e in prange(m):
         record = arena[offsets[e] : offsets[e] + nbytes]
-        _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, act, y[e])
+        _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, act, y[e], glu)
     return _weighted_total(y, w)
 
 
 @njit(cache=True, nogil=True)
 def experts_b1_sum_serial_kernel(
-    fmt, int8, arena, offsets, nbytes, hidden, inter, layout, lut, x, w
+    fmt, int8, arena, offsets, nbytes, hidden, inter, layout, lut, x, w, glu
 ):
     """`experts_b1_sum_kernel` on the calling thread (the same bits), for small experts."""
     m = offsets.shape[0]
@@ -244,7 +251,7 @@ def experts_b1_sum_serial_kernel(
     act = _activations(fmt, int8, x)
     for e in range(m):
         record = arena[offsets[e] : offsets[e] + nbytes]
-        _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, act, y[e])
+        _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, act, y[e], glu)
     return _weighted_total(y, w)
 
 

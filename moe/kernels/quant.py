@@ -31,6 +31,7 @@ each a matrix in the layout above, back to back (each starts at a multiple of 64
 
 import functools
 import time
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -57,6 +58,42 @@ _FMT_CODE = {
 }
 QK = dots.QK
 ALIGN = 64
+
+
+class Glu(NamedTuple):
+    """An expert's gated unit between its up and down halves: kind 0 is SwiGLU,
+    silu(gate) * up (every family but Kimi K3); kind 1 is K3's SiTU-GLU,
+    [beta tanh(gate / beta) sigmoid(gate)] * [linear_beta tanh(up / linear_beta)]."""
+
+    kind: int
+    beta: float = 0.0
+    linear_beta: float = 0.0
+
+
+SWIGLU = Glu(0)
+
+
+def situ(beta: float, linear_beta: float) -> Glu:
+    """Kimi K3's SiTU-GLU with the config's activation_situ_beta and _linear_beta."""
+    if not (beta > 0 and linear_beta > 0):
+        raise ValueError(f"SiTU betas must be positive, not {beta} and {linear_beta}")
+    return Glu(1, float(beta), float(linear_beta))
+
+
+def _glu(glu: Glu) -> tuple[int, float, float]:
+    return int(glu.kind), float(glu.beta), float(glu.linear_beta)
+
+
+def glu_reference(g: np.ndarray, u: np.ndarray, glu: Glu = SWIGLU) -> np.ndarray:
+    """The gated unit in float64 (numpy), as the kernels compute it before rounding."""
+    g, u = np.asarray(g, dtype=np.float64), np.asarray(u, dtype=np.float64)
+    with np.errstate(over="ignore"):  # exp(-g) -> inf for very negative g: silu -> -0
+        if glu.kind == 1:
+            b, lb = glu.beta, glu.linear_beta
+            return b * np.tanh(g / b) / (1.0 + np.exp(-g)) * (lb * np.tanh(u / lb))
+        return g / (1.0 + np.exp(-g)) * u
+
+
 _F32 = np.dtype(np.float32)
 # Below this many weights a matrix is computed on one thread: waking the pool costs more.
 PARALLEL_MIN_WEIGHTS = 1 << 19
@@ -390,8 +427,10 @@ def _expert_layout(fmt: str, hidden: int, inter: int) -> tuple[int, tuple[int, .
     return 2 * n_gu + n_d, (n_gu, rb_gu, s_gu, rb_d, s_d)
 
 
-def expert_ffn(record: np.ndarray, fmt: str, hidden: int, inter: int, x: np.ndarray) -> np.ndarray:
-    """x float32 [b, hidden] -> [b, hidden] = (silu(x@gate.T) * (x@up.T)) @ down.T.
+def expert_ffn(
+    record: np.ndarray, fmt: str, hidden: int, inter: int, x: np.ndarray, glu: Glu = SWIGLU
+) -> np.ndarray:
+    """x float32 [b, hidden] -> [b, hidden] = glu(x@gate.T, x@up.T) @ down.T (`Glu`).
 
     One kernel call on the packed record; the intermediate [b, inter] stays float32.
     """
@@ -399,11 +438,11 @@ def expert_ffn(record: np.ndarray, fmt: str, hidden: int, inter: int, x: np.ndar
     _check_buffer(record, nbytes, f"{fmt} expert record (hidden={hidden}, inter={inter})")
     x = _check_x(x, hidden)
     args = (_FMT_CODE[fmt], _int8(), _readonly(record), hidden, inter, layout, dots.F16_LUT, x)
-    return _run(entry.expert_ffn_kernel, inter * hidden, *args)
+    return _run(entry.expert_ffn_kernel, inter * hidden, *args, _glu(glu))
 
 
 def experts_ffn_b1(
-    arena: np.ndarray, offsets, fmt: str, hidden: int, inter: int, x: np.ndarray
+    arena: np.ndarray, offsets, fmt: str, hidden: int, inter: int, x: np.ndarray, glu=SWIGLU
 ) -> np.ndarray:
     """`expert_ffn` for m experts at batch 1 in one kernel call: expert e is the record at
     arena[offsets[e]:][:record bytes], applied to x[e] (float32 [m, hidden]) -> [m, hidden].
@@ -419,11 +458,12 @@ def experts_ffn_b1(
         raise ValueError(f"x has {x.shape[0]} rows for {offsets.shape[0]} experts")
     args = (_FMT_CODE[fmt], _int8(), _readonly(arena), _readonly(offsets), nbytes, hidden, inter)
     args += (layout,)
-    return _run(entry.experts_b1_kernel, offsets.size * inter * hidden, *args, dots.F16_LUT, x)
+    n_weights = offsets.size * inter * hidden
+    return _run(entry.experts_b1_kernel, n_weights, *args, dots.F16_LUT, x, _glu(glu))
 
 
 def experts_ffn_b1_sum(
-    arena: np.ndarray, offsets: np.ndarray, fmt: str, hidden: int, inter: int, x, w
+    arena: np.ndarray, offsets: np.ndarray, fmt: str, hidden: int, inter: int, x, w, glu=SWIGLU
 ) -> np.ndarray:
     """sum_e w[e] * expert_e(x) for one row x float32 [1, hidden], expert e the record at
     arena[offsets[e]:] and w float32 [m] -> float64 [hidden]: each weighted output rounded to
@@ -441,7 +481,7 @@ def experts_ffn_b1_sum(
     if x.shape[0] != 1 or w.shape != offsets.shape:
         raise ValueError(f"want one row and one weight per expert, got x {x.shape}, w {w.shape}")
     args = (_FMT_CODE[fmt], _int8(), _readonly(arena), _readonly(offsets), nbytes, hidden, inter)
-    args += (layout, dots.F16_LUT, x, _readonly(w))
+    args += (layout, dots.F16_LUT, x, _readonly(w), _glu(glu))
     n_weights = offsets.size * inter * hidden
     return _run(
         entry.experts_b1_sum_kernel, n_weights, *args, serial=entry.experts_b1_sum_serial_kernel
@@ -463,11 +503,12 @@ def warmup() -> float:
     code, lut, int8 = dots.FMT_Q4_0, dots.F16_LUT, _int8()
     entry.matmul_kernel(code, int8, rec[:n_gu], inter, hidden, rb_gu, s_gu, lut, x)
     entry.matmul_serial_kernel(code, int8, rec[:n_gu], inter, hidden, rb_gu, s_gu, lut, x)
-    entry.expert_ffn_kernel(code, int8, rec, hidden, inter, layout, lut, x)  # starts the pool
+    glu = _glu(SWIGLU)
+    entry.expert_ffn_kernel(code, int8, rec, hidden, inter, layout, lut, x, glu)  # starts the pool
     offsets = _readonly(np.zeros(2, dtype=np.int64))
-    entry.experts_b1_kernel(code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x)
+    entry.experts_b1_kernel(code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x, glu)
     w = _readonly(np.ones(2, dtype=np.float32))
-    sum_args = (code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x[:1], w)
+    sum_args = (code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x[:1], w, glu)
     entry.experts_b1_sum_kernel(*sum_args)
     entry.experts_b1_sum_serial_kernel(*sum_args)
     return time.perf_counter() - t0
@@ -497,13 +538,12 @@ def matmul_reference(data: np.ndarray, fmt: str, rows: int, cols: int, x: np.nda
 
 
 def expert_ffn_reference(
-    record: np.ndarray, fmt: str, hidden: int, inter: int, x: np.ndarray
+    record: np.ndarray, fmt: str, hidden: int, inter: int, x: np.ndarray, glu: Glu = SWIGLU
 ) -> np.ndarray:
     """Float64 twin of `expert_ffn`; the [b, inter] activation is rounded to float32 between
     the two halves exactly like the kernel does."""
     n_gu = packed_nbytes(fmt, inter, hidden)
     g = matmul_reference(record[:n_gu], fmt, inter, hidden, x)  # [b, inter]
     u = matmul_reference(record[n_gu : 2 * n_gu], fmt, inter, hidden, x)  # [b, inter]
-    with np.errstate(over="ignore"):  # exp(-g) -> inf for very negative g gives silu -> -0
-        h = (g / (1.0 + np.exp(-g)) * u).astype(np.float32)  # [b, inter]
+    h = glu_reference(g, u, glu).astype(np.float32)  # [b, inter]
     return matmul_reference(record[2 * n_gu :], fmt, hidden, inter, h)  # [b, hidden]

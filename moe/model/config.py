@@ -189,7 +189,14 @@ BOOL_FIELDS = (
     "moe_renormalize",
 )
 STR_FIELDS = ("model_type", "scoring_func")
-DICT_FIELDS = ("rope_scaling", "rope_parameters", "quantization_config", "linear_attn_config")
+DICT_FIELDS = (
+    "rope_scaling",
+    "rope_parameters",
+    "quantization_config",
+    "linear_attn_config",
+    "text_config",
+    "vision_config",
+)
 
 
 def _shown(value: Any) -> str:

@@ -29,6 +29,7 @@ import numpy as np
 
 from moe.errors import ConfigError
 from moe.experts.backend import ExpertsBackend
+from moe.kernels import quant
 from moe.model.config import RopeConfig, decoder_shapes, parse_rope, require, yarn_mscale
 from moe.model.layers import (
     apply_rope,
@@ -76,6 +77,16 @@ class Config:
     first_k_dense_replace: int
     max_position_embeddings: int = 4096
     eos_token_id: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def expert_glu(self) -> quant.Glu:
+        """The routed experts' gated unit: SwiGLU."""
+        return quant.SWIGLU
+
+    @property
+    def expert_hidden(self) -> int:
+        """The width of the rows routed experts take and return (the hidden size here)."""
+        return self.hidden_size
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -298,7 +309,12 @@ class Transformer:
         context = np.matmul(probs, lat_all)  # [heads, T, rank]
         out = np.matmul(context, w_uv_t)  # [heads, T, v]
         out = out.transpose(1, 0, 2).reshape(t, heads * c.v_head_dim)  # [T, heads * v]
-        return w.linear(a + "o_proj")(out)  # [T, H]
+        return self.attention_output(i, h, out)  # [T, H]
+
+    def attention_output(self, i: int, h: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """The heads' outputs out [T, heads * v] back to the hidden size [T, H] (o_proj; Kimi
+        K3 gates them first).  h [T, H] is the attention's input."""
+        return self.trunk.linear(f"model.layers.{i}.self_attn.o_proj")(out)  # [T, H]
 
     def route(self, i: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Grouped sigmoid router of layer i: h [T, H] -> expert ids [T, k], weights [T, k]."""

@@ -7,13 +7,14 @@ from pathlib import Path
 from types import ModuleType
 
 from moe.errors import ConfigError
-from moe.model import deepseek_v3, kimi_linear, qwen_moe
+from moe.model import deepseek_v3, kimi_k3, kimi_linear, qwen_moe
 from moe.model.config import read_json
 
 FAMILIES: dict[str, ModuleType] = {
     **{t: deepseek_v3 for t in deepseek_v3.MODEL_TYPES},
     **{t: qwen_moe for t in qwen_moe.MODEL_TYPES},
     **{t: kimi_linear for t in kimi_linear.MODEL_TYPES},
+    **{t: kimi_k3 for t in kimi_k3.MODEL_TYPES},
 }
 
 

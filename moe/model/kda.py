@@ -8,18 +8,18 @@ token x [H] (transformers' kimi_linear `KimiLinearDeltaAttention`, which
 1. ``q, k, v`` = a causal depthwise convolution (width `kernel`) over the token's and the
    previous tokens' projections ``[Wq x, Wk x, Wv x]``, then SiLU; split into heads of `dk`;
 2. q and k L2-normalised per head (``x / sqrt(sum x^2 + 1e-6)``), q scaled by dk^-1/2;
-3. the log-decay gate, per head and key channel: ``g = -exp(A_log) * softplus(Wfb Wfa x +
-   dt_bias)``; the write strength per head: ``beta = sigmoid(Wb x)``;
+3. the log-decay gate, per head and key channel, from ``f = Wfb Wfa x + dt_bias``: Kimi
+   Linear's ``g = -exp(A_log) * softplus(f)``, or with a lower bound (Kimi K3's
+   `gate_lower_bound`, -5) ``g = lower_bound * sigmoid(exp(A_log) * f)``, which keeps every
+   decay in (exp(lower_bound), 1); the write strength per head: ``beta = sigmoid(Wb x)``;
 4. the delta rule: ``S = S * exp(g)`` (row c of S scaled by channel c's decay), then
    ``S = S + k (beta (v - k^T S))^T``; the head's output ``o = q^T S`` [dv];
-5. ``o`` RMS-normalised per head (weight `o_norm`), times ``sigmoid(Wgb Wga x)``, then
-   ``Wo`` back to H.
+5. ``o`` RMS-normalised per head (weight `o_norm`), times ``sigmoid(G x)``, then ``Wo`` back
+   to H; G is low-rank ``Wgb Wga`` in Kimi Linear, one full-rank ``g_proj`` in Kimi K3.
 
-Everything runs in float32, as transformers does.  (Kimi K3 changes step 3's gate to
-``-5 * sigmoid(...)`` with a lower bound and the output gate to a full-rank projection;
-those land with the K3 family.)  Prefill runs the same recurrence token by token: transformers'
-chunked form gives the same values (within float rounding), and the recurrence is what
-decoding needs anyway.
+Everything runs in float32, as transformers does.  Prefill runs the same recurrence token by
+token: transformers' chunked form gives the same values (within float rounding), and the
+recurrence is what decoding needs anyway.
 """
 
 from __future__ import annotations
@@ -40,11 +40,9 @@ class KdaWeights:
     q: Projection  # H -> heads * dk
     k: Projection  # H -> heads * dk
     v: Projection  # H -> heads * dv
-    f_a: Projection  # H -> dk (the forget gate's low rank)
-    f_b: Projection  # dk -> heads * dk
+    f: Projection  # H -> heads * dk: the forget gate's input (Wfb Wfa: through rank dk)
     b: Projection  # H -> heads
-    g_a: Projection  # H -> dk (the output gate's low rank)
-    g_b: Projection  # dk -> heads * dv
+    g: Projection  # H -> heads * dv: the output gate's input (low rank or full)
     o: Projection  # heads * dv -> H
     conv: np.ndarray  # [3 * heads * dk, kernel]: q, k, v channels' taps, oldest first
     dt_bias: np.ndarray  # [heads * dk]
@@ -52,6 +50,7 @@ class KdaWeights:
     o_norm: np.ndarray  # [dv]
     heads: int
     eps: float  # o_norm's
+    lower_bound: float | None = None  # K3's bounded gate; None: Kimi Linear's softplus gate
 
     @property
     def head_dim(self) -> int:
@@ -66,6 +65,11 @@ class KdaWeights:
         """A projection by a float32 [out, in] array."""
         wt = np.ascontiguousarray(w.T)
         return lambda x: x @ wt
+
+    @staticmethod
+    def chain(first: Projection, second: Projection) -> Projection:
+        """A low-rank projection: `second` after `first`."""
+        return lambda x: second(first(x))
 
 
 @dataclass
@@ -115,8 +119,12 @@ def kda_forward(w: KdaWeights, x: np.ndarray, state: KdaState) -> np.ndarray:
     q, k, v = (conv[:, i * h * d : (i + 1) * h * d].reshape(t_n, h, d) for i in range(3))
     q = _l2norm(q) * np.float32(d**-0.5)  # [T, h, d]
     k = _l2norm(k)  # [T, h, d]
-    gate_in = w.f_b(w.f_a(x)) + w.dt_bias  # [T, h * d]
-    g = -np.exp(w.a_log)[None, :, None] * _softplus(gate_in).reshape(t_n, h, d)  # [T, h, d]
+    gate_in = (w.f(x) + w.dt_bias).reshape(t_n, h, d)  # [T, h, d]
+    rate = np.exp(w.a_log)[None, :, None]  # [1, h, 1]
+    if w.lower_bound is None:
+        g = -rate * _softplus(gate_in)  # [T, h, d]
+    else:
+        g = np.float32(w.lower_bound) * _sigmoid(rate * gate_in)  # [T, h, d]
     beta = _sigmoid(w.b(x))  # [T, h]
     out = np.empty((t_n, h, d), dtype=np.float32)  # [T, h, dv]
     s = state.s  # [h, dk, dv]
@@ -129,5 +137,5 @@ def kda_forward(w: KdaWeights, x: np.ndarray, state: KdaState) -> np.ndarray:
     state.s = s.astype(np.float32, copy=False)
     variance = (out * out).mean(axis=-1, keepdims=True)  # [T, h, 1]
     normed = out / np.sqrt(variance + np.float32(w.eps)) * w.o_norm
-    gate = w.g_b(w.g_a(x)).reshape(t_n, h, d)  # [T, h, dv]
+    gate = w.g(x).reshape(t_n, h, d)  # [T, h, dv]
     return w.o(np.ascontiguousarray((normed * _sigmoid(gate)).reshape(t_n, h * d)))  # [T, H]

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from moe.errors import ConfigError
+from moe.kernels import quant
 from moe.model import deepseek_v3
 from moe.model.config import check_int, decoder_shapes, require
 from moe.model.kda import KdaState, KdaWeights, kda_forward
@@ -38,6 +39,45 @@ def _require_any(raw: dict[str, Any], names: tuple[str, ...], source: str) -> An
         if raw.get(name) is not None:
             return raw[name]
     return require(raw, names[0], source)
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """`linear_attn_config`: which layers are KDA (zero-based here; one-based in the file, with
+    `full_attn_layers` naming the MLA ones) and the KDA sizes."""
+
+    layers: tuple[int, ...]
+    heads: int
+    head_dim: int
+    kernel: int
+    raw: dict[str, Any]
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], layers: int, source: str) -> LinearAttention:
+        linear = require(raw, "linear_attn_config", source)
+        where = f"{source}: linear_attn_config"
+        kda, full = (require(linear, k, where) for k in ("kda_layers", "full_attn_layers"))
+        for name, value in (("kda_layers", kda), ("full_attn_layers", full)):
+            if not isinstance(value, list):
+                raise ConfigError(f"{where}: '{name}' must be a list of layer numbers")
+        one_based = [check_int(i, "linear_attn_config layer", source, 1, layers) for i in kda]
+        mla = [check_int(i, "linear_attn_config layer", source, 1, layers) for i in full]
+        if sorted(one_based + mla) != list(range(1, layers + 1)):
+            raise ConfigError(
+                f"{where}: kda_layers and full_attn_layers must name each of the "
+                f"{layers} layers (one-based) exactly once"
+            )
+
+        def size(key: str, most: int = MAX_KDA_WIDTH) -> int:
+            return check_int(require(linear, key, where), key, where, 1, most)
+
+        return cls(
+            layers=tuple(sorted(i - 1 for i in one_based)),
+            heads=size("num_heads"),
+            head_dim=size("head_dim"),
+            kernel=size("short_conv_kernel_size", 64),
+            raw=linear,
+        )
 
 
 @dataclass(frozen=True)
@@ -74,6 +114,16 @@ class Config:
     eos_token_id: tuple[int, ...] = field(default_factory=tuple)
 
     @property
+    def expert_glu(self) -> quant.Glu:
+        """The routed experts' gated unit: SwiGLU."""
+        return quant.SWIGLU
+
+    @property
+    def expert_hidden(self) -> int:
+        """The width of the rows routed experts take and return (the hidden size here)."""
+        return self.hidden_size
+
+    @property
     def moe_layers(self) -> tuple[int, ...]:
         return tuple(range(self.first_k_dense_replace, self.num_hidden_layers))
 
@@ -91,16 +141,7 @@ class Config:
         if model_type not in MODEL_TYPES:
             raise ConfigError(f"{source}: model_type '{model_type}' is not Kimi Linear")
         layers = int(require(raw, "num_hidden_layers", source))
-        linear = require(raw, "linear_attn_config", source)
-        where = f"{source}: linear_attn_config"
-        kda, full = (require(linear, k, where) for k in ("kda_layers", "full_attn_layers"))
-        one_based = [check_int(i, "linear_attn_config layer", source, 1, layers) for i in kda]
-        mla = [check_int(i, "linear_attn_config layer", source, 1, layers) for i in full]
-        if sorted(one_based + mla) != list(range(1, layers + 1)):
-            raise ConfigError(
-                f"{where}: kda_layers and full_attn_layers must name each of the "
-                f"{layers} layers (one-based) exactly once"
-            )
+        kda = LinearAttention.from_hf(raw, layers, source)
         n_experts = int(_require_any(raw, ("num_experts", "num_local_experts"), source))
         n_group = int(_require_any(raw, ("num_expert_group", "n_group"), source))
         if n_experts % n_group:
@@ -137,20 +178,10 @@ class Config:
             norm_topk_prob=bool(_require_any(raw, ("moe_renormalize", "norm_topk_prob"), source)),
             routed_scaling_factor=float(require(raw, "routed_scaling_factor", source)),
             first_k_dense_replace=int(require(raw, "first_k_dense_replace", source)),
-            kda_layers=tuple(sorted(i - 1 for i in one_based)),
-            kda_heads=check_int(
-                require(linear, "num_heads", where), "num_heads", where, 1, MAX_KDA_WIDTH
-            ),
-            kda_head_dim=check_int(
-                require(linear, "head_dim", where), "head_dim", where, 1, MAX_KDA_WIDTH
-            ),
-            kda_kernel=check_int(
-                require(linear, "short_conv_kernel_size", where),
-                "short_conv_kernel_size",
-                where,
-                1,
-                64,
-            ),  # fmt: skip
+            kda_layers=kda.layers,
+            kda_heads=kda.heads,
+            kda_head_dim=kda.head_dim,
+            kda_kernel=kda.kernel,
             attention_bias=bool(raw.get("attention_bias", False)),
             max_position_embeddings=int(raw.get("model_max_length") or 1 << 20),
             eos_token_id=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
@@ -264,19 +295,30 @@ class Transformer(deepseek_v3.Transformer):
     def kda_weights(self, i: int) -> KdaWeights:
         """Layer i's KDA weights from the trunk (looked up per call: a streamed trunk may have
         replaced them since)."""
+        w = self.trunk
+        a = f"model.layers.{i}.self_attn."
+        chain = KdaWeights.chain
+        return self._kda_weights(
+            i,
+            f=chain(w.linear(a + "f_a_proj"), w.linear(a + "f_b_proj")),
+            g=chain(w.linear(a + "g_a_proj"), w.linear(a + "g_b_proj")),
+            lower_bound=None,
+        )
+
+    def _kda_weights(self, i: int, f, g, lower_bound: float | None) -> KdaWeights:
+        """Layer i's KDA weights around the given gate projections."""
         c, w = self.config, self.trunk
         a = f"model.layers.{i}.self_attn."
         conv = np.concatenate(
             [w.vector(a + f"{x}_conv1d.weight").reshape(-1, c.kda_kernel) for x in "qkv"]
         )  # [3 * heads * dk, kernel]
-        lin = {x: w.linear(a + x) for x in ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj")}
-        lin |= {x: w.linear(a + x) for x in ("b_proj", "g_a_proj", "g_b_proj", "o_proj")}
+        lin = {x: w.linear(a + x) for x in ("q_proj", "k_proj", "v_proj", "b_proj", "o_proj")}
+        a_log = w.vector(a + "A_log").reshape(-1)[: c.kda_heads]  # (K3 pads it: first heads)
         return KdaWeights(
-            q=lin["q_proj"], k=lin["k_proj"], v=lin["v_proj"], f_a=lin["f_a_proj"],
-            f_b=lin["f_b_proj"], b=lin["b_proj"], g_a=lin["g_a_proj"], g_b=lin["g_b_proj"],
-            o=lin["o_proj"], conv=conv, dt_bias=w.vector(a + "dt_bias"),
-            a_log=w.vector(a + "A_log").reshape(c.kda_heads), o_norm=w.vector(a + "o_norm.weight"),
-            heads=c.kda_heads, eps=c.rms_norm_eps,
+            q=lin["q_proj"], k=lin["k_proj"], v=lin["v_proj"], f=f, b=lin["b_proj"], g=g,
+            o=lin["o_proj"], conv=conv, dt_bias=w.vector(a + "dt_bias"), a_log=a_log,
+            o_norm=w.vector(a + "o_norm.weight"), heads=c.kda_heads, eps=c.rms_norm_eps,
+            lower_bound=lower_bound,
         )  # fmt: skip
 
     def new_cache(self, max_len: int) -> HybridCache:

@@ -41,8 +41,9 @@ class ModelDir:
             [self.path / name for name in self.manifest["expert_files"]],
             self.model_id,
             self.expert_format,
-            self.config.hidden_size,
+            self.config.expert_hidden,
             self.config.expert_intermediate,
+            self.config.expert_glu,
         )
         self.shards = self.shard_set.files
         self.locations = self.shard_set.locations

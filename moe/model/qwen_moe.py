@@ -20,6 +20,7 @@ import numpy as np
 
 from moe.errors import ConfigError
 from moe.experts.backend import ExpertsBackend, PrefetchHint
+from moe.kernels import quant
 from moe.model import fused
 from moe.model.config import RopeConfig, decoder_shapes, parse_rope, require
 from moe.model.fused import (
@@ -60,6 +61,16 @@ class Config:
     sliding_window: int | None = None  # attention window (mixtral/qwen with use_sliding_window)
     max_position_embeddings: int = 4096
     eos_token_id: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def expert_glu(self) -> quant.Glu:
+        """The routed experts' gated unit: SwiGLU."""
+        return quant.SWIGLU
+
+    @property
+    def expert_hidden(self) -> int:
+        """The width of the rows routed experts take and return (the hidden size here)."""
+        return self.hidden_size
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], source: str) -> Config:

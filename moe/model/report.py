@@ -26,11 +26,19 @@ def describe(path: str | Path, verify: bool = False) -> tuple[str, bool]:
             f"{c.kda_head_dim}, state {fmt_bytes(c.state_bytes())}); MLA {mla or '-'} "
             f"(latent {c.kv_lora_rank}, no positions)"
         )
+    if getattr(c, "latent_size", None) is not None:  # Kimi K3's additions
+        vision = "; vision tower not run" if c.has_vision else ""
+        lines.append(
+            f"kimi k3    LatentMoE (experts in latent {c.latent_size}, {c.n_shared_experts} "
+            f"shared at full width), SiTU-GLU (beta {c.situ_beta:g}, linear beta "
+            f"{c.situ_linear_beta:g}), attention residuals in blocks of "
+            f"{c.attn_res_block_size}, KDA gate bound {c.gate_lower_bound:g}{vision}"
+        )
     lines.append(
         f"experts    {c.n_experts} per MoE layer x {len(c.moe_layers)} MoE layers, "
         f"{c.top_k} active per token, intermediate {c.expert_intermediate}"
     )
-    record = quant.expert_record_nbytes(model.expert_format, c.hidden_size, c.expert_intermediate)
+    record = quant.expert_record_nbytes(model.expert_format, c.expert_hidden, c.expert_intermediate)
     n_records = len(model.locations)
     expert_total = n_records * record
     trunk_path = model.path / TRUNK_FILE

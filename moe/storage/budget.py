@@ -194,7 +194,7 @@ def plan_budget(
     kv = cache_bytes(c, context)
     scratch = scratch_bytes(c, prefill_tokens or context, context)
     slot = align_up(
-        quant.expert_record_nbytes(model.expert_format, c.hidden_size, c.expert_intermediate)
+        quant.expert_record_nbytes(model.expert_format, c.expert_hidden, c.expert_intermediate)
     )
     pf = (prefetch_top or c.top_k) if prefetch else 0  # a decode step predicts this many
     expert_min = (c.top_k + pf) * slot

@@ -180,8 +180,16 @@ class ShardSet:
     fmt, hidden, inter: the experts' format and shape (all files must match them).
     """
 
-    def __init__(self, paths: list[Path], model_id: str, fmt: str, hidden: int, inter: int):
-        self.fmt, self.hidden, self.inter = fmt, hidden, inter
+    def __init__(
+        self,
+        paths: list[Path],
+        model_id: str,
+        fmt: str,
+        hidden: int,
+        inter: int,
+        glu: quant.Glu = quant.SWIGLU,
+    ):
+        self.fmt, self.hidden, self.inter, self.glu = fmt, hidden, inter, glu
         self.record_nbytes = quant.expert_record_nbytes(fmt, hidden, inter)
         self.files = [ShardFile(p, model_id) for p in paths]
         self.locations: dict[Key, tuple[ShardFile, RecordLocation]] = {}

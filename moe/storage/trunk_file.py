@@ -27,7 +27,11 @@ from moe.storage.manifest import PLACEHOLDER_ID
 LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 # Routers stay resident even when the trunk is streamed: layer L+1's router is applied during
 # layer L for next-layer prefetch, before layer L+1 is read.
-ALWAYS_RESIDENT = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")
+ALWAYS_RESIDENT = tuple(
+    f".{mlp}.gate.{x}"
+    for mlp in ("mlp", "block_sparse_moe")  # (Kimi Linear and K3 name their MoE so)
+    for x in ("weight", "e_score_correction_bias")
+)
 
 
 @dataclass
