@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 
+from coordinator.chat import chat_prompt
 from coordinator.commands import EXIT_OK
 from coordinator.commands.network import add_peer_options
 from coordinator.tokenizer import TOKENIZER_FILES
@@ -20,6 +21,19 @@ def add_generate(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="--prompt is a user's message: format it with the checkpoint's chat template "
+        "(tokenizer_config.json's chat_template; Kimi K3's own turn format)",
+    )
+    p.add_argument("--system", help="with --chat: a system message before the user's")
+    p.add_argument(
+        "--no-thinking",
+        action="store_true",
+        help="with --chat: ask for the answer without a thinking section (Kimi K3; templates "
+        "that read enable_thinking)",
+    )
     p.add_argument(
         "--max-tokens", type=int, default=64, help="tokens to generate, fewer if one ends the text"
     )
@@ -121,8 +135,19 @@ def cmd_generate(args) -> int:
     # every check that needs only the model directory runs before anything is loaded,
     # allocated or connected
     model = ModelDir(args.model)
+    if (args.chat or args.system or args.no_thinking) and args.prompt is None:
+        raise MoeshardError("--chat, --system and --no-thinking format a --prompt text")
+    if (args.system or args.no_thinking) and not args.chat:
+        raise MoeshardError("--system and --no-thinking go with --chat")
     if prompt_ids is None:
-        prompt_ids = _encode_prompt(load_tokenizer(model), args.prompt, model.path)
+        text = args.prompt
+        if args.chat:
+            messages = [{"role": "system", "content": args.system}] if args.system else []
+            messages.append({"role": "user", "content": args.prompt})
+            text = chat_prompt(
+                model.path, model.config.model_type, messages, thinking=not args.no_thinking
+            )
+        prompt_ids = _encode_prompt(load_tokenizer(model), text, model.path)
     bad = [t for t in prompt_ids if not 0 <= t < model.config.vocab_size]
     if bad:
         raise MoeshardError(f"--prompt-ids: {bad[0]} is outside the vocabulary")

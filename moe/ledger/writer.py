@@ -8,9 +8,12 @@ opened O_APPEND. A short write is cut back off. The file is created, with its 'o
 on the first append, so a process that never records anything leaves no file behind.
 
 An existing file is checked at its head and tail before anything is appended: the first line
-must be an 'open' entry of this writer's key, the last line must be whole (a torn last line is
-a crash mid-write: refused, with the `truncate` command that removes it), signed by the owner
-and chained to the line before it. The rest is `verify`'s job.
+must be an 'open' entry of this writer's key, the last line must be signed by the owner and
+chained to the line before it. The rest is `verify`'s job. A torn last line (no newline: the
+process died mid-write, e.g. a node killed by SIGKILL or the OOM killer) is the one damage a
+writer mends by itself, so that a node restarts unattended: its bytes are appended to
+``<ledger>.torn`` (kept, not lost) and cut off the ledger, with a warning; the entry never
+completed, so no whole entry is lost.
 """
 
 from __future__ import annotations
@@ -105,18 +108,49 @@ class LedgerWriter:
         except OSError as exc:
             raise LedgerError(f"{self.path}: cannot open the ledger ({exc.strerror})") from None
 
+    def _set_aside_torn_tail(self, size: int) -> int:
+        """Move the bytes after the last newline to <ledger>.torn; returns the new size."""
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            size = os.fstat(self.fd).st_size  # (another writer may have mended it meanwhile)
+            tail = torn_tail(self.fd, size)
+            if tail == 0:
+                return size
+            torn = os.pread(self.fd, tail, size - tail)
+            aside = self.path.with_name(self.path.name + ".torn")
+            try:
+                fd = os.open(aside, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                try:
+                    os.write(fd, torn + b"\n")
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.ftruncate(self.fd, size - tail)
+            except OSError as exc:
+                raise LedgerError(
+                    f"{self.path}: the last entry is incomplete (a crash mid-write?) and could "
+                    f"not be set aside ({exc.strerror}); to continue, remove it: "
+                    f"truncate -s {size - tail} {self.path}"
+                ) from None
+            log.warning(
+                "%s: its last entry was incomplete (a crash mid-write); its %d bytes were moved "
+                "to %s and the ledger continues from the entry before",
+                self.path, tail, aside.name,
+            )  # fmt: skip
+            return size - tail
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
     def _load(self, size: int) -> None:
         """Continue the chain of an existing file (see the module's docstring)."""
         if size == 0:
             self.seq, self.prev = 0, GENESIS
             return
         if os.pread(self.fd, 1, size - 1) != b"\n":
-            cut = size - torn_tail(self.fd, size)
-            raise LedgerError(
-                f"{self.path}: the last entry is incomplete (a crash mid-write?); "
-                f"`moeshard ledger verify` shows it; to continue the ledger, remove it: "
-                f"truncate -s {cut} {self.path}"
-            )
+            size = self._set_aside_torn_tail(size)
+            if size == 0:
+                self.seq, self.prev = 0, GENESIS
+                return
         try:
             owner_pk, role = check_open(parse_line(first_line(self.fd)))
             if owner_pk != self.identity.public_raw:

@@ -47,7 +47,8 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    return (np.float32(1.0) / (np.float32(1.0) + np.exp(-x))).astype(np.float32, copy=False)
+    with np.errstate(over="ignore"):  # exp(-x) -> inf for x below -88: the sigmoid is 0
+        return (np.float32(1.0) / (np.float32(1.0) + np.exp(-x))).astype(np.float32, copy=False)
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
