@@ -9,8 +9,8 @@ DEMO_SRC := models/demo-hf
 DEMO_OUT := out/demo
 PROMPT ?= The function returns
 
-.PHONY: all test lint demo demo-local demo-ppl k3-demo fixtures ref-venv proto clean testbed \
-	compose-check
+.PHONY: all test lint demo demo-local demo-ppl k3-demo serve-demo fixtures ref-venv proto clean \
+	testbed compose-check
 
 all: test
 
@@ -43,7 +43,8 @@ fixtures: $(REF_VENV)/.stamp
 	$(REF_PY) tools/make_kda_fixture.py --out tests/fixtures/kda/kimi_linear_kda.npz
 	$(REF_PY) tools/make_kimi_linear_fixture.py --out tests/fixtures/kimi_linear
 
-$(DEMO_OUT)/moeshard.json: $(DEMO_SRC)/model.safetensors $(DEMO_SRC)/config.json $(VENV)/.stamp
+$(DEMO_OUT)/moeshard.json: $(DEMO_SRC)/model.safetensors $(DEMO_SRC)/config.json \
+		$(DEMO_SRC)/tokenizer_config.json $(VENV)/.stamp
 	$(VENV)/bin/moeshard convert $(DEMO_SRC) $(DEMO_OUT) --force
 
 # The network mode on one machine: three node daemons on loopback, found with zeroconf.
@@ -53,6 +54,10 @@ demo: $(DEMO_OUT)/moeshard.json
 # The single-node mode under a hard RAM budget (experts streamed with O_DIRECT).
 demo-local: $(DEMO_OUT)/moeshard.json
 	$(VENV)/bin/moeshard generate $(DEMO_OUT) --ram 60M --prompt "$(PROMPT)" --max-tokens 48
+
+# The embedded model behind the OpenAI-compatible API on http://127.0.0.1:8000/v1 (Ctrl-C stops).
+serve-demo: $(DEMO_OUT)/moeshard.json
+	$(VENV)/bin/moeshard serve $(DEMO_OUT) --name demo --port $(or $(PORT),8000)
 
 # Kimi K3's architecture end to end on a tiny random K3 in the released layout (safetensors,
 # nested config, MXFP4 experts, tiktoken): convert, inspect, generate in RAM, under a RAM

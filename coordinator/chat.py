@@ -117,6 +117,5 @@ def chat_prompt(
     if model_type in K3_MODEL_TYPES:
         return k3_prompt(messages, add_generation_prompt, thinking)
     raise MoeshardError(
-        f"{model_dir / 'tokenizer_config.json'}: no chat_template; give the prompt as plain "
-        "text (without --chat)"
+        f"{model_dir / 'tokenizer_config.json'}: no chat_template; give the prompt as plain text"
     )

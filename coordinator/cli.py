@@ -23,6 +23,7 @@ from coordinator.commands import (
     ledger,
     models,
     network,
+    serve,
     traces,
 )
 from coordinator.generate import Terminated
@@ -87,7 +88,7 @@ class Parser(argparse.ArgumentParser):
 
 def _add_bench(sub) -> None:
     from coordinator.bench import audit as audit_bench
-    from coordinator.bench import compare_llamacpp, disk, kernels, modes, rpc, stream
+    from coordinator.bench import compare_llamacpp, disk, kernels, modes, rpc, serve, stream
 
     p = sub.add_parser("bench", help="benchmarks that print ratios against same-run baselines")
     benches = p.add_subparsers(dest="bench", required=True, metavar="BENCH", help="what to measure")
@@ -100,6 +101,7 @@ def _add_bench(sub) -> None:
         ("modes", modes, "in-RAM default vs --ram streaming, tok/s side by side"),
         ("audit", audit_bench, "spot checks: liar detection vs theory, false bans, cost in tok/s"),
         ("compare-llamacpp", compare_llamacpp, "moeshard vs llama.cpp built here, side by side"),
+        ("serve", serve, "the API under 1..N concurrent clients: tok/s, first token, expert cost"),
     ]:
         b = benches.add_parser(name, help=text)
         module.add_arguments(b)
@@ -139,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_convert(sub)
     generate.add_generate(sub)
     add_threads(sub.choices["generate"])
+    serve.add_serve(sub)
+    add_threads(sub.choices["serve"])
     models.add_inspect(sub)
     traces.add_coact(sub)
     traces.add_merge_traces(sub)

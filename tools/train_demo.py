@@ -34,6 +34,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_demo_lib.corpus import corpus_meta, find_corpus, load_docs, split_docs  # noqa: E402
 from train_demo_lib.plot import plot_losses  # noqa: E402
 from train_demo_lib.tokenizer import EOT, add_bos_post_processor, encode_stream, train_tokenizer  # noqa: E402
+
+# `moeshard serve` / `generate --chat`: the model saw documentation text, never chat turns, so
+# a conversation is its messages as paragraphs
+DEMO_CHAT_TEMPLATE = (
+    "{# the demo model was trained on plain documentation text, never on chat turns: "
+    "a conversation is its messages as paragraphs #}"
+    "{% for m in messages %}{{ m['content'] }}{{ '\\n' if loop.last else '\\n\\n' }}{% endfor %}"
+)
 from train_demo_lib.training import build_model, evaluate, get_batch, lr_at, skew_summary  # noqa: E402
 
 
@@ -258,6 +266,7 @@ def main():
                 "model_max_length": args.seq_len,
                 "add_prefix_space": False,
                 "clean_up_tokenization_spaces": False,
+                "chat_template": DEMO_CHAT_TEMPLATE,
             },
             f,
             indent=2,

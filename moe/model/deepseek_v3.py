@@ -32,6 +32,7 @@ from moe.experts.backend import ExpertsBackend
 from moe.kernels import quant
 from moe.model.config import RopeConfig, decoder_shapes, parse_rope, require, yarn_mscale
 from moe.model.layers import (
+    Segments,
     apply_rope,
     causal_mask,
     next_layer_hint,
@@ -242,21 +243,31 @@ class Transformer:
 
     def forward(self, ids: np.ndarray, cache: LatentCache) -> np.ndarray:
         """Token ids [T] at positions cache.length.. -> logits [T, V]; appends to the cache."""
+        return self.forward_batch([(ids, cache)])[0]
+
+    def forward_batch(self, batch) -> list[np.ndarray]:
+        """Several sequences in one pass (continuous batching), as the Qwen family's
+        `forward_batch`: attention per sequence on its own cache, everything else (and one
+        experts call per MoE layer) over every sequence's rows."""
         c, w = self.config, self.trunk
-        positions = np.arange(cache.length, cache.length + len(ids))  # [T]
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)  # [T, rope/2] each
-        x = w.embed("model.embed_tokens.weight", ids)  # [T, H]
+        seq = Segments(batch)
+        rope = [
+            rope_cos_sin(np.arange(cache.length, cache.length + len(ids)), self.inv_freq,
+                         self.rope_scale)
+            for ids, cache in seq.batch
+        ]  # fmt: skip  # cos, sin [T_s, rope/2] per sequence
+        x = w.embed("model.embed_tokens.weight", seq.ids)  # [N, H]
         for i in range(c.num_hidden_layers):
             w.enter_layer(i)  # a streamed trunk makes layer i resident and starts reading i + 1
             p = f"model.layers.{i}."
-            h = rms_norm(x, w.vector(p + "input_layernorm.weight"), c.rms_norm_eps)  # [T, H]
-            x = x + self.attention(i, h, cos, sin, cache)  # [T, H]
+            h = rms_norm(x, w.vector(p + "input_layernorm.weight"), c.rms_norm_eps)  # [N, H]
+            x = x + seq.each(h, lambda s, hs, cache, i=i: self.attention(i, hs, *rope[s], cache))
             h = rms_norm(x, w.vector(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
-            x = x + (self.moe(i, h) if i in c.moe_layers else self.dense_mlp(i, h))  # [T, H]
-        cache.length += len(ids)
-        x = rms_norm(x, w.vector("model.norm.weight"), c.rms_norm_eps)  # [T, H]
+            x = x + (self.moe(i, h) if i in c.moe_layers else self.dense_mlp(i, h))  # [N, H]
+        seq.advance()
+        x = rms_norm(x, w.vector("model.norm.weight"), c.rms_norm_eps)  # [N, H]
         head = "model.embed_tokens" if c.tie_word_embeddings else "lm_head"
-        return w.linear(head)(x)  # [T, V]
+        return seq.split(w.linear(head)(x))  # [T_s, V] each
 
     def absorbed_kv_b(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """kv_b_proj split per head: W_uk [heads, nope, rank], W_uv^T [heads, rank, v]."""
@@ -320,7 +331,7 @@ class Transformer:
         """Grouped sigmoid router of layer i: h [T, H] -> expert ids [T, k], weights [T, k]."""
         c, w = self.config, self.trunk
         m = f"model.layers.{i}.{self.MLP}.gate."
-        scores = sigmoid(h @ w.vector(m + "weight").T)  # [T, E]
+        scores = sigmoid(w.linear(m[:-1])(h))  # [T, E] (a kernel's: the same bits in any batch)
         choice = scores + w.vector(m + "e_score_correction_bias")  # [T, E]
         t, per_group = h.shape[0], c.n_experts // c.n_group
         grouped = choice.reshape(t, c.n_group, per_group)  # [T, G, E/G]

@@ -43,8 +43,8 @@ from moe.errors import ConfigError
 from moe.kernels import quant
 from moe.model import deepseek_v3, kimi_linear
 from moe.model.config import check_float, check_int, decoder_shapes, require
-from moe.model.kda import KdaWeights, kda_forward
-from moe.model.layers import next_layer_hint, rms_norm, sigmoid, softmax
+from moe.model.kda import KdaWeights
+from moe.model.layers import Segments, next_layer_hint, rms_norm, sigmoid, softmax
 
 MODEL_TYPES = ("kimi_k3",)
 TEXT_MODEL_TYPE = "kimi_linear"
@@ -296,9 +296,9 @@ def attention_residual(
     values = np.stack([*blocks, partial], axis=1)  # [T, N + 1, H]
     variance = np.mean(np.square(values), axis=-1, keepdims=True)  # [T, N + 1, 1]
     keys = values / np.sqrt(variance + np.float32(eps))  # [T, N + 1, H]
-    scores = keys @ (norm * proj)  # [T, N + 1]
+    scores = (keys * (norm * proj)).sum(axis=-1)  # [T, N + 1] (row by row: no BLAS blocking)
     probs = softmax(scores, axis=-1)  # [T, N + 1]
-    return np.einsum("tn,tnh->th", probs, values).astype(np.float32)  # [T, H]
+    return (probs[:, :, None] * values).sum(axis=1).astype(np.float32)  # [T, H]
 
 
 class Transformer(kimi_linear.Transformer):
@@ -344,32 +344,32 @@ class Transformer(kimi_linear.Transformer):
             out = out + self._mlp(m + "shared_experts.", h)  # [T, H]
         return out
 
-    def forward(self, ids: np.ndarray, cache: kimi_linear.HybridCache) -> np.ndarray:
-        """Token ids [T] at positions cache.length.. -> logits [T, V]; appends to the cache."""
+    def forward_batch(self, batch) -> list[np.ndarray]:
+        """Several sequences in one pass (continuous batching): KDA and MLA per sequence on
+        its own cache; the attention residuals, norms, MLPs and experts over every row."""
         c, w = self.config, self.trunk
-        cache.snapshot()
-        partial = w.embed("model.embed_tokens.weight", ids)  # [T, H]: the current block's sum
-        blocks: list[np.ndarray] = []  # the finished blocks' summaries, each [T, H]
+        seq = Segments(batch)
+        for cache in seq.caches():
+            cache.snapshot()
+        partial = w.embed("model.embed_tokens.weight", seq.ids)  # [N, H]: the block's sum
+        blocks: list[np.ndarray] = []  # the finished blocks' summaries, each [N, H]
         for i in range(c.num_hidden_layers):
             w.enter_layer(i)  # a streamed trunk makes layer i resident and starts reading i + 1
             p = f"model.layers.{i}."
             x = self._residual(partial, blocks, p + "self_attention_res") if blocks else partial
             if i % c.attn_res_block_size == 0:  # this layer opens a block
                 blocks.append(partial)
-            h = rms_norm(x, w.vector(p + "input_layernorm.weight"), c.rms_norm_eps)  # [T, H]
-            if i in cache.kda:
-                a = kda_forward(self.kda_weights(i), h, cache.kda[i])  # [T, H]
-            else:
-                a = self.attention(i, h, None, None, cache)  # [T, H]
+            h = rms_norm(x, w.vector(p + "input_layernorm.weight"), c.rms_norm_eps)  # [N, H]
+            a = seq.each(h, lambda s, hs, cache, i=i: self.mixer(i, hs, cache))  # [N, H]
             partial = a if i % c.attn_res_block_size == 0 else partial + a
-            x = self._residual(partial, blocks, p + "mlp_res")  # [T, H]
+            x = self._residual(partial, blocks, p + "mlp_res")  # [N, H]
             h = rms_norm(x, w.vector(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
             partial = partial + (self.moe(i, h) if i in c.moe_layers else self.dense_mlp(i, h))
-        cache.length += len(ids)
-        x = self._residual(partial, blocks, "model.output_attn_res")  # [T, H]
-        x = rms_norm(x, w.vector("model.norm.weight"), c.rms_norm_eps)  # [T, H]
+        seq.advance()
+        x = self._residual(partial, blocks, "model.output_attn_res")  # [N, H]
+        x = rms_norm(x, w.vector("model.norm.weight"), c.rms_norm_eps)  # [N, H]
         head = "model.embed_tokens" if c.tie_word_embeddings else "lm_head"
-        return w.linear(head)(x)  # [T, V]
+        return seq.split(w.linear(head)(x))  # [T_s, V] each
 
 
 HybridCache = kimi_linear.HybridCache

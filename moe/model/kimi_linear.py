@@ -26,7 +26,7 @@ from moe.kernels import quant
 from moe.model import deepseek_v3
 from moe.model.config import check_int, decoder_shapes, require
 from moe.model.kda import KdaState, KdaWeights, kda_forward
-from moe.model.layers import rms_norm
+from moe.model.layers import Segments, rms_norm
 
 MODEL_TYPES = ("kimi_linear",)
 MAX_KDA_WIDTH = 1 << 16
@@ -324,22 +324,28 @@ class Transformer(deepseek_v3.Transformer):
     def new_cache(self, max_len: int) -> HybridCache:
         return HybridCache(self.config, max_len)
 
-    def forward(self, ids: np.ndarray, cache: HybridCache) -> np.ndarray:
-        """Token ids [T] at positions cache.length.. -> logits [T, V]; appends to the cache."""
+    def forward_batch(self, batch) -> list[np.ndarray]:
+        """Several sequences in one pass (continuous batching): KDA and attention per
+        sequence on its own cache, everything else over every sequence's rows."""
         c, w = self.config, self.trunk
-        cache.snapshot()
-        x = w.embed("model.embed_tokens.weight", ids)  # [T, H]
+        seq = Segments(batch)
+        for cache in seq.caches():
+            cache.snapshot()
+        x = w.embed("model.embed_tokens.weight", seq.ids)  # [N, H]
         for i in range(c.num_hidden_layers):
             w.enter_layer(i)  # a streamed trunk makes layer i resident and starts reading i + 1
             p = f"model.layers.{i}."
-            h = rms_norm(x, w.vector(p + "input_layernorm.weight"), c.rms_norm_eps)  # [T, H]
-            if i in cache.kda:
-                x = x + kda_forward(self.kda_weights(i), h, cache.kda[i])  # [T, H]
-            else:
-                x = x + self.attention(i, h, None, None, cache)  # [T, H]
+            h = rms_norm(x, w.vector(p + "input_layernorm.weight"), c.rms_norm_eps)  # [N, H]
+            x = x + seq.each(h, lambda s, hs, cache, i=i: self.mixer(i, hs, cache))  # [N, H]
             h = rms_norm(x, w.vector(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
-            x = x + (self.moe(i, h) if i in c.moe_layers else self.dense_mlp(i, h))  # [T, H]
-        cache.length += len(ids)
-        x = rms_norm(x, w.vector("model.norm.weight"), c.rms_norm_eps)  # [T, H]
+            x = x + (self.moe(i, h) if i in c.moe_layers else self.dense_mlp(i, h))  # [N, H]
+        seq.advance()
+        x = rms_norm(x, w.vector("model.norm.weight"), c.rms_norm_eps)  # [N, H]
         head = "model.embed_tokens" if c.tie_word_embeddings else "lm_head"
-        return w.linear(head)(x)  # [T, V]
+        return seq.split(w.linear(head)(x))  # [T_s, V] each
+
+    def mixer(self, i: int, h: np.ndarray, cache: HybridCache) -> np.ndarray:
+        """Layer i's token mixing for one sequence: KDA on its state, or MLA on its cache."""
+        if i in cache.kda:
+            return kda_forward(self.kda_weights(i), h, cache.kda[i])  # [T, H]
+        return self.attention(i, h, None, None, cache)  # [T, H]

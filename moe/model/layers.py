@@ -124,3 +124,42 @@ def top_k_indices(scores: np.ndarray, k: int) -> np.ndarray:
     """
     order = np.argsort(-scores, axis=-1, kind="stable")  # [T, E]
     return order[:, :k]
+
+
+class Segments:
+    """Several sequences' rows stacked for one batched pass (continuous batching): sequence
+    s is rows bounds[s]:bounds[s + 1] of every [N, ...] array, with its own cache."""
+
+    def __init__(self, batch):
+        self.batch = list(batch)  # (ids [T_s], cache) per sequence
+        for ids, cache in self.batch:
+            if cache.length + len(ids) > cache.max_len:
+                raise ValueError(
+                    f"{cache.length + len(ids)} positions do not fit a cache of {cache.max_len}"
+                )
+        self.bounds = np.cumsum([0] + [len(ids) for ids, _ in self.batch])
+        self.ids = np.concatenate([np.asarray(ids, dtype=np.int64) for ids, _ in self.batch])
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    def rows(self, s: int) -> slice:
+        return slice(int(self.bounds[s]), int(self.bounds[s + 1]))
+
+    def caches(self):
+        return [cache for _, cache in self.batch]
+
+    def each(self, h: np.ndarray, fn) -> np.ndarray:
+        """fn(s, rows of h, cache) -> [T_s, ...] for each sequence, stacked back: [N, ...]."""
+        if len(self.batch) == 1:
+            return fn(0, h, self.batch[0][1])
+        parts = [fn(s, h[self.rows(s)], cache) for s, (_, cache) in enumerate(self.batch)]
+        return np.concatenate(parts, axis=0)
+
+    def advance(self) -> None:
+        """Every cache has taken its sequence's rows."""
+        for ids, cache in self.batch:
+            cache.length += len(ids)
+
+    def split(self, out: np.ndarray) -> list[np.ndarray]:
+        return [out[self.rows(s)] for s in range(len(self.batch))]

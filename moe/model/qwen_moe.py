@@ -237,7 +237,6 @@ class Transformer:
         self.inv_freq, self.rope_scale = config.rope.inv_freq_and_scale()
         self.scaling = config.head_dim**-0.5
         self._layers: list[_Layer | None] = [None] * config.num_hidden_layers
-        self._gates: dict[int, np.ndarray] = {}  # MoE layer -> router weight.T [H, E]
         self._next_moe = [  # the next MoE layer after each layer, or None
             next((j for j in config.moe_layers if j > i), None)
             for i in range(config.num_hidden_layers)
@@ -264,55 +263,82 @@ class Transformer:
 
     def forward(self, ids: np.ndarray, cache: KVCache) -> np.ndarray:
         """Token ids [T] at positions cache.length.. -> logits [T, V]; appends to the cache."""
+        return self.forward_batch([(ids, cache)])[0]
+
+    def forward_batch(self, batch: list[tuple[np.ndarray, KVCache]]) -> list[np.ndarray]:
+        """Several sequences in one pass (continuous batching): each (ids [T_s] at positions
+        cache.length.., its own cache) -> its logits [T_s, V], appended to its cache.
+
+        The rows of every sequence go through each linear layer, norm and router together and
+        the experts backend gets one call per layer with all of them; attention runs per
+        sequence on its own cache.  Every kernel computes a row the same way whatever other
+        rows are in the call, so a sequence's logits are the same bits as alone."""
         c, w = self.config, self.trunk
-        t, start, eps = len(ids), cache.length, c.rms_norm_eps
-        if start + t > cache.max_len:
-            raise ValueError(f"{start + t} positions do not fit a KV cache of {cache.max_len}")
-        positions = np.arange(start, start + t)  # [T]
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)  # [T, D/2] each
-        x = w.embed("model.embed_tokens.weight", ids)  # [T, H], the residual, updated in place
+        eps = c.rms_norm_eps
+        for ids, cache in batch:
+            if cache.length + len(ids) > cache.max_len:
+                raise ValueError(
+                    f"{cache.length + len(ids)} positions do not fit a KV cache of {cache.max_len}"
+                )
+        bounds = np.cumsum([0] + [len(ids) for ids, _ in batch])  # sequence s: rows b[s]:b[s+1]
+        rope = [
+            rope_cos_sin(np.arange(cache.length, cache.length + len(ids)), self.inv_freq,
+                         self.rope_scale)
+            for ids, cache in batch
+        ]  # fmt: skip  # per sequence: cos, sin [T_s, D/2]
+        all_ids = np.concatenate([ids for ids, _ in batch])  # [N]: every sequence's rows
+        x = w.embed("model.embed_tokens.weight", all_ids)  # [N, H], the residual, in place
         hints = uses_hints(self.experts)
         delta = None  # the last block's output, added to x by the next norm
         for i in range(c.num_hidden_layers):
             w.enter_layer(i)  # a streamed trunk makes layer i resident and starts reading i + 1
             ly = self._layer(i)
-            h = np.empty_like(x)  # [T, H]
+            h = np.empty_like(x)  # [N, H]
             if delta is None:
                 rms_norm_rows(x, ly.input_norm, eps, h)
             else:
                 add_rms_norm(x, delta, ly.input_norm, eps, h)  # x += delta; h = norm(x)
-            attn = self._attention(i, ly, h, cos, sin, cache)  # [T, H]
-            h = np.empty_like(x)  # [T, H]
+            attn = self._attention(i, ly, h, rope, [cache for _, cache in batch], bounds)
+            h = np.empty_like(x)  # [N, H]
             add_rms_norm(x, attn, ly.post_norm, eps, h)
-            delta = self._moe(i, ly, h, hints) if ly.moe else self._dense_mlp(ly, h)  # [T, H]
-        cache.length += t
-        h = np.empty_like(x)  # [T, H]
+            delta = self._moe(i, ly, h, hints) if ly.moe else self._dense_mlp(ly, h)  # [N, H]
+        for ids, cache in batch:
+            cache.length += len(ids)
+        h = np.empty_like(x)  # [N, H]
         if delta is None:
             rms_norm_rows(x, w.vector("model.norm.weight"), eps, h)
         else:
             add_rms_norm(x, delta, w.vector("model.norm.weight"), eps, h)
-        return w.linear(self._head)(h)  # [T, V]
+        logits = w.linear(self._head)(h)  # [N, V]
+        return [logits[bounds[s] : bounds[s + 1]] for s in range(len(batch))]
 
-    def _attention(self, i: int, ly: _Layer, h, cos, sin, cache: KVCache) -> np.ndarray:
-        """h [T, H] -> the attention block's output [T, H]; appends k, v to the cache."""
-        q, k, v = ly.q(h), ly.k(h), ly.v(h)  # [T, Hq*D], [T, Hkv*D], [T, Hkv*D]
-        out = np.empty_like(q)  # [T, Hq*D]
-        gqa_attention(
-            q, k, v, ly.q_norm, ly.k_norm, self._qk_norm, self.config.rms_norm_eps, self._clip,
-            cos, sin, cache.k[i], cache.v[i], cache.length, self.scaling, self._window, out,
-        )  # fmt: skip
-        return ly.o(out)  # [T, H]
-
-    def _gate_t(self, i: int) -> np.ndarray:
-        """Router weight of MoE layer i, transposed: [H, E] (always resident)."""
-        gate = self._gates.get(i)
-        if gate is None:
-            gate = self._gates[i] = self.trunk.vector(f"model.layers.{i}.mlp.gate.weight").T
-        return gate
+    def _attention(self, i: int, ly: _Layer, h, rope, caches, bounds) -> np.ndarray:
+        """h [N, H] (sequence s in rows bounds[s]:bounds[s + 1]) -> the attention block's
+        output [N, H]; appends each sequence's k, v to its cache."""
+        q, k, v = ly.q(h), ly.k(h), ly.v(h)  # [N, Hq*D], [N, Hkv*D], [N, Hkv*D]
+        out = np.empty_like(q)  # [N, Hq*D]
+        for s, cache in enumerate(caches):
+            r = slice(bounds[s], bounds[s + 1])
+            cos, sin = rope[s]  # [T_s, D/2] each
+            if len(caches) == 1:  # (one sequence: its rows are the arrays themselves)
+                qs, ks, vs, os_ = q, k, v, out
+            else:
+                qs, ks, vs = (np.ascontiguousarray(a[r]) for a in (q, k, v))  # [T_s, ...]
+                os_ = np.empty_like(qs)  # [T_s, Hq*D]
+            gqa_attention(
+                qs, ks, vs, ly.q_norm, ly.k_norm, self._qk_norm, self.config.rms_norm_eps,
+                self._clip, cos, sin, cache.k[i], cache.v[i], cache.length, self.scaling,
+                self._window, os_,
+            )  # fmt: skip
+            if os_ is not out:
+                out[r] = os_
+        return ly.o(out)  # [N, H]
 
     def route(self, i: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Softmax top-k router of layer i: h [T, H] -> expert ids [T, k], weights [T, k]."""
-        logits = h @ self._gate_t(i)  # [T, E]
+        """Softmax top-k router of layer i: h [T, H] -> expert ids [T, k], weights [T, k].
+        (The router is always resident; its product is a kernel's, the same bits for a row
+        in any batch.)"""
+        logits = self.trunk.linear(f"model.layers.{i}.mlp.gate")(h)  # [T, E]
         return route_softmax_topk(logits, self.config.top_k, self.config.norm_topk_prob)
 
     def _moe(self, i: int, ly: _Layer, h: np.ndarray, hints: bool) -> np.ndarray:

@@ -18,20 +18,14 @@ class Linear:
         self.rows, self.cols = weight.shape
         self.fmt = weight.fmt
         self.bias = bias
-        # f32 goes through numpy's BLAS; packed formats through our kernels, never dequantized.
-        self.dense = weight.to_f32() if weight.fmt == "f32" else None  # [rows, cols]
+        # every format, f32 included, through our kernels: a row's result is then the same
+        # bits whatever other rows are in the call (numpy's BLAS blocks a batch differently
+        # from one row), which batched serving needs; packed formats are never dequantized
         self.data = weight.data
-        self.packed = (
-            None
-            if self.dense is not None
-            else quant.PackedMatrix(weight.data, weight.fmt, self.rows, self.cols)
-        )
+        self.packed = quant.PackedMatrix(weight.data, weight.fmt, self.rows, self.cols)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        if self.dense is not None:
-            y = np.ascontiguousarray(x, dtype=np.float32) @ self.dense.T  # [T, rows]
-        else:
-            y = self.packed(x)  # [T, rows]
+        y = self.packed(x)  # [T, rows]
         if self.bias is not None:
             y = y + self.bias
         return y.astype(np.float32, copy=False)

@@ -1,0 +1,183 @@
+"""`moeshard bench serve MODEL --concurrency 1,4,16`: the server and its load generator in
+one run.
+
+The server (`moeshard serve`'s app over the continuous-batching engine) runs in this process
+on a loopback port; for each concurrency C, C client threads each send streamed greedy
+completions back to back (distinct prompts), over HTTP as any client would.  Per level:
+aggregate tokens/s, per-request tokens/s (after its first token), time to first token p50 and
+p99, and the experts' cost per generated token: bytes read from SSD (`--ram`) or calls to
+nodes (network mode), against the level of concurrency 1 measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import threading
+import time
+import urllib.request
+
+import numpy as np
+
+from moe.errors import MoeshardError
+
+PROMPTS = [
+    "The function returns",
+    "A list comprehension",
+    "To open a file",
+    "The module provides",
+    "An exception is raised when",
+    "The default value of",
+    "Classes and instances",
+    "The following example shows",
+]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", help="model directory")
+    p.add_argument("--concurrency", default="1,4,16", help="concurrent clients, per level")
+    p.add_argument("--tokens", type=int, default=32, help="greedy tokens per request")
+    p.add_argument(
+        "--requests", type=int, default=2, help="requests per client at each level (back to back)"
+    )
+    p.add_argument("--ram", help="RAM budget: stream experts from SSD (e.g. 300M)")
+    p.add_argument("--context", type=int, default=256, help="prompt + tokens a request may use")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one(base: str, prompt: str, tokens: int) -> dict:
+    """One streamed greedy completion: its first-token and end times and token count."""
+    body = json.dumps(
+        {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
+    ).encode()
+    request = urllib.request.Request(
+        base + "/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    t0 = time.perf_counter()
+    first, n = None, 0
+    with urllib.request.urlopen(request, timeout=600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            n += 1
+            if first is None:
+                first = time.perf_counter()
+    return {"ttft": (first or time.perf_counter()) - t0, "end": time.perf_counter() - t0, "n": n}
+
+
+def _level(base: str, clients: int, requests: int, tokens: int) -> dict:
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def client(c: int) -> None:
+        for r in range(requests):
+            out = _one(base, PROMPTS[(c * requests + r) % len(PROMPTS)] + f" {c}.{r}", tokens)
+            with lock:
+                results.append(out)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    total = sum(r["n"] for r in results)
+    ttft = [r["ttft"] for r in results]
+    per_request = [(r["n"] - 1) / (r["end"] - r["ttft"]) for r in results if r["n"] > 1]
+    return {
+        "clients": clients,
+        "tokens": total,
+        "aggregate_tok_s": total / wall,
+        "per_request_tok_s": statistics.median(per_request) if per_request else 0.0,
+        "ttft_p50_s": float(np.percentile(ttft, 50)),
+        "ttft_p99_s": float(np.percentile(ttft, 99)),
+    }
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from coordinator.runtime import open_local, open_streaming
+    from coordinator.serve.app import ServerState, create_app
+    from coordinator.serve.engine import Engine
+    from moe.model.model_dir import ModelDir
+    from moe.units import parse_size
+
+    levels = sorted({int(c) for c in args.concurrency.split(",")})
+    if not levels or levels[0] < 1:
+        raise MoeshardError("--concurrency: positive integers, e.g. 1,4,16")
+    model = ModelDir(args.model)
+    top = levels[-1]
+    if args.ram:
+        rt = open_streaming(model, parse_size(args.ram), args.context * top)
+    else:
+        rt = open_local(model)
+    engine = Engine(rt.transformer, max_batch=top, max_queue=top)
+    state = ServerState(
+        engine=engine, tokenizer=rt.tokenizer, model_name=model.path.name, model_dir=model.path,
+        model_type=model.config.model_type, context=args.context, eos_ids=(),
+        experts=rt.experts,
+    )  # fmt: skip  # (no end-of-sequence: every request makes all its tokens)
+    port = _free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        _one(base, "warm-up", 2)
+        rows = []
+        for clients in levels:
+            before = rt.experts.stats()
+            row = _level(base, clients, args.requests, args.tokens)
+            after = rt.experts.stats()
+            row |= _expert_cost(before, after, row["tokens"])
+            rows.append(row)
+            _print_row(row, rows[0])
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        engine.close()
+        rt.experts.close()
+    return 0
+
+
+def _expert_cost(before: dict, after: dict, tokens: int) -> dict:
+    out = {}
+    if "expert_bytes_read" in after and "hits" in after:  # a RAM budget: reads from SSD
+        read = after["expert_bytes_read"] - before.get("expert_bytes_read", 0)
+        out["expert_bytes_per_token"] = read / max(tokens, 1)
+    nodes_after, nodes_before = after.get("nodes"), before.get("nodes") or []
+    if nodes_after:
+        calls = sum(n.get("calls", 0) for n in nodes_after)
+        calls -= sum(n.get("calls", 0) for n in nodes_before)
+        out["node_calls_per_token"] = calls / max(tokens, 1)
+    return out
+
+
+def _print_row(row: dict, base: dict) -> None:
+    ratio = row["aggregate_tok_s"] / base["aggregate_tok_s"]
+    line = (
+        f"concurrency {row['clients']:>3}: {row['tokens']:>5} tokens, aggregate "
+        f"{row['aggregate_tok_s']:8.1f} tok/s ({ratio:5.2f}x concurrency {base['clients']}), "
+        f"per request {row['per_request_tok_s']:7.1f} tok/s, first token p50 "
+        f"{row['ttft_p50_s'] * 1e3:7.1f} ms p99 {row['ttft_p99_s'] * 1e3:7.1f} ms"
+    )
+    if "expert_bytes_per_token" in row:
+        share = row["expert_bytes_per_token"] / max(base["expert_bytes_per_token"], 1e-9)
+        line += f", experts read {row['expert_bytes_per_token'] / 1e6:.2f} MB/token ({share:.2f}x)"
+    if "node_calls_per_token" in row:
+        share = row["node_calls_per_token"] / max(base["node_calls_per_token"], 1e-9)
+        line += f", node calls {row['node_calls_per_token']:.1f}/token ({share:.2f}x)"
+    print(line, flush=True)

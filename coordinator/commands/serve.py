@@ -1,0 +1,84 @@
+"""`moeshard serve MODEL`: the OpenAI-compatible API over continuous batching
+(`coordinator/serve`)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from coordinator.commands import EXIT_OK
+from coordinator.commands.network import add_peer_options
+from moe.errors import MoeshardError
+
+log = logging.getLogger(__name__)
+
+
+def add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    p.add_argument("model", help="model directory (from `moeshard convert`)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--name", help="the model's name in the API (default: the directory's)")
+    p.add_argument("--max-batch", type=int, default=16, help="sequences decoded together at most")
+    p.add_argument(
+        "--max-queue", type=int, default=64, help="requests waiting beyond that (then HTTP 429)"
+    )
+    p.add_argument(
+        "--context", type=int, default=2048, help="prompt + max_tokens a request may use"
+    )
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--ram", help="RAM budget: stream experts from SSD (e.g. 8G)")
+    add_peer_options(p, required=False)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    try:
+        import uvicorn
+    except ImportError:
+        raise MoeshardError("serve needs uvicorn and starlette (pip install moeshard)") from None
+    from coordinator.runtime import open_local, open_remote, open_streaming
+    from coordinator.serve.app import ServerState, create_app
+    from coordinator.serve.engine import Engine
+    from moe.model.model_dir import ModelDir
+    from moe.units import parse_size
+
+    if args.max_batch < 1 or args.max_queue < 0 or args.context < 2:
+        raise MoeshardError("--max-batch must be >= 1, --max-queue >= 0, --context >= 2")
+    if args.ram and (args.peers or args.discover):
+        raise MoeshardError("--ram streams experts from this machine's SSD; not with nodes")
+    model = ModelDir(args.model)
+    if args.peers or args.discover:
+        from coordinator.commands.network import client_config
+
+        rt = open_remote(
+            model, args.peers, args.discover, args.discover_timeout, client_config(args)
+        )
+    elif args.ram:  # every running sequence has its own cache: plan for all of them
+        rt = open_streaming(model, parse_size(args.ram), args.context * args.max_batch)
+    else:
+        rt = open_local(model)
+    engine = Engine(rt.transformer, max_batch=args.max_batch, max_queue=args.max_queue)
+    state = ServerState(
+        engine=engine,
+        tokenizer=rt.tokenizer,
+        model_name=args.name or model.path.name,
+        model_dir=model.path,
+        model_type=model.config.model_type,
+        context=args.context,
+        eos_ids=tuple(rt.eos_ids),
+        api_key=args.api_key,
+        experts=rt.experts,
+    )
+    print(
+        f"serving {state.model_name} on http://{args.host}:{args.port} (OpenAI API at /v1; "
+        f"max batch {args.max_batch}, queue {args.max_queue})",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="warning")
+    finally:
+        engine.close()
+        rt.experts.close()
+    return EXIT_OK

@@ -1,0 +1,467 @@
+"""The OpenAI-compatible HTTP API over the continuous-batching engine.
+
+Starlette (the ASGI toolkit under FastAPI: small, typed, maintained, with a streaming
+response that notices a client going away) served by uvicorn.  No request-model library: the
+few fields OpenAI's API defines are checked here, and every bad one is an HTTP 400 in OpenAI's
+error shape ``{"error": {"message", "type", "param", "code"}}``, so its client raises its usual
+`BadRequestError`.
+
+Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``"stream": true``:
+server-sent events of chunks, then ``data: [DONE]``), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus text), and ``GET /`` a chat page (one static file, `page.html`,
+that streams from the chat endpoint).  With an API key every /v1 route wants ``Authorization:
+Bearer KEY`` (401 otherwise).  A full queue is HTTP 429.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from coordinator.chat import chat_prompt
+from coordinator.generate import SamplingOptions
+from coordinator.serve.engine import Engine, QueueFull, Request
+from moe.errors import MoeshardError
+
+MAX_TOKENS_DEFAULT = 16  # OpenAI's completions default
+PAGE = Path(__file__).with_name("page.html")  # the chat page at /
+SAMPLING_LIMITS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, kind=None):
+        super().__init__(message)
+        self.param, self.status = param, status
+        self.kind = kind or "invalid_request_error"
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    tokenizer: Any  # encode(text) -> ids, decode(ids) -> text
+    model_name: str
+    model_dir: Any  # pathlib.Path of the model directory (chat template)
+    model_type: str
+    context: int  # prompt + max_tokens must fit
+    eos_ids: tuple[int, ...]
+    api_key: str | None = None
+    started: float = field(default_factory=time.time)
+    metrics: dict[str, float] = field(default_factory=dict)
+    experts: Any = None  # the experts backend, for its stats
+
+
+def error_body(message: str, kind: str, param: str | None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# -- request checking ------------------------------------------------------------------------
+
+
+def _number(body: dict, key: str, default: float) -> float:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise BadRequest(f"'{key}' must be a number", key)
+    low, high = SAMPLING_LIMITS.get(key, (float("-inf"), float("inf")))
+    if not low <= value <= high:
+        raise BadRequest(f"'{key}' must be between {low:g} and {high:g}, not {value}", key)
+    return float(value)
+
+
+def _int(body: dict, key: str, default: int | None, low: int = 0) -> int | None:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise BadRequest(f"'{key}' must be an integer >= {low}", key)
+    return value
+
+
+def _stops(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise BadRequest("'stop' must be a string or a list of up to 4 strings", "stop")
+    if len(stops) > 4:
+        raise BadRequest("'stop' takes at most 4 sequences", "stop")
+    return stops
+
+
+def sampling(body: dict, state: ServerState, prompt_tokens: int) -> tuple[SamplingOptions, dict]:
+    """SamplingOptions from OpenAI's fields, and the rest of what a request asked."""
+    if _int(body, "n", 1, low=1) != 1:
+        raise BadRequest("only n=1 is supported", "n")
+    max_tokens = _int(body, "max_completion_tokens", None, low=1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", MAX_TOKENS_DEFAULT, low=1)
+    if prompt_tokens + max_tokens > state.context:
+        raise BadRequest(
+            f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) is more than "
+            f"the {state.context} tokens this server plans for (serve --context)",
+            "max_tokens",
+        )
+    opts = SamplingOptions(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", 1.0),
+        seed=_int(body, "seed", None),
+        eos_ids=state.eos_ids,
+    )
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, False, True) and not isinstance(logprobs, int):
+        raise BadRequest("'logprobs' must be a boolean or an integer", "logprobs")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be true or false", "stream")
+    return opts, {"stops": _stops(body), "logprobs": bool(logprobs), "stream": stream}
+
+
+def completion_prompt(body: dict, state: ServerState) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if state.tokenizer is None:
+            raise BadRequest("this model has no tokenizer: give the prompt as token ids", "prompt")
+        ids = state.tokenizer.encode(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        ids = list(prompt)
+    else:
+        raise BadRequest("'prompt' must be a non-empty string or a list of token ids", "prompt")
+    if not ids:
+        raise BadRequest("the prompt is empty (it encodes to no tokens)", "prompt")
+    vocab = state.engine.model.config.vocab_size
+    if any(not 0 <= t < vocab for t in ids):
+        raise BadRequest(f"token ids must be in 0..{vocab - 1}", "prompt")
+    return ids
+
+
+def chat_prompt_ids(body: dict, state: ServerState) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", "messages")
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant",
+                                                             "developer", "tool"):  # fmt: skip
+            raise BadRequest("each message needs a role (system, user or assistant)", "messages")
+        if not isinstance(m.get("content"), str | type(None)):
+            raise BadRequest("message content must be a string", "messages")
+    if state.tokenizer is None:
+        raise BadRequest("this model has no tokenizer: use /v1/completions with token ids")
+    try:
+        text = chat_prompt(state.model_dir, state.model_type, messages)
+    except MoeshardError as exc:
+        raise BadRequest(str(exc), "messages") from None
+    return state.tokenizer.encode(text)
+
+
+# -- streaming text out of tokens ------------------------------------------------------------
+
+
+class TextStream:
+    """Token ids in, text deltas out: held back while the text ends in a partial UTF-8
+    character or could still become a stop sequence; `stopped` once one appears."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the text already given out
+        self.stopped = False
+
+    def text(self) -> str:
+        return self.tokenizer.decode(self.ids) if self.tokenizer is not None else ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.text()
+        for stop in self.stops:
+            at = text.find(stop, max(0, self.sent - len(stop)))
+            if at >= 0:
+                self.stopped = True
+                out, self.sent = text[self.sent : at], at
+                return out
+        safe = len(text)
+        if text.endswith("\ufffd"):
+            safe = len(text) - 1  # a character still arriving
+        for stop in self.stops:  # keep back a tail that could begin a stop sequence
+            for n in range(min(len(stop) - 1, safe), 0, -1):
+                if text[safe - n : safe] == stop[:n]:
+                    safe -= n
+                    break
+        out, self.sent = text[self.sent : max(self.sent, safe)], max(self.sent, safe)
+        return out
+
+    def rest(self) -> str:
+        if self.stopped:
+            return ""
+        text = self.text()
+        out, self.sent = text[self.sent :], len(text)
+        return out
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+# -- the routes ------------------------------------------------------------------------------
+
+
+def create_app(state: ServerState):
+    """The Starlette application over `state` (its engine already running)."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request as HttpRequest
+    from starlette.responses import (
+        HTMLResponse,
+        JSONResponse,
+        PlainTextResponse,
+        StreamingResponse,
+    )
+    from starlette.routing import Route
+
+    def fail(exc: BadRequest) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), exc.kind, exc.param), status_code=exc.status)
+
+    def authorised(request: HttpRequest) -> bool:
+        if state.api_key is None:
+            return True
+        header = request.headers.get("authorization", "")
+        given = header[7:] if header.lower().startswith("bearer ") else ""
+        return secrets.compare_digest(given.encode(), state.api_key.encode())
+
+    async def body_of(request: HttpRequest) -> dict:
+        if not authorised(request):
+            raise BadRequest("invalid API key", None, 401, "authentication_error")
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise BadRequest("the request body is not JSON") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != state.model_name:
+            raise BadRequest(f"model {model!r} is not served here ({state.model_name!r} is)",
+                             "model", 404, "not_found_error")  # fmt: skip
+        return body
+
+    def count(name: str, value: float = 1.0) -> None:
+        state.metrics[name] = state.metrics.get(name, 0.0) + value
+
+    async def events(req: Request):
+        """The engine's events for `req`, without blocking the event loop."""
+        loop = asyncio.get_running_loop()
+        while True:
+            event = await loop.run_in_executor(None, req.events.get)
+            yield event
+            if event.kind == "end":
+                return
+
+    def submit(ids: list[int], opts: SamplingOptions, extra: dict) -> Request:
+        try:
+            req = state.engine.submit(ids, opts, logprobs=extra["logprobs"])
+        except QueueFull as exc:
+            count("moeshard_requests_rejected_total")
+            raise BadRequest(f"the server is busy: {exc}", None, 429, "rate_limit_error") from None
+        count("moeshard_requests_total")
+        count("moeshard_prompt_tokens_total", len(ids))
+        return req
+
+    async def run(ids, opts, extra, chunk, final) -> Any:
+        """Stream (SSE) or collect one request; `chunk(delta, finish, logprob)` and
+        `final(text, finish, usage, logprobs)` shape the API's objects."""
+        req = submit(ids, opts, extra)
+        text = TextStream(state.tokenizer, extra["stops"])
+
+        def usage() -> dict:
+            n = len(req.tokens)
+            return {"prompt_tokens": len(ids), "completion_tokens": n,
+                    "total_tokens": len(ids) + n}  # fmt: skip
+
+        async def tokens():
+            """(delta text, finish or None, logprob) as the engine gives tokens."""
+            try:
+                async for event in events(req):
+                    if event.kind == "token":
+                        count("moeshard_generated_tokens_total")
+                        delta = text.push(event.token)
+                        if text.stopped:
+                            req.cancel()
+                            yield delta, "stop", event.logprob
+                            return
+                        yield delta, None, event.logprob
+                    else:
+                        if event.finish == "error":
+                            raise RuntimeError(event.error)
+                        finish = {"eos": "stop", "length": "length"}.get(event.finish, "stop")
+                        yield text.rest(), finish, None
+                        return
+            finally:
+                req.cancel()  # a client gone (or done): its slot is freed at the next step
+
+        if extra["stream"]:
+
+            async def sse():
+                async for delta, finish, logprob in tokens():
+                    yield f"data: {json.dumps(chunk(delta, finish, logprob))}\n\n"
+                    if finish is not None:
+                        break
+                if extra.get("include_usage"):
+                    yield f"data: {json.dumps(final(None, None, usage(), None))}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(sse(), media_type="text/event-stream")
+        parts, finish, logprobs = [], "stop", []
+        async for delta, end, logprob in tokens():
+            parts.append(delta)
+            if logprob is not None:
+                logprobs.append(logprob)
+            if end is not None:
+                finish = end
+                break
+        return JSONResponse(final("".join(parts), finish, usage(), logprobs or None))
+
+    async def completions(request: HttpRequest):
+        try:
+            body = await body_of(request)
+            ids = completion_prompt(body, state)
+            opts, extra = sampling(body, state, len(ids))
+            extra["include_usage"] = bool((body.get("stream_options") or {}).get("include_usage"))
+        except BadRequest as exc:
+            return fail(exc)
+        rid, created = new_id("cmpl"), int(time.time())
+
+        def chunk(delta, finish, logprob):
+            choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
+            if logprob is not None:
+                choice["logprobs"] = {"token_logprobs": [logprob]}
+            return {"id": rid, "object": "text_completion", "created": created,
+                    "model": state.model_name, "choices": [choice]}  # fmt: skip
+
+        def final(text, finish, usage, logprobs):
+            choices = [] if text is None else [{
+                "index": 0, "text": text, "finish_reason": finish,
+                "logprobs": None if logprobs is None else {"token_logprobs": logprobs},
+            }]  # fmt: skip
+            return {"id": rid, "object": "text_completion", "created": created,
+                    "model": state.model_name, "choices": choices, "usage": usage}  # fmt: skip
+
+        try:
+            return await run(ids, opts, extra, chunk, final)
+        except BadRequest as exc:
+            return fail(exc)
+
+    async def chat_completions(request: HttpRequest):
+        try:
+            body = await body_of(request)
+            ids = chat_prompt_ids(body, state)
+            opts, extra = sampling(body, state, len(ids))
+            extra["include_usage"] = bool((body.get("stream_options") or {}).get("include_usage"))
+        except BadRequest as exc:
+            return fail(exc)
+        rid, created = new_id("chatcmpl"), int(time.time())
+        first = [True]
+
+        def chunk(delta, finish, logprob):
+            d = {"content": delta}
+            if first[0]:
+                d["role"], first[0] = "assistant", False
+            choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+            if logprob is not None:
+                choice["logprobs"] = {"content": [{"logprob": logprob}]}
+            return {"id": rid, "object": "chat.completion.chunk", "created": created,
+                    "model": state.model_name, "choices": [choice]}  # fmt: skip
+
+        def final(text, finish, usage, logprobs):
+            if text is None:  # the usage chunk of a stream
+                return {"id": rid, "object": "chat.completion.chunk", "created": created,
+                        "model": state.model_name, "choices": [], "usage": usage}  # fmt: skip
+            choice = {
+                "index": 0, "message": {"role": "assistant", "content": text},
+                "finish_reason": finish,
+                "logprobs": None if logprobs is None else {
+                    "content": [{"logprob": p} for p in logprobs]},
+            }  # fmt: skip
+            return {"id": rid, "object": "chat.completion", "created": created,
+                    "model": state.model_name, "choices": [choice], "usage": usage}  # fmt: skip
+
+        try:
+            return await run(ids, opts, extra, chunk, final)
+        except BadRequest as exc:
+            return fail(exc)
+
+    async def models(request: HttpRequest):
+        if not authorised(request):
+            return fail(BadRequest("invalid API key", None, 401, "authentication_error"))
+        entry = {"id": state.model_name, "object": "model", "created": int(state.started),
+                 "owned_by": "moeshard"}  # fmt: skip
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def health(request: HttpRequest):
+        e = state.engine
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": state.model_name,
+                "running": e.running(),
+                "waiting": e.queue_depth(),
+            }  # fmt: skip
+        )
+
+    async def page(request: HttpRequest):
+        return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+
+    async def metrics(request: HttpRequest):
+        return PlainTextResponse(prometheus_text(state), media_type="text/plain; version=0.0.4")
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/", page, methods=["GET"]),
+    ]
+    return Starlette(routes=routes)
+
+
+def prometheus_text(state: ServerState) -> str:
+    """The counters and gauges in Prometheus' text format."""
+    e = state.engine
+    s = e.stats
+    up = max(time.time() - state.started, 1e-9)
+    lines = []
+
+    def metric(name: str, kind: str, help_text: str, value: float) -> None:
+        lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value:g}"])
+
+    metric("moeshard_requests_total", "counter", "requests accepted",
+           state.metrics.get("moeshard_requests_total", 0))  # fmt: skip
+    metric("moeshard_requests_rejected_total", "counter", "requests refused: queue full",
+           state.metrics.get("moeshard_requests_rejected_total", 0))  # fmt: skip
+    metric("moeshard_prompt_tokens_total", "counter", "prompt tokens in", s.prompt_tokens)
+    metric("moeshard_generated_tokens_total", "counter", "tokens out", s.generated_tokens)
+    metric("moeshard_tokens_per_second", "gauge", "tokens out per second of engine work",
+           s.generated_tokens / s.busy_s if s.busy_s else 0.0)  # fmt: skip
+    metric("moeshard_uptime_seconds", "gauge", "seconds since start", up)
+    metric("moeshard_queue_depth", "gauge", "requests waiting for a slot", e.queue_depth())
+    metric("moeshard_batch_size", "gauge", "sequences running now", e.running())
+    metric("moeshard_batch_size_mean", "gauge", "sequences per step, mean",
+           s.batch_rows / s.steps if s.steps else 0.0)  # fmt: skip
+    stats = state.experts.stats() if state.experts is not None else {}
+    hits, misses = stats.get("hits"), stats.get("misses")
+    if hits is not None and misses is not None and hits + misses:
+        metric("moeshard_expert_cache_hit_ratio", "gauge", "expert cache hits / lookups",
+               hits / (hits + misses))  # fmt: skip
+    for node in stats.get("nodes", []) or []:
+        name = str(node.get("name") or node.get("addr", "?")).replace('"', "")
+        ms = node.get("mean_ms", node.get("ewma_ms"))
+        if ms is not None:
+            lines.append(f'moeshard_node_call_latency_ms{{node="{name}"}} {ms:g}')
+    return "\n".join(lines) + "\n"

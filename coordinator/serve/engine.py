@@ -1,0 +1,233 @@
+"""Continuous batching: many requests share one model, joining and leaving at token
+boundaries.
+
+One scheduler thread owns the model.  Each step it admits waiting requests (up to
+`max_batch` running), then makes one `Transformer.forward_batch` call over every running
+sequence, each with its own cache: a new request's whole prompt (its prefill) beside the
+others' single decode rows.  So each MoE layer makes one experts call with every sequence's
+rows, and an expert that several sequences route to is read (or fetched from a node) once per
+step.  Each sequence samples its next token from its own logits with its own random
+generator; a sequence's logits do not depend on what else is in the batch (the kernels
+compute a row the same way in any batch), so greedy requests give the same tokens alone or
+together (tests/test_serve_engine.py).
+
+A request ends at an end-of-sequence token, a stop sequence, `max_tokens`, or when its
+client goes away (`Request.cancel`): it leaves the batch at the next token boundary and its
+cache is dropped at once.  Beyond `max_queue` waiting requests `submit` refuses (HTTP 429 in
+the server).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from coordinator.generate import SamplingOptions, sample
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """More requests are waiting than the engine accepts (`max_queue`)."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a request's stream receives: a token (with its logits' log-probabilities when
+    asked), or the end with why ("eos", "stop", "length", "cancelled", "error")."""
+
+    kind: str  # "token" or "end"
+    token: int = -1
+    logprob: float | None = None
+    finish: str = ""
+    error: str = ""
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    opts: SamplingOptions
+    logprobs: bool = False
+    events: queue.Queue = field(default_factory=queue.Queue)  # Event, in order
+    tokens: list[int] = field(default_factory=list)
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None  # seconds from submit to the first token
+    finish: str = ""
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """The client went away: leave the batch at the next token boundary."""
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def stream(self, timeout: float | None = None):
+        """The request's events as they come, up to and including its end."""
+        while True:
+            event = self.events.get(timeout=timeout)
+            yield event
+            if event.kind == "end":
+                return
+
+
+@dataclass
+class _Running:
+    request: Request
+    cache: object
+    rng: np.random.Generator
+    pending: list[int]  # ids to feed next: the prompt, then the last token
+
+
+@dataclass
+class EngineStats:
+    requests: int = 0
+    finished: int = 0
+    rejected: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    batch_rows: int = 0  # sum over steps of the sequences in the step
+    busy_s: float = 0.0
+
+
+class Engine:
+    """The scheduler (see the module docstring).  `model` is a family Transformer (any
+    experts backend); `close` stops the thread and ends every request with "cancelled"."""
+
+    def __init__(self, model, max_batch: int = 16, max_queue: int = 64):
+        if max_batch < 1 or max_queue < 0:
+            raise ValueError("max_batch must be >= 1 and max_queue >= 0")
+        self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
+        # families without a batched pass run their sequences one after the other
+        self._forward_batch = getattr(model, "forward_batch", None) or (
+            lambda batch: [model.forward(ids, cache) for ids, cache in batch]
+        )
+        self.stats = EngineStats()
+        self._waiting: deque[Request] = deque()
+        self._running: list[_Running] = []
+        self._lock = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="moeshard-engine", daemon=True)
+        self._thread.start()
+
+    # -- the clients' side ------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], opts: SamplingOptions, logprobs=False) -> Request:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        request = Request(list(prompt_ids), opts, logprobs)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            if len(self._waiting) >= self.max_queue + max(0, self.max_batch - len(self._running)):
+                self.stats.rejected += 1
+                raise QueueFull(f"{len(self._waiting)} requests are waiting already")
+            self._waiting.append(request)
+            self.stats.requests += 1
+            self._lock.notify()
+        return request
+
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    def running(self) -> int:
+        return len(self._running)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        self._thread.join()
+
+    # -- the scheduler thread ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and not self._waiting and not self._running:
+                    self._lock.wait()
+                if self._closed:
+                    break
+                self._admit()
+            try:
+                self._step()
+            except Exception as exc:  # a failed step ends its requests, not the server
+                log.exception("batch step failed")
+                for r in self._running:
+                    self._end(r.request, "error", str(exc) or type(exc).__name__)
+                self._running.clear()
+        for r in self._running:
+            self._end(r.request, "cancelled")
+        for request in self._waiting:
+            self._end(request, "cancelled")
+
+    def _admit(self) -> None:
+        """Waiting requests join while there is room (called with the lock held)."""
+        while self._waiting and len(self._running) < self.max_batch:
+            request = self._waiting.popleft()
+            if request.cancelled:
+                self._end(request, "cancelled")
+                continue
+            cache = self.model.new_cache(len(request.prompt_ids) + request.opts.max_tokens)
+            rng = np.random.default_rng(request.opts.seed)
+            self._running.append(_Running(request, cache, rng, list(request.prompt_ids)))
+            self.stats.prompt_tokens += len(request.prompt_ids)
+
+    def _step(self) -> None:
+        for r in [r for r in self._running if r.request.cancelled]:
+            self._end(r.request, "cancelled")  # its cache goes with it
+            self._running.remove(r)
+        if not self._running:
+            return
+        t0 = time.perf_counter()
+        batch = [(np.asarray(r.pending, dtype=np.int64), r.cache) for r in self._running]
+        logits = self._forward_batch(batch)  # [T_s, V] per sequence
+        self.stats.steps += 1
+        self.stats.batch_rows += len(batch)
+        still = []
+        for r, out in zip(self._running, logits, strict=True):
+            last = out[-1]  # [V]
+            token = sample(last, r.request.opts, r.rng)
+            self._emit(r.request, token, last)
+            finish = self._finish(r.request, token)
+            if finish:
+                self._end(r.request, finish)
+            else:
+                r.pending = [token]
+                still.append(r)
+        self._running = still
+        self.stats.busy_s += time.perf_counter() - t0
+
+    def _emit(self, request: Request, token: int, logits: np.ndarray) -> None:
+        if request.first_token_s is None:
+            request.first_token_s = time.perf_counter() - request.submitted
+        request.tokens.append(token)
+        self.stats.generated_tokens += 1
+        logprob = None
+        if request.logprobs:
+            shifted = logits.astype(np.float64) - logits.max()
+            logprob = float(shifted[token] - np.log(np.exp(shifted).sum()))
+        request.events.put(Event("token", token=token, logprob=logprob))
+
+    @staticmethod
+    def _finish(request: Request, token: int) -> str:
+        if token in request.opts.eos_ids:
+            return "eos"
+        if len(request.tokens) >= request.opts.max_tokens:
+            return "length"
+        if request.cancelled:
+            return "cancelled"
+        return ""
+
+    def _end(self, request: Request, finish: str, error: str = "") -> None:
+        request.finish = finish
+        self.stats.finished += 1
+        request.events.put(Event("end", finish=finish, error=error))

@@ -1,0 +1,83 @@
+"""Continuous batching's forward pass (`Transformer.forward_batch`): several sequences, each
+with its own cache, in one pass; a sequence's logits are the same bits as when it runs alone,
+whatever else is in the batch (prefill rows beside decode rows, any lengths)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import ROOT
+
+from coordinator.runtime import open_local
+from moe.convert.converter import convert
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("batching") / "demo"
+    convert(ROOT / "models" / "demo-hf", out, progress=False)
+    return open_local(out).transformer
+
+
+def alone(model, steps):
+    """Logits of one sequence fed `steps` (lists of ids) one forward call each."""
+    cache = model.new_cache(64)
+    return [model.forward(np.array(ids), cache) for ids in steps]
+
+
+def test_a_sequence_in_a_batch_gets_its_alone_bits(demo):
+    prompts = [[1, 5, 9, 2, 7], [42], [100, 200, 300], [7, 7, 7, 7, 7, 7, 7, 7]]
+    follow = [[11], [12], [13], [14]]
+    want = [alone(demo, [p, f, f]) for p, f in zip(prompts, follow, strict=True)]
+    caches = [demo.new_cache(64) for _ in prompts]
+    # step 1: two prefills together; step 2: their decode rows beside two other prefills;
+    # step 3: four decode rows
+    first = demo.forward_batch(
+        [(np.array(prompts[0]), caches[0]), (np.array(prompts[1]), caches[1])]
+    )
+    second = demo.forward_batch(
+        [(np.array(follow[0]), caches[0]), (np.array(prompts[2]), caches[2]),
+         (np.array(follow[1]), caches[1]), (np.array(prompts[3]), caches[3])]
+    )  # fmt: skip
+    third = demo.forward_batch([(np.array(f), c) for f, c in zip(follow, caches, strict=True)])
+    np.testing.assert_array_equal(first[0], want[0][0])
+    np.testing.assert_array_equal(first[1], want[1][0])
+    np.testing.assert_array_equal(second[0], want[0][1])
+    np.testing.assert_array_equal(second[1], want[2][0])
+    np.testing.assert_array_equal(second[2], want[1][1])
+    np.testing.assert_array_equal(second[3], want[3][0])
+    for s in range(4):
+        step = 2 if s < 2 else 1
+        np.testing.assert_array_equal(third[s], want[s][step])
+
+
+@pytest.fixture(scope="module")
+def k3(tmp_path_factory):
+    from moe.convert.synth import synth
+
+    out = tmp_path_factory.mktemp("batching") / "k3"
+    synth(out, "k3")  # MXFP4 experts, every K3 part
+    return out
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_linear", "olmoe", "kimi_k3"])
+def test_every_family_batches_with_alone_bits(family, converted, k3):
+    """A prefill beside decode rows and other prefills, for each family's forward_batch."""
+    path = k3 if family == "kimi_k3" else converted(family, experts="q4_0", trunk="bf16")
+    model = open_local(path).transformer
+    vocab = model.config.vocab_size
+    prompts = [[1, 5, 9, 2, 7], [42 % vocab], [100 % vocab, 200 % vocab, 30]]
+    want = [alone(model, [p, [11]]) for p in prompts]
+    caches = [model.new_cache(64) for _ in prompts]
+    first = model.forward_batch([(np.array(prompts[0]), caches[0])])
+    second = model.forward_batch(
+        [(np.array([11]), caches[0]), (np.array(prompts[1]), caches[1]),
+         (np.array(prompts[2]), caches[2])]
+    )  # fmt: skip
+    third = model.forward_batch([(np.array([11]), caches[1]), (np.array([11]), caches[2])])
+    np.testing.assert_array_equal(first[0], want[0][0])
+    np.testing.assert_array_equal(second[0], want[0][1])
+    np.testing.assert_array_equal(second[1], want[1][0])
+    np.testing.assert_array_equal(second[2], want[2][0])
+    np.testing.assert_array_equal(third[0], want[1][1])
+    np.testing.assert_array_equal(third[1], want[2][1])

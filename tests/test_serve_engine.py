@@ -1,0 +1,107 @@
+"""The continuous-batching engine (`coordinator/serve/engine.py`) on the embedded model:
+requests join and leave at token boundaries, greedy tokens are the same alone or together,
+one experts call per layer serves every running sequence, a cancelled request frees its
+slot, and a full queue refuses."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from helpers import ROOT
+
+from coordinator.generate import SamplingOptions, generate
+from coordinator.runtime import open_local
+from coordinator.serve.engine import Engine, QueueFull
+from moe.convert.converter import convert
+
+PROMPTS = [[1, 5, 9, 2, 7], [42], [100, 200, 300], [7] * 8, [3, 1, 4, 1, 5, 9, 2, 6], [77, 88]]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("engine") / "demo"
+    convert(ROOT / "models" / "demo-hf", out, progress=False)
+    return open_local(out).transformer
+
+
+class CountingExperts:
+    """The model's experts backend, counting calls and rows per MoE layer."""
+
+    def __init__(self, inner):
+        self.inner, self.calls, self.rows = inner, 0, 0
+
+    def __call__(self, layer, hidden, ids, weights, dtype=np.float32, hint=None):
+        self.calls += 1
+        self.rows += hidden.shape[0]
+        return self.inner(layer, hidden, ids, weights, dtype, hint)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_greedy_tokens_are_the_same_alone_or_together(demo):
+    opts = [SamplingOptions(max_tokens=6 + 3 * i) for i in range(len(PROMPTS))]
+    alone = [generate(demo, p, o).tokens for p, o in zip(PROMPTS, opts, strict=True)]
+    engine = Engine(demo, max_batch=4, max_queue=8)  # 6 requests: some wait, join later
+    try:
+        requests = [engine.submit(p, o) for p, o in zip(PROMPTS, opts, strict=True)]
+        for r in requests:
+            events = list(r.stream(timeout=60))
+            assert events[-1].finish == "length"
+        assert [r.tokens for r in requests] == alone
+        assert engine.stats.batch_rows > engine.stats.steps  # steps ran several sequences
+    finally:
+        engine.close()
+
+
+def test_one_experts_call_per_layer_serves_every_sequence(demo):
+    counting = CountingExperts(demo.experts)
+    demo.experts = counting
+    try:
+        engine = Engine(demo, max_batch=4)
+        requests = [engine.submit(p, SamplingOptions(max_tokens=5)) for p in PROMPTS[:4]]
+        for r in requests:
+            list(r.stream(timeout=60))
+        engine.close()
+    finally:
+        demo.experts = counting.inner
+    moe_layers = len(demo.config.moe_layers)
+    assert counting.calls == engine.stats.steps * moe_layers
+    assert counting.calls < 4 * 5 * moe_layers  # fewer than one call per sequence and step
+
+
+def test_a_cancelled_request_frees_its_slot(demo):
+    engine = Engine(demo, max_batch=1, max_queue=4)
+    try:
+        long = engine.submit(PROMPTS[0], SamplingOptions(max_tokens=200))
+        short = engine.submit(PROMPTS[1], SamplingOptions(max_tokens=3))
+        first = next(long.stream(timeout=60))
+        assert first.kind == "token" and short.tokens == []  # waiting: the slot is taken
+        long.cancel()
+        assert list(long.stream(timeout=60))[-1].finish == "cancelled"
+        assert list(short.stream(timeout=60))[-1].finish == "length"
+        assert len(long.tokens) < 200
+    finally:
+        engine.close()
+
+
+def test_a_full_queue_refuses(demo):
+    gate = threading.Event()
+    engine = Engine(demo, max_batch=1, max_queue=1)
+    original = engine._forward_batch
+    engine._forward_batch = lambda batch: (gate.wait(30), original(batch))[1]
+    try:
+        engine.submit(PROMPTS[0], SamplingOptions(max_tokens=2))  # admitted, held at its step
+        for _ in range(100):  # until the scheduler has taken it
+            if engine.running():
+                break
+            threading.Event().wait(0.01)
+        engine.submit(PROMPTS[1], SamplingOptions(max_tokens=2))  # waits: the queue's one
+        with pytest.raises(QueueFull):
+            engine.submit(PROMPTS[2], SamplingOptions(max_tokens=2))
+        assert engine.stats.rejected == 1
+    finally:
+        gate.set()
+        engine.close()
