@@ -365,3 +365,32 @@ def test_decode_weighted_sum_equals_the_parts_combined(fmt, run):
         )
         is None
     )
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "mxfp4", "bf16", "f32"])
+def test_experts_on_their_rows_equal_expert_ffn(fmt):
+    """experts_ffn_rows (several experts, each on its own rows, one parallel region) gives each
+    row the bits expert_ffn gives it, with either gated unit."""
+    rng = np.random.default_rng(11)
+    hidden, inter, m = 64, 96, 4
+    recs = [
+        quant.pack_expert(
+            rng.standard_normal((inter, hidden)).astype(np.float32) * 0.1,
+            rng.standard_normal((inter, hidden)).astype(np.float32) * 0.1,
+            rng.standard_normal((hidden, inter)).astype(np.float32) * 0.1,
+            fmt,
+        )
+        for _ in range(m)
+    ]
+    arena = np.concatenate(recs)
+    starts = np.array([0, 3, 3, 4, 9])  # expert 1 has no rows
+    x = rng.standard_normal((9, hidden)).astype(np.float32)
+    for glu in (quant.SWIGLU, quant.situ(4.0, 25.0)):
+        y = quant.experts_ffn_rows(
+            arena, np.arange(m) * recs[0].size, fmt, hidden, inter, x, starts, glu
+        )
+        for e in range(m):
+            rows = slice(starts[e], starts[e + 1])
+            if starts[e + 1] > starts[e]:
+                want = quant.expert_ffn(recs[e], fmt, hidden, inter, x[rows], glu)
+                np.testing.assert_array_equal(y[rows], want)

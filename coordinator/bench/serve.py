@@ -51,7 +51,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _one(base: str, prompt: str, tokens: int) -> dict:
+def _one(base: str, prompt: str | list[int], tokens: int) -> dict:
     """One streamed greedy completion: its first-token and end times and token count."""
     body = json.dumps(
         {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
@@ -72,13 +72,20 @@ def _one(base: str, prompt: str, tokens: int) -> dict:
     return {"ttft": (first or time.perf_counter()) - t0, "end": time.perf_counter() - t0, "n": n}
 
 
-def _level(base: str, clients: int, requests: int, tokens: int) -> dict:
+def _prompt(i: int, ids: bool) -> str | list[int]:
+    """Request i's prompt: text, or token ids for a model without a tokenizer."""
+    if ids:
+        return [1 + (i * 7 + j * 13) % 200 for j in range(8)]
+    return PROMPTS[i % len(PROMPTS)] + f" {i}"
+
+
+def _level(base: str, clients: int, requests: int, tokens: int, ids: bool) -> dict:
     results: list[dict] = []
     lock = threading.Lock()
 
     def client(c: int) -> None:
         for r in range(requests):
-            out = _one(base, PROMPTS[(c * requests + r) % len(PROMPTS)] + f" {c}.{r}", tokens)
+            out = _one(base, _prompt(c * requests + r, ids), tokens)
             with lock:
                 results.append(out)
 
@@ -103,54 +110,61 @@ def _level(base: str, clients: int, requests: int, tokens: int) -> dict:
 
 
 def run(args) -> int:
-    import uvicorn
+    import subprocess
+    import sys
 
-    from coordinator.runtime import open_local, open_streaming
-    from coordinator.serve.app import ServerState, create_app
-    from coordinator.serve.engine import Engine
     from moe.model.model_dir import ModelDir
-    from moe.units import parse_size
 
     levels = sorted({int(c) for c in args.concurrency.split(",")})
     if not levels or levels[0] < 1:
         raise MoeshardError("--concurrency: positive integers, e.g. 1,4,16")
-    model = ModelDir(args.model)
-    top = levels[-1]
+    from coordinator.tokenizer import load as load_tokenizer
+
+    model = ModelDir(args.model)  # a clear error before a server starts
+    ids = load_tokenizer(model.path) is None  # no tokenizer: prompts as token ids
+    top, port = levels[-1], _free_port()
+    cmd = [sys.executable, "-m", "coordinator.cli", "serve", args.model, "--port", str(port),
+           "--max-batch", str(top), "--max-queue", str(top), "--context", str(args.context),
+           "--no-eos"]  # fmt: skip  # (every request makes all its tokens)
     if args.ram:
-        rt = open_streaming(model, parse_size(args.ram), args.context * top)
-    else:
-        rt = open_local(model)
-    engine = Engine(rt.transformer, max_batch=top, max_queue=top)
-    state = ServerState(
-        engine=engine, tokenizer=rt.tokenizer, model_name=model.path.name, model_dir=model.path,
-        model_type=model.config.model_type, context=args.context, eos_ids=(),
-        experts=rt.experts,
-    )  # fmt: skip  # (no end-of-sequence: every request makes all its tokens)
-    port = _free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+        cmd += ["--ram", args.ram]
+    # the server in its own process, as a user runs it: its engine and event loop do not
+    # share an interpreter lock with the load generator's client threads
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
-    while not server.started:
-        time.sleep(0.05)
     try:
-        _one(base, "warm-up", 2)
+        _wait_up(base, server)
+        _one(base, _prompt(10_000, ids), 2)
         rows = []
         for clients in levels:
-            before = rt.experts.stats()
-            row = _level(base, clients, args.requests, args.tokens)
-            after = rt.experts.stats()
-            row |= _expert_cost(before, after, row["tokens"])
+            before = _stats(base)
+            row = _level(base, clients, args.requests, args.tokens, ids)
+            row |= _expert_cost(before, _stats(base), row["tokens"])
             rows.append(row)
             _print_row(row, rows[0])
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        engine.close()
-        rt.experts.close()
+        server.terminate()
+        server.wait(timeout=30)
     return 0
+
+
+def _wait_up(base: str, server) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise MoeshardError(f"the server stopped: {server.stderr.read().strip()[-500:]}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise MoeshardError("the server did not answer /health within 300 s")
+
+
+def _stats(base: str) -> dict:
+    """The server's experts counters (its /health carries them)."""
+    with urllib.request.urlopen(base + "/health", timeout=10) as r:
+        return json.loads(r.read()).get("experts", {})
 
 
 def _expert_cost(before: dict, after: dict, tokens: int) -> dict:

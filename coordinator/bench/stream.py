@@ -49,7 +49,7 @@ def no_ffn(record, fmt, hidden, inter, x, glu=None) -> np.ndarray:
     return np.zeros_like(x)  # [n, H]
 
 
-IO_ONLY = ExpertKernels(one=no_ffn, batch1=None, batch1_sum=None)
+IO_ONLY = ExpertKernels(one=no_ffn, batch1=None, batch1_sum=None, rows=None)
 
 
 class NaiveExperts(ExpertsBase):

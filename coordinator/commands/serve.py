@@ -28,6 +28,11 @@ def add_serve(sub) -> None:
     )
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--ram", help="RAM budget: stream experts from SSD (e.g. 8G)")
+    p.add_argument(
+        "--no-eos",
+        action="store_true",
+        help="ignore end-of-sequence tokens: every request makes max_tokens (benchmarks)",
+    )
     add_peer_options(p, required=False)
     p.set_defaults(func=cmd_serve)
 
@@ -66,7 +71,7 @@ def cmd_serve(args) -> int:
         model_dir=model.path,
         model_type=model.config.model_type,
         context=args.context,
-        eos_ids=tuple(rt.eos_ids),
+        eos_ids=() if args.no_eos else tuple(rt.eos_ids),
         api_key=args.api_key,
         experts=rt.experts,
     )

@@ -254,29 +254,35 @@ def create_app(state: ServerState):
     def count(name: str, value: float = 1.0) -> None:
         state.metrics[name] = state.metrics.get(name, 0.0) + value
 
-    async def events(req: Request):
-        """The engine's events for `req`, without blocking the event loop."""
-        loop = asyncio.get_running_loop()
+    async def events(req: Request, inbox: asyncio.Queue):
+        """The engine's events for `req` as they arrive in `inbox`."""
         while True:
-            event = await loop.run_in_executor(None, req.events.get)
+            event = await inbox.get()
             yield event
             if event.kind == "end":
                 return
 
-    def submit(ids: list[int], opts: SamplingOptions, extra: dict) -> Request:
+    def submit(ids: list[int], opts: SamplingOptions, extra: dict) -> tuple[Request, Any]:
+        """The request, and the asyncio queue its events arrive in (handed over from the
+        scheduler thread with call_soon_threadsafe: no thread hop per token)."""
+        loop, inbox = asyncio.get_running_loop(), asyncio.Queue()
+
+        def listener(event) -> None:
+            loop.call_soon_threadsafe(inbox.put_nowait, event)
+
         try:
-            req = state.engine.submit(ids, opts, logprobs=extra["logprobs"])
+            req = state.engine.submit(ids, opts, logprobs=extra["logprobs"], listener=listener)
         except QueueFull as exc:
             count("moeshard_requests_rejected_total")
             raise BadRequest(f"the server is busy: {exc}", None, 429, "rate_limit_error") from None
         count("moeshard_requests_total")
         count("moeshard_prompt_tokens_total", len(ids))
-        return req
+        return req, inbox
 
     async def run(ids, opts, extra, chunk, final) -> Any:
         """Stream (SSE) or collect one request; `chunk(delta, finish, logprob)` and
         `final(text, finish, usage, logprobs)` shape the API's objects."""
-        req = submit(ids, opts, extra)
+        req, inbox = submit(ids, opts, extra)
         text = TextStream(state.tokenizer, extra["stops"])
 
         def usage() -> dict:
@@ -287,7 +293,7 @@ def create_app(state: ServerState):
         async def tokens():
             """(delta text, finish or None, logprob) as the engine gives tokens."""
             try:
-                async for event in events(req):
+                async for event in events(req, inbox):
                     if event.kind == "token":
                         count("moeshard_generated_tokens_total")
                         delta = text.push(event.token)
@@ -405,14 +411,10 @@ def create_app(state: ServerState):
 
     async def health(request: HttpRequest):
         e = state.engine
-        return JSONResponse(
-            {
-                "status": "ok",
-                "model": state.model_name,
-                "running": e.running(),
-                "waiting": e.queue_depth(),
-            }  # fmt: skip
-        )
+        stats = state.experts.stats() if state.experts is not None else {}
+        body = {"status": "ok", "model": state.model_name, "running": e.running()}
+        body |= {"waiting": e.queue_depth(), "experts": _jsonable(stats)}
+        return JSONResponse(body)
 
     async def page(request: HttpRequest):
         return HTMLResponse(PAGE.read_text(encoding="utf-8"))
@@ -429,6 +431,14 @@ def create_app(state: ServerState):
         Route("/", page, methods=["GET"]),
     ]
     return Starlette(routes=routes)
+
+
+def _jsonable(value):
+    """The experts backend's stats as JSON (numbers, strings, lists and dicts of them)."""
+    try:
+        return json.loads(json.dumps(value, default=str))
+    except (TypeError, ValueError):
+        return {}
 
 
 def prometheus_text(state: ServerState) -> str:

@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,6 +61,10 @@ class Request:
     first_token_s: float | None = None  # seconds from submit to the first token
     finish: str = ""
     _cancelled: threading.Event = field(default_factory=threading.Event)
+    listener: Callable[[Event], None] | None = None  # gets the events instead of `events`
+
+    def put(self, event: Event) -> None:
+        (self.listener or self.events.put)(event)
 
     def cancel(self) -> None:
         """The client went away: leave the batch at the next token boundary."""
@@ -120,10 +125,14 @@ class Engine:
 
     # -- the clients' side ------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], opts: SamplingOptions, logprobs=False) -> Request:
+    def submit(
+        self, prompt_ids: list[int], opts: SamplingOptions, logprobs=False, listener=None
+    ) -> Request:
+        """Queue a request; its events go to `request.events`, or to `listener` (called on
+        the scheduler thread: an asyncio server passes one that hands them to its loop)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
-        request = Request(list(prompt_ids), opts, logprobs)
+        request = Request(list(prompt_ids), opts, logprobs, listener=listener)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the engine is closed")
@@ -215,7 +224,7 @@ class Engine:
         if request.logprobs:
             shifted = logits.astype(np.float64) - logits.max()
             logprob = float(shifted[token] - np.log(np.exp(shifted).sum()))
-        request.events.put(Event("token", token=token, logprob=logprob))
+        request.put(Event("token", token=token, logprob=logprob))
 
     @staticmethod
     def _finish(request: Request, token: int) -> str:
@@ -230,4 +239,4 @@ class Engine:
     def _end(self, request: Request, finish: str, error: str = "") -> None:
         request.finish = finish
         self.stats.finished += 1
-        request.events.put(Event("end", finish=finish, error=error))
+        request.put(Event("end", finish=finish, error=error))

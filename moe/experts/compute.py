@@ -30,6 +30,8 @@ class ExpertKernels:
     batch1: Callable | None = quant.experts_ffn_b1
     # (arena, offsets [m], fmt, H, I, x [1, H], w [m]) -> float64 [H]: their weighted sum
     batch1_sum: Callable | None = quant.experts_ffn_b1_sum
+    # (arena, offsets [m], fmt, H, I, x [N, H], starts [m + 1]) -> [N, H]: each on its rows
+    rows: Callable | None = quant.experts_ffn_rows
 
 
 KERNELS = ExpertKernels()
@@ -70,8 +72,17 @@ def run_experts(
             rows, slots = routed_rows(ids, e)  # [1], [1]
             out[e] = (rows, y[i : i + 1] * weights[rows, slots][:, None])  # [1, H]
         return out
-    for e in experts:
-        rows, slots = routed_rows(ids, e)  # [n], [n]
+    routed = [routed_rows(ids, e) for e in experts]  # ([n], [n]) per expert
+    if kernels.rows is not None and len(experts) > 1:  # several rows: one call for them all
+        starts = np.cumsum([0] + [len(rows) for rows, _ in routed])  # [m + 1]
+        x = hidden[np.concatenate([rows for rows, _ in routed])]  # [N, H]: expert by expert
+        at = np.asarray([offsets[e] for e in experts], dtype=np.int64)  # [m]
+        y = kernels.rows(arena, at, fmt, hidden_size, inter, x, starts, glu)  # [N, H]
+        for i, (e, (rows, slots)) in enumerate(zip(experts, routed, strict=True)):
+            part = y[starts[i] : starts[i + 1]]  # [n, H]
+            out[e] = (rows, part * weights[rows, slots][:, None])  # [n, H]
+        return out
+    for e, (rows, slots) in zip(experts, routed, strict=True):
         record = arena[offsets[e] : offsets[e] + nbytes]  # uint8 [nbytes]
         y = kernels.one(record, fmt, hidden_size, inter, hidden[rows], glu)  # [n, H]
         out[e] = (rows, y * weights[rows, slots][:, None])  # [n, H]
@@ -107,6 +118,44 @@ def decode_weighted_sum(
     w = [v for _, v in pairs]  # [m], exact in float32: they were float32
     total = kernels.batch1_sum(arena, starts, fmt, hidden_size, inter, hidden, w, glu)  # [H]
     return total.astype(dtype, copy=False)[None]  # [1, H]
+
+
+def rows_weighted_sum(
+    arena: np.ndarray,
+    offset_of: Callable[[int], int],
+    fmt: str,
+    hidden_size: int,
+    inter: int,
+    hidden: np.ndarray,
+    ids: np.ndarray,
+    weights: np.ndarray,
+    dtype,
+    kernels: ExpertKernels = KERNELS,
+    glu: quant.Glu = quant.SWIGLU,
+) -> np.ndarray | None:
+    """`weighted_sum(run_experts(...))` of several rows (a batched decode step, a prefill)
+    in two kernel calls, the same bits: hidden [T, H], ids/weights [T, k] -> [T, H].
+
+    The (row, slot) pairs are sorted by expert (rows ascending within one), every expert
+    runs on its rows in one call (`kernels.rows`), and the weighted outputs are added into
+    float64 in that order: each row's terms in ascending expert order, as `combine` adds
+    them.  None where it does not apply (no such kernel): use the general path then."""
+    if kernels.rows is None:
+        return None
+    t, k = ids.shape
+    flat = ids.reshape(-1)  # [T * k]: row-major, so a row's slots are together
+    valid = np.flatnonzero(flat >= 0)  # [P]
+    order = valid[np.argsort(flat[valid], kind="stable")]  # [P]: by expert, then row
+    experts, counts = np.unique(flat[order], return_counts=True)  # [m], [m]
+    rows = order // k  # [P]: the row of each pair
+    starts = np.concatenate([[0], np.cumsum(counts)])  # [m + 1]
+    at = np.asarray([offset_of(int(e)) for e in experts], dtype=np.int64)  # [m]
+    x = hidden[rows]  # [P, H]: each expert's rows together
+    y = kernels.rows(arena, at, fmt, hidden_size, inter, x, starts, glu)  # [P, H]
+    w = np.ascontiguousarray(weights.reshape(-1)[order], dtype=np.float32)  # [P]
+    out = np.zeros((t, hidden_size), dtype=np.float64)  # [T, H]
+    quant.accumulate_rows(out, rows, y, w)
+    return out.astype(dtype, copy=False)
 
 
 def combine(

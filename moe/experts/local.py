@@ -15,6 +15,7 @@ from moe.experts.compute import (
     KERNELS,
     ExpertKernels,
     decode_weighted_sum,
+    rows_weighted_sum,
     run_experts,
     weighted_sum,
 )
@@ -64,14 +65,16 @@ class LocalExperts(ExpertsBase):
         self, layer, hidden, ids, weights, dtype=np.float32, hint: PrefetchHint | None = None
     ) -> np.ndarray:
         s = self.shards
-        if hidden.shape[0] == 1:  # a decode step: one kernel call, no Python between
-            self._arena(layer)
-            out = decode_weighted_sum(
-                self.readonly[layer], lambda e: self.offset(layer, e), s.fmt, s.hidden,
-                s.inter, hidden, ids, weights, dtype, self.kernels, s.glu,
-            )  # fmt: skip
-            if out is not None:
-                return out
+        # a decode step: one kernel call, no Python between; several rows (a batched step,
+        # a prefill): the experts on their rows in one call, summed in another
+        fused = decode_weighted_sum if hidden.shape[0] == 1 else rows_weighted_sum
+        self._arena(layer)
+        out = fused(
+            self.readonly[layer], lambda e: self.offset(layer, e), s.fmt, s.hidden, s.inter,
+            hidden, ids, weights, dtype, self.kernels, s.glu,
+        )  # fmt: skip
+        if out is not None:
+            return out
         offsets = {int(e): self.offset(layer, int(e)) for e in np.unique(ids[ids >= 0])}
         parts = run_experts(
             self.arenas[layer], offsets, s.fmt, s.hidden, s.inter, hidden, ids, weights,

@@ -187,6 +187,41 @@ def expert_ffn_kernel(fmt, int8, record, hidden, inter, layout, lut, x, glu):
 
 
 @njit(cache=True, nogil=True)
+def _expert_serial(fmt, int8, record, hidden, inter, layout, lut, x, y, glu):
+    """One expert on its rows x float32 [n, hidden] on the calling thread -> y [n, hidden]
+    (each row the bits `expert_ffn_kernel` gives it: the same row kernels, whole ranges)."""
+    gq, gs, uq, us, dq, ds = _expert_views(fmt, record, hidden, inter, layout)
+    n = x.shape[0]
+    act = _activations(fmt, int8, x)
+    g = np.empty((n, inter), dtype=np.float32)  # [n, inter]
+    u = np.empty((n, inter), dtype=np.float32)  # [n, inter]
+    _rows(fmt, gq, gs, lut, x, act, g, 0, inter)
+    _rows(fmt, uq, us, lut, x, act, u, 0, inter)
+    h = _glu_mul(g, u, glu)  # [n, inter]
+    _rows(fmt, dq, ds, lut, h, _activations(fmt, int8, h), y, 0, hidden)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def experts_rows_kernel(
+    fmt, int8, arena, offsets, nbytes, hidden, inter, layout, lut, x, starts, glu
+):
+    """Several experts, each on its own rows, in one parallel region: expert e (the record at
+    arena[offsets[e]:][:nbytes]) applied to x[starts[e] : starts[e + 1]] (float32 [N, hidden],
+    the experts' rows one after another) -> y [N, hidden] in the same rows.
+
+    A batched decode step routes a few rows to each of many experts; one call per expert
+    would wake numba's pool twice per expert for a few rows each."""
+    m = offsets.shape[0]
+    y = np.empty_like(x)  # [N, hidden]
+    for e in prange(m):
+        r0, r1 = starts[e], starts[e + 1]
+        if r1 > r0:
+            record = arena[offsets[e] : offsets[e] + nbytes]
+            _expert_serial(fmt, int8, record, hidden, inter, layout, lut, x[r0:r1], y[r0:r1], glu)
+    return y
+
+
+@njit(cache=True, nogil=True)
 def _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, act, y, glu):
     """One expert on the calling thread, batch 1: x float32 [1, hidden] -> y [hidden]; act
     is `_activations(fmt, int8, x)` (made once for all the experts of a row)."""
@@ -253,6 +288,17 @@ def experts_b1_sum_serial_kernel(
         record = arena[offsets[e] : offsets[e] + nbytes]
         _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, act, y[e], glu)
     return _weighted_total(y, w)
+
+
+@njit(cache=True, nogil=True)
+def accumulate_rows(out, rows, y, w):
+    """out[rows[j]] += float64(float32(y[j] * w[j])) for j = 0, 1, ... in order: out float64
+    [T, H], y float32 [N, H], w float32 [N] (what `moe.experts.compute.combine` does with
+    parts given expert by expert, the same bits, in one call)."""
+    for j in range(rows.shape[0]):
+        r, wj = rows[j], w[j]
+        for c in range(y.shape[1]):
+            out[r, c] += np.float64(y[j, c] * wj)
 
 
 @njit(cache=True, nogil=True)

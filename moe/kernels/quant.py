@@ -399,7 +399,8 @@ class PackedMatrix:
         x = _check_x(x, self.cols)
         code = _FMT_CODE[self.fmt]
         args = (code, _int8(), *self._args, x)
-        return _run(entry.matmul_kernel, self.rows * self.cols, *args, serial=self._serial)
+        work = self.rows * self.cols * x.shape[0]  # (a batch of rows is worth the pool sooner)
+        return _run(entry.matmul_kernel, work, *args, serial=self._serial)
 
 
 def expert_record_nbytes(fmt: str, hidden: int, inter: int) -> int:
@@ -462,6 +463,34 @@ def experts_ffn_b1(
     return _run(entry.experts_b1_kernel, n_weights, *args, dots.F16_LUT, x, _glu(glu))
 
 
+def experts_ffn_rows(
+    arena: np.ndarray, offsets, fmt: str, hidden: int, inter: int, x, starts, glu=SWIGLU
+) -> np.ndarray:
+    """`expert_ffn` for m experts, each on its own rows, in one kernel call: expert e is the
+    record at arena[offsets[e]:][:record bytes], applied to x[starts[e]:starts[e + 1]]
+    (float32 [N, hidden]) -> [N, hidden]; each row the same bits as `expert_ffn` gives it."""
+    nbytes, layout = _expert_layout(fmt, hidden, inter)
+    if not isinstance(arena, np.ndarray) or arena.dtype != np.uint8 or arena.ndim != 1:
+        raise ValueError("arena must be a 1-D uint8 numpy array")
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)  # [m]
+    starts = np.ascontiguousarray(starts, dtype=np.int64)  # [m + 1]
+    if offsets.ndim != 1 or ((offsets < 0) | (offsets + nbytes > arena.size)).any():
+        raise ValueError(f"expert records must lie inside the arena of {arena.size} bytes")
+    x = _check_x(x, hidden)
+    if starts.shape != (offsets.size + 1,) or starts[0] != 0 or starts[-1] != x.shape[0]:
+        raise ValueError("starts must run from 0 to the rows of x, one more than the experts")
+    if (np.diff(starts) < 0).any():
+        raise ValueError("starts must not decrease")
+    args = (_FMT_CODE[fmt], _int8(), _readonly(arena), _readonly(offsets), nbytes, hidden, inter)
+    args += (layout, dots.F16_LUT, x, _readonly(starts), _glu(glu))
+    return _run(entry.experts_rows_kernel, x.shape[0] * inter * hidden, *args)
+
+
+def accumulate_rows(out: np.ndarray, rows: np.ndarray, y: np.ndarray, w: np.ndarray) -> None:
+    """out[rows[j]] += float32(y[j] * w[j]) in float64, j in order (`entry.accumulate_rows`)."""
+    entry.accumulate_rows(out, np.ascontiguousarray(rows, dtype=np.int64), y, w)
+
+
 def experts_ffn_b1_sum(
     arena: np.ndarray, offsets: np.ndarray, fmt: str, hidden: int, inter: int, x, w, glu=SWIGLU
 ) -> np.ndarray:
@@ -507,6 +536,13 @@ def warmup() -> float:
     entry.expert_ffn_kernel(code, int8, rec, hidden, inter, layout, lut, x, glu)  # starts the pool
     offsets = _readonly(np.zeros(2, dtype=np.int64))
     entry.experts_b1_kernel(code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x, glu)
+    entry.accumulate_rows(
+        np.zeros((2, hidden)), np.zeros(2, dtype=np.int64), x, np.ones(2, dtype=np.float32)
+    )
+    starts = _readonly(np.array([0, 1, 2], dtype=np.int64))
+    entry.experts_rows_kernel(
+        code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x, starts, glu
+    )
     w = _readonly(np.ones(2, dtype=np.float32))
     sum_args = (code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x[:1], w, glu)
     entry.experts_b1_sum_kernel(*sum_args)

@@ -13,7 +13,8 @@ compares them; the families' files state the math with those):
   (last-bit differences): eight lanes (`_dot`, explicit vector lanes, as numba runs no SLP
   vectoriser: 2.3x faster than eight scalar sums for 64-wide heads), then summed pairwise.
 * `gqa_attention`: everything between a GQA layer's projections and its o_proj in one call:
-  q/k norms, clip, RoPE, the KV-cache write and `attend_cache`.
+  q/k norms, clip, RoPE, the KV-cache write and `attend_cache`; `gqa_attention_many` does
+  it for several sequences (continuous batching), each on its own cache.
 * `route_softmax_topk`: `Transformer.route`'s softmax, top-k (ties to the lower index, as a
   stable argsort) and renormalisation; libm's expf may differ from numpy's in the last bit.
 
@@ -34,6 +35,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
+from numba.typed import List
 
 from moe.kernels.dots import F32X8, _splat, _vload, _vstore, _vzero
 
@@ -308,6 +310,38 @@ def gqa_attention(
 
 
 @njit(cache=True, nogil=True)
+def gqa_attention_many(
+    q,
+    k,
+    v,
+    q_norm,
+    k_norm,
+    qk_norm,
+    eps,
+    clip,
+    cos,
+    sin,
+    kcs,
+    vcs,
+    starts,
+    bounds,
+    scaling,
+    window,
+    out,
+):
+    """`gqa_attention` for several sequences in one call (continuous batching): sequence s
+    is rows bounds[s]:bounds[s + 1] of q, k, v, cos, sin and out, with its own cache kcs[s],
+    vcs[s] (numba typed lists) filled to starts[s].  Each sequence's rows get exactly what
+    `gqa_attention` gives them alone: one call instead of one per sequence and layer."""
+    for s in range(bounds.shape[0] - 1):
+        r0, r1 = bounds[s], bounds[s + 1]
+        gqa_attention(
+            q[r0:r1], k[r0:r1], v[r0:r1], q_norm, k_norm, qk_norm, eps, clip, cos[r0:r1],
+            sin[r0:r1], kcs[s], vcs[s], starts[s], scaling, window, out[r0:r1],
+        )  # fmt: skip
+
+
+@njit(cache=True, nogil=True)
 def route_softmax_topk(logits, k, renorm):
     """Softmax router: logits [T, E] -> (expert ids int64 [T, k] best first, weights float32
     [T, k]); ties go to the lower expert id; renorm: the k weights are divided by their sum."""
@@ -365,6 +399,12 @@ def warmup() -> float:
     gqa_attention(
         q, k, v, none, none, QK_NORM_NONE, 1e-6, 0.0, cos, sin, kc, vc, 0, 0.5, 0, np.empty_like(q)
     )
+    kcs, vcs = List([kc]), List([vc])
+    starts, bounds = np.zeros(1, np.int64), np.array([0, t], np.int64)
+    gqa_attention_many(
+        q, k, v, none, none, QK_NORM_NONE, 1e-6, 0.0, cos, sin, kcs, vcs, starts, bounds, 0.5, 0,
+        np.empty_like(q),
+    )  # fmt: skip
     route_softmax_topk(np.zeros((t, 4), np.float32), 2, True)
     _warm = True
     return time.perf_counter() - t0

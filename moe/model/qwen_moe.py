@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from numba.typed import List
 
 from moe.errors import ConfigError
 from moe.experts.backend import ExpertsBackend, PrefetchHint
@@ -27,6 +28,7 @@ from moe.model.fused import (
     QK_NORM_CODES,
     add_rms_norm,
     gqa_attention,
+    gqa_attention_many,
     rms_norm_rows,
     route_softmax_topk,
 )
@@ -245,6 +247,8 @@ class Transformer:
             f"model.layers.{i}.self_attn.q_proj.weight" for i in range(config.num_hidden_layers)
         ]
         self._head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
+        self._lists_key: tuple = ()  # the caches whose typed lists `_lists` holds
+        self._lists: dict[int, tuple] = {}
         self._qk_norm = QK_NORM_CODES[config.qk_norm]
         self._clip = float(config.clip_qkv or 0.0)
         self._window = int(config.sliding_window or 0)
@@ -280,12 +284,11 @@ class Transformer:
                 raise ValueError(
                     f"{cache.length + len(ids)} positions do not fit a KV cache of {cache.max_len}"
                 )
-        bounds = np.cumsum([0] + [len(ids) for ids, _ in batch])  # sequence s: rows b[s]:b[s+1]
-        rope = [
-            rope_cos_sin(np.arange(cache.length, cache.length + len(ids)), self.inv_freq,
-                         self.rope_scale)
-            for ids, cache in batch
-        ]  # fmt: skip  # per sequence: cos, sin [T_s, D/2]
+        bounds = np.cumsum([0] + [len(ids) for ids, _ in batch]).astype(np.int64)  # seq s: b[s]..
+        positions = np.concatenate(
+            [np.arange(cache.length, cache.length + len(ids)) for ids, cache in batch]
+        )  # [N]: each row's position in its own sequence
+        rope = rope_cos_sin(positions, self.inv_freq, self.rope_scale)  # cos, sin [N, D/2]
         all_ids = np.concatenate([ids for ids, _ in batch])  # [N]: every sequence's rows
         x = w.embed("model.embed_tokens.weight", all_ids)  # [N, H], the residual, in place
         hints = uses_hints(self.experts)
@@ -313,26 +316,40 @@ class Transformer:
         return [logits[bounds[s] : bounds[s + 1]] for s in range(len(batch))]
 
     def _attention(self, i: int, ly: _Layer, h, rope, caches, bounds) -> np.ndarray:
-        """h [N, H] (sequence s in rows bounds[s]:bounds[s + 1]) -> the attention block's
-        output [N, H]; appends each sequence's k, v to its cache."""
+        """h [N, H] (sequence s in rows bounds[s]:bounds[s + 1]; rope: cos, sin [N, D/2] at
+        each row's position) -> the attention block's output [N, H]; appends each
+        sequence's k, v to its cache."""
         q, k, v = ly.q(h), ly.k(h), ly.v(h)  # [N, Hq*D], [N, Hkv*D], [N, Hkv*D]
         out = np.empty_like(q)  # [N, Hq*D]
-        for s, cache in enumerate(caches):
-            r = slice(bounds[s], bounds[s + 1])
-            cos, sin = rope[s]  # [T_s, D/2] each
-            if len(caches) == 1:  # (one sequence: its rows are the arrays themselves)
-                qs, ks, vs, os_ = q, k, v, out
-            else:
-                qs, ks, vs = (np.ascontiguousarray(a[r]) for a in (q, k, v))  # [T_s, ...]
-                os_ = np.empty_like(qs)  # [T_s, Hq*D]
+        cos, sin = rope
+        args = (ly.q_norm, ly.k_norm, self._qk_norm, self.config.rms_norm_eps, self._clip)
+        if len(caches) == 1:
+            cache = caches[0]
             gqa_attention(
-                qs, ks, vs, ly.q_norm, ly.k_norm, self._qk_norm, self.config.rms_norm_eps,
-                self._clip, cos, sin, cache.k[i], cache.v[i], cache.length, self.scaling,
-                self._window, os_,
+                q, k, v, *args, cos, sin, cache.k[i], cache.v[i], cache.length, self.scaling,
+                self._window, out,
             )  # fmt: skip
-            if os_ is not out:
-                out[r] = os_
+        else:
+            kcs, vcs = self._cache_lists(i, caches)
+            starts = np.array([c.length for c in caches], dtype=np.int64)  # [B]
+            gqa_attention_many(
+                q, k, v, *args, cos, sin, kcs, vcs, starts, bounds, self.scaling, self._window,
+                out,
+            )  # fmt: skip
         return ly.o(out)  # [N, H]
+
+    def _cache_lists(self, i: int, caches) -> tuple:
+        """Layer i's K and V caches of these sequences as numba typed lists.  Making them
+        costs more than the attention of a decode step, and a batch keeps its sequences
+        for many steps, so the lists of the last batch are kept (by the caches' identity)."""
+        same = len(caches) == len(self._lists_key) and all(
+            a is b for a, b in zip(caches, self._lists_key, strict=True)
+        )  # (identity, not id(): a new cache may take a freed one's address)
+        if not same:
+            self._lists_key, self._lists = tuple(caches), {}
+        if i not in self._lists:
+            self._lists[i] = (List([c.k[i] for c in caches]), List([c.v[i] for c in caches]))
+        return self._lists[i]
 
     def route(self, i: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Softmax top-k router of layer i: h [T, H] -> expert ids [T, k], weights [T, k].
