@@ -185,3 +185,15 @@ def test_the_chat_page_streams_in_a_real_browser(server):
         assert (artefacts / "chat-page.png").stat().st_size > 1000
     finally:
         driver.quit()
+
+
+def test_bench_serve_runs(demo):
+    """`moeshard bench serve`: a server process and its clients; one line per level."""
+    out = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "bench", "serve", str(demo),
+         "--concurrency", "1,2", "--tokens", "4", "--requests", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("concurrency")]
+    assert len(lines) == 2 and "aggregate" in lines[1] and "first token p50" in lines[1]

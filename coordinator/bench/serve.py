@@ -42,6 +42,10 @@ def add_arguments(p) -> None:
         "--requests", type=int, default=2, help="requests per client at each level (back to back)"
     )
     p.add_argument("--ram", help="RAM budget: stream experts from SSD (e.g. 300M)")
+    p.add_argument("--peers", help="experts on these nodes (as `moeshard serve --peers`)")
+    p.add_argument("--discover", action="store_true", help="find nodes with zeroconf")
+    p.add_argument("--key", help="this client's key (as `moeshard serve --key`)")
+    p.add_argument("--insecure", action="store_true", help="plaintext to nodes on loopback")
     p.add_argument("--context", type=int, default=256, help="prompt + tokens a request may use")
 
 
@@ -128,6 +132,10 @@ def run(args) -> int:
            "--no-eos"]  # fmt: skip  # (every request makes all its tokens)
     if args.ram:
         cmd += ["--ram", args.ram]
+    for flag, value in (("--peers", args.peers), ("--key", args.key)):
+        if value:
+            cmd += [flag, value]
+    cmd += ["--discover"] * args.discover + ["--insecure"] * args.insecure
     # the server in its own process, as a user runs it: its engine and event loop do not
     # share an interpreter lock with the load generator's client threads
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
