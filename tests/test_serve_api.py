@@ -116,6 +116,9 @@ def test_bad_requests_are_openai_400s(client):
         client.chat.completions.create(model="demo", messages=[])
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt=PROMPT)
+    with pytest.raises(openai.APIStatusError) as err:  # a stranger's oversized body
+        client.completions.create(model="demo", prompt="x" * (5 << 20), max_tokens=1)
+    assert err.value.status_code == 413
 
 
 def test_the_api_key_is_required(server):

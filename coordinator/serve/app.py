@@ -30,6 +30,7 @@ from moe.errors import MoeshardError
 
 MAX_TOKENS_DEFAULT = 16  # OpenAI's completions default
 PAGE = Path(__file__).with_name("page.html")  # the chat page at /
+MAX_BODY = 4 << 20  # bytes of a request body (a long chat is well under a megabyte)
 SAMPLING_LIMITS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
 
 
@@ -239,8 +240,13 @@ def create_app(state: ServerState):
     async def body_of(request: HttpRequest) -> dict:
         if not authorised(request):
             raise BadRequest("invalid API key", None, 401, "authentication_error")
+        raw = bytearray()
+        async for piece in request.stream():  # read no more than MAX_BODY from a stranger
+            raw += piece
+            if len(raw) > MAX_BODY:
+                raise BadRequest(f"the request body is over {MAX_BODY} bytes", None, 413)
         try:
-            body = json.loads(await request.body())
+            body = json.loads(bytes(raw))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise BadRequest("the request body is not JSON") from None
         if not isinstance(body, dict):

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from moe.errors import ConfigError
+from moe.kernels import quant
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
 
@@ -90,6 +91,19 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     if scale <= 1:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0
+
+
+class SwigluExperts:
+    """What every family but Kimi K3 says about its routed experts: they take and return
+    hidden-size rows (`expert_hidden`; K3's are latent) through SwiGLU (`expert_glu`)."""
+
+    @property
+    def expert_glu(self) -> quant.Glu:
+        return quant.SWIGLU
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.hidden_size
 
 
 def decoder_shapes(c, layer_shapes) -> dict[str, tuple[int, ...]]:

@@ -29,8 +29,14 @@ import numpy as np
 
 from moe.errors import ConfigError
 from moe.experts.backend import ExpertsBackend
-from moe.kernels import quant
-from moe.model.config import RopeConfig, decoder_shapes, parse_rope, require, yarn_mscale
+from moe.model.config import (
+    RopeConfig,
+    SwigluExperts,
+    decoder_shapes,
+    parse_rope,
+    require,
+    yarn_mscale,
+)
 from moe.model.layers import (
     Segments,
     apply_rope,
@@ -50,7 +56,7 @@ LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(SwigluExperts):
     model_type: str  # "deepseek_v3" or "kimi_k2"
     vocab_size: int
     hidden_size: int  # H
@@ -78,16 +84,6 @@ class Config:
     first_k_dense_replace: int
     max_position_embeddings: int = 4096
     eos_token_id: tuple[int, ...] = field(default_factory=tuple)
-
-    @property
-    def expert_glu(self) -> quant.Glu:
-        """The routed experts' gated unit: SwiGLU."""
-        return quant.SWIGLU
-
-    @property
-    def expert_hidden(self) -> int:
-        """The width of the rows routed experts take and return (the hidden size here)."""
-        return self.hidden_size
 
     @property
     def moe_layers(self) -> tuple[int, ...]:

@@ -22,9 +22,8 @@ from typing import Any
 import numpy as np
 
 from moe.errors import ConfigError
-from moe.kernels import quant
 from moe.model import deepseek_v3
-from moe.model.config import check_int, decoder_shapes, require
+from moe.model.config import SwigluExperts, check_int, decoder_shapes, require
 from moe.model.kda import KdaState, KdaWeights, kda_forward
 from moe.model.layers import Segments, rms_norm
 
@@ -81,7 +80,7 @@ class LinearAttention:
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(SwigluExperts):
     model_type: str
     vocab_size: int
     hidden_size: int  # H
@@ -112,16 +111,6 @@ class Config:
     rope_interleave: bool = False  # unused: no rotation
     max_position_embeddings: int = 1 << 20
     eos_token_id: tuple[int, ...] = field(default_factory=tuple)
-
-    @property
-    def expert_glu(self) -> quant.Glu:
-        """The routed experts' gated unit: SwiGLU."""
-        return quant.SWIGLU
-
-    @property
-    def expert_hidden(self) -> int:
-        """The width of the rows routed experts take and return (the hidden size here)."""
-        return self.hidden_size
 
     @property
     def moe_layers(self) -> tuple[int, ...]:

@@ -137,7 +137,7 @@ class Segments:
                 raise ValueError(
                     f"{cache.length + len(ids)} positions do not fit a cache of {cache.max_len}"
                 )
-        self.bounds = np.cumsum([0] + [len(ids) for ids, _ in self.batch])
+        self.bounds = np.cumsum([0] + [len(ids) for ids, _ in self.batch]).astype(np.int64)
         self.ids = np.concatenate([np.asarray(ids, dtype=np.int64) for ids, _ in self.batch])
 
     def __len__(self) -> int:

@@ -21,9 +21,8 @@ from numba.typed import List
 
 from moe.errors import ConfigError
 from moe.experts.backend import ExpertsBackend, PrefetchHint
-from moe.kernels import quant
 from moe.model import fused
-from moe.model.config import RopeConfig, decoder_shapes, parse_rope, require
+from moe.model.config import RopeConfig, SwigluExperts, decoder_shapes, parse_rope, require
 from moe.model.fused import (
     QK_NORM_CODES,
     add_rms_norm,
@@ -32,14 +31,14 @@ from moe.model.fused import (
     rms_norm_rows,
     route_softmax_topk,
 )
-from moe.model.layers import rope_cos_sin, sigmoid, swiglu_mlp, uses_hints
+from moe.model.layers import Segments, rope_cos_sin, sigmoid, swiglu_mlp, uses_hints
 from moe.model.trunk import Trunk
 
 MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 
 @dataclass(frozen=True)
-class Config:
+class Config(SwigluExperts):
     model_type: str  # one of MODEL_TYPES
     vocab_size: int
     hidden_size: int  # H
@@ -63,16 +62,6 @@ class Config:
     sliding_window: int | None = None  # attention window (mixtral/qwen with use_sliding_window)
     max_position_embeddings: int = 4096
     eos_token_id: tuple[int, ...] = field(default_factory=tuple)
-
-    @property
-    def expert_glu(self) -> quant.Glu:
-        """The routed experts' gated unit: SwiGLU."""
-        return quant.SWIGLU
-
-    @property
-    def expert_hidden(self) -> int:
-        """The width of the rows routed experts take and return (the hidden size here)."""
-        return self.hidden_size
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], source: str) -> Config:
@@ -279,18 +268,12 @@ class Transformer:
         rows are in the call, so a sequence's logits are the same bits as alone."""
         c, w = self.config, self.trunk
         eps = c.rms_norm_eps
-        for ids, cache in batch:
-            if cache.length + len(ids) > cache.max_len:
-                raise ValueError(
-                    f"{cache.length + len(ids)} positions do not fit a KV cache of {cache.max_len}"
-                )
-        bounds = np.cumsum([0] + [len(ids) for ids, _ in batch]).astype(np.int64)  # seq s: b[s]..
+        seq = Segments(batch)
         positions = np.concatenate(
-            [np.arange(cache.length, cache.length + len(ids)) for ids, cache in batch]
+            [np.arange(cache.length, cache.length + len(ids)) for ids, cache in seq.batch]
         )  # [N]: each row's position in its own sequence
         rope = rope_cos_sin(positions, self.inv_freq, self.rope_scale)  # cos, sin [N, D/2]
-        all_ids = np.concatenate([ids for ids, _ in batch])  # [N]: every sequence's rows
-        x = w.embed("model.embed_tokens.weight", all_ids)  # [N, H], the residual, in place
+        x = w.embed("model.embed_tokens.weight", seq.ids)  # [N, H], the residual, in place
         hints = uses_hints(self.experts)
         delta = None  # the last block's output, added to x by the next norm
         for i in range(c.num_hidden_layers):
@@ -301,19 +284,17 @@ class Transformer:
                 rms_norm_rows(x, ly.input_norm, eps, h)
             else:
                 add_rms_norm(x, delta, ly.input_norm, eps, h)  # x += delta; h = norm(x)
-            attn = self._attention(i, ly, h, rope, [cache for _, cache in batch], bounds)
+            attn = self._attention(i, ly, h, rope, seq.caches(), seq.bounds)
             h = np.empty_like(x)  # [N, H]
             add_rms_norm(x, attn, ly.post_norm, eps, h)
             delta = self._moe(i, ly, h, hints) if ly.moe else self._dense_mlp(ly, h)  # [N, H]
-        for ids, cache in batch:
-            cache.length += len(ids)
+        seq.advance()
         h = np.empty_like(x)  # [N, H]
         if delta is None:
             rms_norm_rows(x, w.vector("model.norm.weight"), eps, h)
         else:
             add_rms_norm(x, delta, w.vector("model.norm.weight"), eps, h)
-        logits = w.linear(self._head)(h)  # [N, V]
-        return [logits[bounds[s] : bounds[s + 1]] for s in range(len(batch))]
+        return seq.split(w.linear(self._head)(h))  # [T_s, V] each
 
     def _attention(self, i: int, ly: _Layer, h, rope, caches, bounds) -> np.ndarray:
         """h [N, H] (sequence s in rows bounds[s]:bounds[s + 1]; rope: cos, sin [N, D/2] at
