@@ -24,11 +24,11 @@ def _run_with_liar(model, cluster, lie: str, **config):
         try:
             opts = SamplingOptions(max_tokens=TOKENS, keep_logits=True)
             result = generate(transformer, PROMPT, opts, verifier=remote.verifier)
-            bad = next(p for p in remote.peers.peers if p.node_id == liar.node_id)
-            honest = [p for p in remote.peers.peers if p.node_id != liar.node_id]
-            return result, remote.stats(), bad, honest
         finally:
-            remote.close()
+            remote.close()  # reads every stream to its end: a late duplicate is seen here
+        bad = next(p for p in remote.peers.peers if p.node_id == liar.node_id)
+        honest = [p for p in remote.peers.peers if p.node_id != liar.node_id]
+        return result, remote.stats(), bad, honest
     finally:
         liar.stop()
 
@@ -49,6 +49,28 @@ def test_a_reply_no_honest_node_sends_disqualifies_its_sender(
     assert _same_as_one_machine(result, cluster_reference)
     assert bad.disqualified and not bad.up, "the liar was not banned"
     assert all(p.up and not p.disqualified for p in honest), "an honest node was banned"
+
+
+def test_a_duplicate_after_a_nodes_last_call_is_caught_at_close(cluster_model):
+    """A node that sends its last reply twice and gets no more work: the extra reply is
+    only seen when its stream is read to the end, which closing does."""
+    liar = NodeProcess(cluster_model, advertise=False, env={failpoints.ENV: "lie=duplicate"})
+    liar.wait_ready()
+    try:
+        _, remote = remote_runtime(cluster_model, [liar.spec])
+        try:
+            rng = np.random.default_rng(0)
+            hidden = rng.standard_normal((2, remote.hidden_size), dtype=np.float32)  # [2, H]
+            out = remote(0, hidden, np.array([[0, 1], [1, 2]]), np.full((2, 2), 0.5))  # [2, H]
+            assert np.isfinite(out).all()
+            peer = remote.peers.peers[0]
+            assert not peer.disqualified, "convicted before the duplicate could be seen"
+        finally:
+            remote.close()
+        assert peer.disqualified and "duplicate" in peer.disqualified, peer.disqualified
+        assert remote.stats()["audit"]["convicted"] == [liar.node_id]
+    finally:
+        liar.stop()
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections import defaultdict
 
@@ -48,6 +49,8 @@ NODE_FAILURES = {
     grpc.StatusCode.UNIMPLEMENTED,
 }
 LAYER_HISTORY = 100_000  # layer call times kept
+FINISH_WAIT_S = 2.0  # at close, how long a node may take to end its stream
+ENDED_STREAM_WAIT_S = 0.2  # a stream the node has ended holds only what it had sent
 
 
 class _Missing(Exception):
@@ -276,12 +279,16 @@ class RemoteExperts(ExpertsBase):
             peer.last_used = time.monotonic()
         if self.config.transport == "unary":
             return UnaryCall(peer.stub.Forward.future(request, timeout=self.config.deadline_s))
+        ended = None
         with self.peers.lock:
             if peer.stream is not None and peer.stream.ended():
-                peer.stream = None  # ended by the node (e.g. its idle timeout): open another
+                # ended by the node (e.g. its idle timeout): open another
+                ended, peer.stream = peer.stream, None
             if peer.stream is None:
                 peer.stream = ForwardStream(peer.stub)
             stream = peer.stream
+        if ended is not None:
+            self._check_finished(peer, ended, ENDED_STREAM_WAIT_S)
         stream.send(request)
 
         def broken(stream: ForwardStream, peer=peer) -> None:
@@ -396,7 +403,30 @@ class RemoteExperts(ExpertsBase):
         """The decode loop's `Verifier`: audits roll a generation back past a liar's work."""
         return self.auditor
 
+    def _check_finished(self, peer: Peer, stream: ForwardStream, wait_s: float) -> None:
+        """Read `stream` to its end; a reply no request asked for convicts its sender."""
+        extra = stream.finish(wait_s)
+        if extra:
+            self.auditor.convict(peer, f"{extra} reply(ies) to no request (a duplicate?)")
+
+    def _finish_streams(self) -> None:
+        """At the end, every stream is read to its end, in parallel, so a reply sent twice
+        is noticed even if its sender got no more work."""
+        with self.peers.lock:
+            open_ = [(p, p.stream) for p in self.peers.peers if p.stream is not None]
+            for peer, _ in open_:
+                peer.stream = None
+        threads = [
+            threading.Thread(target=self._check_finished, args=(p, s, FINISH_WAIT_S), daemon=True)
+            for p, s in open_
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
     def close(self) -> None:
+        self._finish_streams()
         if self.patrol is not None:
             self.patrol.close()
         self.auditor.close()

@@ -131,8 +131,10 @@ class ForwardStream:
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.replies = stub.ForwardStream(iter(self.outbox.get, None))
         self.timed_out = False
+        self.sent = self.received = 0  # replies come in order: received <= sent, honestly
 
     def send(self, request) -> None:
+        self.sent += 1
         self.outbox.put(request)
 
     def ended(self) -> bool:
@@ -141,7 +143,9 @@ class ForwardStream:
 
     def receive(self):
         try:
-            return next(self.replies)
+            reply = next(self.replies)
+            self.received += 1
+            return reply
         except StopIteration:
             raise StreamError(grpc.StatusCode.UNAVAILABLE, "stream closed by the node") from None
         except grpc.RpcError:
@@ -159,6 +163,28 @@ class ForwardStream:
     def close(self) -> None:
         self.outbox.put(None)
         self.replies.cancel()
+
+    def finish(self, wait_s: float) -> int:
+        """Half-close the stream and read it to its end (at most `wait_s`); returns how many
+        replies came that no request asked for. A reply sent twice is otherwise only noticed
+        when the next request's reply is read, which never happens if the node gets no more
+        work (issue 15's duplicate liar went unseen that way)."""
+        self.outbox.put(None)
+        unsolicited = 0
+        timer = threading.Timer(wait_s, self.replies.cancel)
+        timer.start()
+        try:
+            for _ in self.replies:
+                if self.received < self.sent:  # a reply nobody waited for: not a lie
+                    self.received += 1
+                else:
+                    unsolicited += 1
+        except grpc.RpcError:
+            pass  # cancelled at the deadline, or the node ended it with an error
+        finally:
+            timer.cancel()
+            self.replies.cancel()
+        return unsolicited
 
 
 class Watchdog:
