@@ -394,3 +394,34 @@ def test_experts_on_their_rows_equal_expert_ffn(fmt):
             if starts[e + 1] > starts[e]:
                 want = quant.expert_ffn(recs[e], fmt, hidden, inter, x[rows], glu)
                 np.testing.assert_array_equal(y[rows], want)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "bf16"])
+def test_rows_weighted_sum_equals_the_parts_combined(fmt, run):
+    """Several rows through `rows_weighted_sum` (pairs grouped by expert in one kernel, the
+    experts on their rows in another, summed in a third) give the bits of `run_experts` +
+    `weighted_sum`, with unused slots (-1) and experts some rows share and some skip."""
+    from moe.experts.compute import rows_weighted_sum, run_experts, weighted_sum
+
+    hidden, inter, n = 160, 96, 7
+    recs = [expert_record(fmt, hidden, inter, seed=s) for s in range(n)]
+    size = recs[0].size
+    arena = np.concatenate(recs)
+    x = activations(5, hidden, seed=3)  # [5, hidden]
+    ids = np.array([[4, 0, 5], [6, -1, 0], [0, 4, 2], [-1, -1, -1], [2, 6, 4]])  # [5, 3]
+    w = np.random.default_rng(2).random(ids.shape).astype(np.float32)  # [5, 3]
+    offsets = {e: e * size for e in range(n) if e in ids}
+    for n_threads in (0, 2):
+        want = weighted_sum(
+            run_experts(arena, offsets, fmt, hidden, inter, x, ids, w), x.shape, np.float32
+        )
+        got = run(
+            n_threads,
+            rows_weighted_sum,
+            arena, lambda e: e * size, fmt, hidden, inter, x, ids, w, np.float32,
+        )  # fmt: skip
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    experts, starts, rows, xs, ws = quant.group_by_expert(ids, w, x)
+    assert experts.tolist() == [0, 2, 4, 5, 6] and starts.tolist() == [0, 3, 5, 8, 9, 11]
+    assert rows.tolist() == [0, 1, 2, 2, 4, 0, 2, 4, 0, 1, 4]
+    np.testing.assert_array_equal(xs, x[rows])

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -129,17 +130,96 @@ def test_the_api_key_is_required(server):
         wrong.models.list()
 
 
+def metrics(base: str) -> dict[tuple[str, tuple], float]:
+    """/metrics read with Prometheus' own parser (prometheus_client): {(name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(base + "/metrics") as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
 def test_models_health_and_metrics(client, server):
     assert [m.id for m in client.models.list().data] == ["demo"]
     with urllib.request.urlopen(server + "/health") as r:
         assert json.loads(r.read())["status"] == "ok"
     client.completions.create(model="demo", prompt=PROMPT, max_tokens=3)
-    with urllib.request.urlopen(server + "/metrics") as r:
-        text = r.read().decode()
-    assert "# TYPE moeshard_generated_tokens_total counter" in text
-    values = dict(line.split() for line in text.splitlines() if not line.startswith("#"))
-    assert float(values["moeshard_generated_tokens_total"]) >= 3
-    assert "moeshard_queue_depth" in values and "moeshard_batch_size_mean" in values
+    values = metrics(server)
+    assert values["moeshard_generated_tokens_total", ()] >= 3
+    assert values["moeshard_requests_total", ()] >= 1
+    assert ("moeshard_queue_depth", ()) in values and ("moeshard_batch_size_mean", ()) in values
+
+
+def serve_process(demo, *flags: str):
+    """A `moeshard serve` subprocess with `flags`; (its base URL, the process)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "serve", str(demo), "--port", str(port),
+         "--name", "demo", *flags],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return proc.poll() is not None
+
+    wait_until(up, 180, what="the server")
+    assert proc.poll() is None, proc.stderr.read()
+    return base, proc
+
+
+@pytest.mark.parametrize("mode", ["ram", "nodes"])
+def test_served_under_a_ram_budget_or_through_nodes_the_text_is_the_same(demo, mode):
+    """The same greedy text as `generate` in RAM when the server streams experts under --ram
+    (and /metrics has the expert cache's hit ratio) or computes them on two nodes (and
+    /metrics has each node's call latency), with requests batched together."""
+    from helpers import NodeProcess
+
+    nodes = []
+    if mode == "nodes":
+        nodes = [NodeProcess(demo, advertise=False, insecure=True) for _ in range(2)]
+        for node in nodes:
+            node.wait_ready()
+        flags = ["--peers", ",".join(f"127.0.0.1:{n.port}" for n in nodes), "--insecure"]
+    else:
+        flags = ["--ram", "730M", "--context", "64", "--max-batch", "4"]
+    try:
+        base, proc = serve_process(demo, *flags)
+        try:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+            want = local_text(demo, 12)
+            with ThreadPoolExecutor(3) as pool:
+                texts = list(pool.map(
+                    lambda _: client.completions.create(
+                        model="demo", prompt=PROMPT, max_tokens=12, temperature=0
+                    ).choices[0].text,
+                    range(3),
+                ))  # fmt: skip
+            assert texts == [want] * 3
+            values = metrics(base)
+            if mode == "ram":
+                assert 0.0 <= values["moeshard_expert_cache_hit_ratio", ()] <= 1.0
+            else:
+                latency = {
+                    labels: v for (name, labels), v in values.items()
+                    if name == "moeshard_node_call_latency_ms"
+                }  # fmt: skip
+                assert len(latency) == 2 and all(v > 0 for v in latency.values()), latency
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    finally:
+        for node in nodes:
+            node.stop()
 
 
 def test_the_chat_page_streams_in_a_real_browser(server):
@@ -194,7 +274,7 @@ def test_bench_serve_runs(demo):
     """`moeshard bench serve`: a server process and its clients; one line per level."""
     out = subprocess.run(
         [sys.executable, "-m", "coordinator.cli", "bench", "serve", str(demo),
-         "--concurrency", "1,2", "--tokens", "4", "--requests", "1"],
+         "--concurrency", "1,2", "--tokens", "4", "--requests", "2"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr

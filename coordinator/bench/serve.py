@@ -1,8 +1,9 @@
 """`moeshard bench serve MODEL --concurrency 1,4,16`: the server and its load generator in
 one run.
 
-The server (`moeshard serve`'s app over the continuous-batching engine) runs in this process
-on a loopback port; for each concurrency C, C client threads each send streamed greedy
+The server (`moeshard serve`) runs in its own process on a loopback port; for each
+concurrency C, the level's requests (the same number at every level: at concurrency 1 they
+run one after another) are shared among C client threads, each sending streamed greedy
 completions back to back (distinct prompts), over HTTP as any client would.  Per level:
 aggregate tokens/s, per-request tokens/s (after its first token), time to first token p50 and
 p99, and the experts' cost per generated token: bytes read from SSD (`--ram`) or calls to
@@ -39,7 +40,10 @@ def add_arguments(p) -> None:
     p.add_argument("--concurrency", default="1,4,16", help="concurrent clients, per level")
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens per request")
     p.add_argument(
-        "--requests", type=int, default=2, help="requests per client at each level (back to back)"
+        "--requests",
+        type=int,
+        help="requests at each level, shared among its clients (default: twice the highest "
+        "concurrency, so 16 clients send 2 each and 1 client sends all 32 in turn)",
     )
     p.add_argument("--ram", help="RAM budget: stream experts from SSD (e.g. 300M)")
     p.add_argument("--peers", help="experts on these nodes (as `moeshard serve --peers`)")
@@ -88,8 +92,8 @@ def _level(base: str, clients: int, requests: int, tokens: int, ids: bool) -> di
     lock = threading.Lock()
 
     def client(c: int) -> None:
-        for r in range(requests):
-            out = _one(base, _prompt(c * requests + r, ids), tokens)
+        for i in range(c, requests, clients):  # request i, prompt i: the same set per level
+            out = _one(base, _prompt(i, ids), tokens)
             with lock:
                 results.append(out)
 
@@ -127,6 +131,9 @@ def run(args) -> int:
     model = ModelDir(args.model)  # a clear error before a server starts
     ids = load_tokenizer(model.path) is None  # no tokenizer: prompts as token ids
     top, port = levels[-1], _free_port()
+    requests = args.requests or 2 * top
+    if requests < top:
+        raise MoeshardError(f"--requests {requests}: fewer than the {top} clients of a level")
     cmd = [sys.executable, "-m", "coordinator.cli", "serve", args.model, "--port", str(port),
            "--max-batch", str(top), "--max-queue", str(top), "--context", str(args.context),
            "--no-eos"]  # fmt: skip  # (every request makes all its tokens)
@@ -146,7 +153,7 @@ def run(args) -> int:
         rows = []
         for clients in levels:
             before = _stats(base)
-            row = _level(base, clients, args.requests, args.tokens, ids)
+            row = _level(base, clients, requests, args.tokens, ids)
             row |= _expert_cost(before, _stats(base), row["tokens"])
             rows.append(row)
             _print_row(row, rows[0])

@@ -142,18 +142,11 @@ def rows_weighted_sum(
     them.  None where it does not apply (no such kernel): use the general path then."""
     if kernels.rows is None:
         return None
-    t, k = ids.shape
-    flat = ids.reshape(-1)  # [T * k]: row-major, so a row's slots are together
-    valid = np.flatnonzero(flat >= 0)  # [P]
-    order = valid[np.argsort(flat[valid], kind="stable")]  # [P]: by expert, then row
-    experts, counts = np.unique(flat[order], return_counts=True)  # [m], [m]
-    rows = order // k  # [P]: the row of each pair
-    starts = np.concatenate([[0], np.cumsum(counts)])  # [m + 1]
-    at = np.asarray([offset_of(int(e)) for e in experts], dtype=np.int64)  # [m]
-    x = hidden[rows]  # [P, H]: each expert's rows together
+    # experts [m], starts [m + 1], rows [P], x [P, H] (each expert's rows together), w [P]
+    experts, starts, rows, x, w = quant.group_by_expert(ids, weights, hidden)
+    at = np.array([offset_of(e) for e in experts.tolist()], dtype=np.int64)  # [m]
     y = kernels.rows(arena, at, fmt, hidden_size, inter, x, starts, glu)  # [P, H]
-    w = np.ascontiguousarray(weights.reshape(-1)[order], dtype=np.float32)  # [P]
-    out = np.zeros((t, hidden_size), dtype=np.float64)  # [T, H]
+    out = np.zeros((ids.shape[0], hidden_size), dtype=np.float64)  # [T, H]
     quant.accumulate_rows(out, rows, y, w)
     return out.astype(dtype, copy=False)
 

@@ -291,6 +291,49 @@ def experts_b1_sum_serial_kernel(
 
 
 @njit(cache=True, nogil=True)
+def group_by_expert(ids, weights, hidden):
+    """The (row, slot) pairs of ids/weights [T, k] (ids < 0: no expert) ordered by expert,
+    rows ascending within one (a counting sort), for `experts_rows_kernel`: (experts [m]
+    ascending, starts [m + 1], rows [P], x [P, H] = hidden's rows in that order, w [P])."""
+    t, k = ids.shape
+    top = -1
+    for r in range(t):
+        for s in range(k):
+            top = max(top, ids[r, s])
+    counts = np.zeros(top + 2, dtype=np.int64)  # [E + 1]: pairs per expert, shifted by one
+    for r in range(t):
+        for s in range(k):
+            if ids[r, s] >= 0:
+                counts[ids[r, s] + 1] += 1
+    at = np.cumsum(counts)  # [E + 1]: expert e's first pair at at[e]
+    pairs = at[-1]
+    rows = np.empty(pairs, dtype=np.int64)  # [P]
+    w = np.empty(pairs, dtype=np.float32)  # [P]
+    x = np.empty((pairs, hidden.shape[1]), dtype=np.float32)  # [P, H]
+    fill = at[:-1].copy()  # [E]: the next free place of each expert
+    for r in range(t):
+        for s in range(k):
+            e = ids[r, s]
+            if e >= 0:
+                j = fill[e]
+                fill[e] += 1
+                rows[j], w[j] = r, weights[r, s]
+                x[j] = hidden[r]
+    m = 0
+    for e in range(top + 1):
+        m += counts[e + 1] > 0
+    experts = np.empty(m, dtype=np.int64)  # [m]
+    starts = np.zeros(m + 1, dtype=np.int64)  # [m + 1]
+    i = 0
+    for e in range(top + 1):
+        if counts[e + 1] > 0:
+            experts[i] = e
+            starts[i + 1] = at[e + 1]
+            i += 1
+    return experts, starts, rows, x, w
+
+
+@njit(cache=True, nogil=True)
 def accumulate_rows(out, rows, y, w):
     """out[rows[j]] += float64(float32(y[j] * w[j])) for j = 0, 1, ... in order: out float64
     [T, H], y float32 [N, H], w float32 [N] (what `moe.experts.compute.combine` does with

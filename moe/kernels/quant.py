@@ -486,6 +486,17 @@ def experts_ffn_rows(
     return _run(entry.experts_rows_kernel, x.shape[0] * inter * hidden, *args)
 
 
+def group_by_expert(ids: np.ndarray, weights: np.ndarray, hidden: np.ndarray):
+    """ids/weights [T, k], hidden [T, H] -> (experts [m], starts [m + 1], rows [P],
+    x [P, H], w [P]): the pairs by expert, rows ascending within one (`entry.group_by_expert`)."""
+    ids = np.ascontiguousarray(ids, dtype=np.int64)  # [T, k]
+    weights = np.ascontiguousarray(weights, dtype=np.float32)  # [T, k]
+    hidden = np.ascontiguousarray(hidden, dtype=np.float32)  # [T, H]
+    if ids.ndim != 2 or weights.shape != ids.shape or hidden.shape[0] != ids.shape[0]:
+        raise ValueError(f"ids {ids.shape}, weights {weights.shape}, hidden {hidden.shape}")
+    return entry.group_by_expert(ids, weights, hidden)
+
+
 def accumulate_rows(out: np.ndarray, rows: np.ndarray, y: np.ndarray, w: np.ndarray) -> None:
     """out[rows[j]] += float32(y[j] * w[j]) in float64, j in order (`entry.accumulate_rows`)."""
     entry.accumulate_rows(out, np.ascontiguousarray(rows, dtype=np.int64), y, w)
