@@ -154,6 +154,15 @@ def _run(kernel, n_weights: int, *args, serial=None):
     return kernel(*args)
 
 
+def run_parallel(kernel, items: int, *args):
+    """Call a parallel=True kernel outside this module (e.g. attention over several
+    sequences) on as many of `threads()` threads as it has independent items."""
+    want = max(1, min(threads(), items))
+    if numba.get_num_threads() != want:
+        numba.set_num_threads(want)
+    return kernel(*args)
+
+
 def _check_fmt(fmt: str) -> None:
     if fmt not in _QTYPE:
         raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")

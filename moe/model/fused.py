@@ -22,7 +22,9 @@ Heads stay packed in rows: q [T, Hq*D], k and v [T, Hkv*D], as the projections m
 the KV cache is [S, Hkv, D]. T = tokens in the call, S = positions, D = head size.
 
 Kernels are serial (nogil; no parallel=True: with cache=True an njit function must not call
-a parallel one, and these are microseconds of work). Compile time matters (the first run on
+a parallel one, and these are microseconds of work), but for `gqa_attention_many`, which
+Python calls: its sequences are independent, and at 16 sequences their attention is a sixth
+of a decode step, so they share numba's threads. Compile time matters (the first run on
 a machine compiles them): no array-to-array slice assignment, no reshape, and no constant
 passed to a helper (numba compiles one variant per literal value).
 """
@@ -33,7 +35,7 @@ import time
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import njit, prange, types
 from numba.extending import intrinsic
 from numba.typed import List
 
@@ -309,7 +311,7 @@ def gqa_attention(
     attend_cache(q, kc, vc, start, scaling, window, out)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=True)
 def gqa_attention_many(
     q,
     k,
@@ -332,8 +334,10 @@ def gqa_attention_many(
     """`gqa_attention` for several sequences in one call (continuous batching): sequence s
     is rows bounds[s]:bounds[s + 1] of q, k, v, cos, sin and out, with its own cache kcs[s],
     vcs[s] (numba typed lists) filled to starts[s].  Each sequence's rows get exactly what
-    `gqa_attention` gives them alone: one call instead of one per sequence and layer."""
-    for s in range(bounds.shape[0] - 1):
+    `gqa_attention` gives them alone: one call instead of one per sequence and layer, the
+    sequences split among numba's threads (the caller sets how many)."""
+    for it in prange(bounds.shape[0] - 1):
+        s = np.int64(it)  # (prange counts in uint64)
         r0, r1 = bounds[s], bounds[s + 1]
         gqa_attention(
             q[r0:r1], k[r0:r1], v[r0:r1], q_norm, k_norm, qk_norm, eps, clip, cos[r0:r1],

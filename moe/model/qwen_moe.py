@@ -21,6 +21,7 @@ from numba.typed import List
 
 from moe.errors import ConfigError
 from moe.experts.backend import ExpertsBackend, PrefetchHint
+from moe.kernels import quant
 from moe.model import fused
 from moe.model.config import RopeConfig, SwigluExperts, decoder_shapes, parse_rope, require
 from moe.model.fused import (
@@ -313,7 +314,8 @@ class Transformer:
         else:
             kcs, vcs = self._cache_lists(i, caches)
             starts = np.array([c.length for c in caches], dtype=np.int64)  # [B]
-            gqa_attention_many(
+            quant.run_parallel(
+                gqa_attention_many, len(caches),
                 q, k, v, *args, cos, sin, kcs, vcs, starts, bounds, self.scaling, self._window,
                 out,
             )  # fmt: skip
