@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from coordinator.tokenizer import TOKENIZER_FILES, TextTokenizer
+from coordinator.tokenizer import TOKENIZER_FILES, IncrementalText, TextTokenizer
 from coordinator.tokenizer import load as load_text_tokenizer
 from moe.errors import StoreError
 from moe.experts.backend import ExpertsBackend
@@ -34,29 +34,26 @@ class TextStreamer:
 
     def __init__(self, runtime: Runtime, out: TextIO):
         self.runtime, self.out = runtime, out
-        self.tokens: list[int] = []
-        self.printed = ""
+        self.text = IncrementalText(runtime.decode)
 
     def __call__(self, token: int) -> None:
-        self.tokens.append(token)
-        text = self.runtime.decode(self.tokens)
-        if text.endswith("\ufffd"):
-            return  # a multi-byte character is not complete yet
-        self.out.write(text[len(self.printed) :])
-        self.out.flush()
-        self.printed = text
+        delta = self.text.push(token)
+        if delta:
+            self.out.write(delta)
+            self.out.flush()
 
     def rollback(self, kept: int) -> None:
         """Tokens from `kept` on were undone (a node was caught lying): text already printed
         cannot be taken back, so the corrected text so far is printed again on a new line."""
-        self.tokens = self.tokens[:kept]
-        self.printed = self.runtime.decode(self.tokens)
-        self.out.write("\n" + self.printed)
+        tokens = self.text.ids[:kept]
+        self.text = IncrementalText(self.runtime.decode)
+        for token in tokens:
+            self.text.push(token)
+        self.out.write("\n" + self.text.text)
         self.out.flush()
 
     def finish(self) -> None:
-        text = self.runtime.decode(self.tokens)
-        self.out.write(text[len(self.printed) :] + "\n")
+        self.out.write(self.text.flush() + "\n")
         self.out.flush()
 
 

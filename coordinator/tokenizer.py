@@ -163,3 +163,42 @@ def load(directory: Path) -> TextTokenizer | None:
     if (directory / TIKTOKEN_FILE).exists():
         return KimiTiktoken(directory)
     return None
+
+
+class IncrementalText:
+    """Generated ids in, text out as it becomes final, without decoding everything again for
+    each token (which made a long answer cost quadratic time).
+
+    Each new token decodes a short window: ids from the previous read point (a character
+    boundary) on, against the window without the new ids. The difference is the new text;
+    it is held back while it ends in a partial UTF-8 character (U+FFFD). Decoding the window
+    with the token before it keeps tokenizers that drop a leading space at the start of a
+    decode (SentencePiece) giving the same text as one decode of everything
+    (tests/test_tokenizer.py checks that on random ids)."""
+
+    def __init__(self, decode):
+        self.decode = decode  # ids -> str
+        self.ids: list[int] = []
+        self.text = ""  # the final text so far
+        self._prefix = 0  # the window starts here: the read point before the last
+        self._read = 0  # text is final up to this id
+
+    def push(self, token: int) -> str:
+        """Add a token; returns the text that became final with it (often all of its own)."""
+        self.ids.append(token)
+        before = self.decode(self.ids[self._prefix : self._read])
+        now = self.decode(self.ids[self._prefix :])
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return ""  # a character still arriving (or nothing printable yet)
+        delta = now[len(before) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end: whatever is still held back (a character that never completed)."""
+        before = self.decode(self.ids[self._prefix : self._read])
+        delta = self.decode(self.ids[self._prefix :])[len(before) :]
+        self._prefix = self._read = len(self.ids)
+        self.text += delta
+        return delta

@@ -27,6 +27,7 @@ from typing import Any
 
 from coordinator.chat import chat_prompt
 from coordinator.generate import SamplingOptions
+from coordinator.tokenizer import IncrementalText
 from coordinator.serve.engine import Engine, QueueFull, Request
 from moe.errors import MoeshardError
 
@@ -171,20 +172,20 @@ def chat_prompt_ids(body: dict, state: ServerState) -> list[int]:
 
 class TextStream:
     """Token ids in, text deltas out: held back while the text ends in a partial UTF-8
-    character or could still become a stop sequence; `stopped` once one appears."""
+    character (`IncrementalText`) or could still become a stop sequence; `stopped` once
+    one appears."""
 
     def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.ids: list[int] = []
+        self.stops = stops
+        self.decoded = IncrementalText(tokenizer.decode) if tokenizer is not None else None
         self.sent = 0  # characters of the text already given out
         self.stopped = False
 
-    def text(self) -> str:
-        return self.tokenizer.decode(self.ids) if self.tokenizer is not None else ""
-
     def push(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.text()
+        if self.decoded is None:
+            return ""
+        self.decoded.push(token)
+        text = self.decoded.text
         for stop in self.stops:
             at = text.find(stop, max(0, self.sent - len(stop)))
             if at >= 0:
@@ -192,8 +193,6 @@ class TextStream:
                 out, self.sent = text[self.sent : at], at
                 return out
         safe = len(text)
-        if text.endswith("\ufffd"):
-            safe = len(text) - 1  # a character still arriving
         for stop in self.stops:  # keep back a tail that could begin a stop sequence
             for n in range(min(len(stop) - 1, safe), 0, -1):
                 if text[safe - n : safe] == stop[:n]:
@@ -203,9 +202,10 @@ class TextStream:
         return out
 
     def rest(self) -> str:
-        if self.stopped:
+        if self.stopped or self.decoded is None:
             return ""
-        text = self.text()
+        self.decoded.flush()
+        text = self.decoded.text
         out, self.sent = text[self.sent :], len(text)
         return out
 
