@@ -27,8 +27,8 @@ from typing import Any
 
 from coordinator.chat import chat_prompt
 from coordinator.generate import SamplingOptions
-from coordinator.tokenizer import IncrementalText
 from coordinator.serve.engine import Engine, QueueFull, Request
+from coordinator.tokenizer import IncrementalText
 from moe.errors import MoeshardError
 
 MAX_TOKENS_DEFAULT = 16  # OpenAI's completions default
