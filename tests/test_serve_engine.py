@@ -105,3 +105,35 @@ def test_a_full_queue_refuses(demo):
     finally:
         gate.set()
         engine.close()
+
+
+def test_finished_sequences_leave_no_cache_behind(demo):
+    """Once the batch empties, no finished sequence's KV cache is still referenced (the
+    model's kept typed lists of the last batch are dropped too)."""
+    import gc
+    import weakref
+
+    made = []
+    new_cache = demo.new_cache
+
+    def recording(n):
+        cache = new_cache(n)
+        made.append(weakref.ref(cache))
+        return cache
+
+    demo.new_cache = recording
+    engine = Engine(demo, max_batch=4, max_queue=8)
+    try:
+        requests = [engine.submit(p, SamplingOptions(max_tokens=4)) for p in PROMPTS[:4]]
+        for r in requests:
+            list(r.stream(timeout=60))
+        wait = threading.Event()
+        for _ in range(50):  # the scheduler drops them right after the last step
+            gc.collect()
+            if all(ref() is None for ref in made):
+                break
+            wait.wait(0.05)
+        assert len(made) == 4 and all(ref() is None for ref in made), "a cache is still alive"
+    finally:
+        engine.close()
+        del demo.new_cache

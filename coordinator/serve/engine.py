@@ -213,6 +213,8 @@ class Engine:
                 r.pending = [token]
                 still.append(r)
         self._running = still
+        if not still and hasattr(self.model, "forget_caches"):
+            self.model.forget_caches()  # the finished sequences' caches go now
         self.stats.busy_s += time.perf_counter() - t0
 
     def _emit(self, request: Request, token: int, logits: np.ndarray) -> None:

@@ -334,6 +334,11 @@ class Transformer:
             self._lists[i] = (List([c.k[i] for c in caches]), List([c.v[i] for c in caches]))
         return self._lists[i]
 
+    def forget_caches(self) -> None:
+        """Drop the typed lists of the last batch's caches (the engine calls this when its
+        batch empties: else those sequences' KV caches would live until the next batch)."""
+        self._lists_key, self._lists = (), {}
+
     def route(self, i: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Softmax top-k router of layer i: h [T, H] -> expert ids [T, k], weights [T, k].
         (The router is always resident; its product is a kernel's, the same bits for a row
