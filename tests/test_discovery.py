@@ -15,7 +15,7 @@ from helpers import PROMPT, ROOT, TOKENS, client_key, wait_until
 
 from coordinator.generate import SamplingOptions, generate
 from coordinator.remote.config import RemoteConfig
-from coordinator.remote.discovery import browse
+from coordinator.remote.discovery import address_rank, browse, local_networks
 from coordinator.remote.experts import RemoteExperts
 from coordinator.remote.transport import PeerSpec, dial
 from coordinator.runtime import open_local
@@ -102,7 +102,10 @@ def test_node_on_all_interfaces_is_discovered_at_a_real_address(cluster_model):
         )
         host, _, got_port = found[0].addr.rpartition(":")
         assert int(got_port) == port
-        assert host == advertised_addresses("0.0.0.0")[0]  # a real interface when there is one
+        # a real interface when there is one; of several, one on a network that is up here
+        networks = local_networks()
+        ranks = {a: address_rank(a, networks) for a in advertised_addresses("0.0.0.0")}
+        assert host in ranks and ranks[host] == min(ranks.values()), (host, ranks)
         assert found[0].node_id == node.identity.node_id  # the announced id is the key's
         channel, seen = dial(found[0].spec, client_tls(CLIENT), 5)
         with channel:
@@ -174,3 +177,21 @@ def test_cluster_report_waits_for_the_expected_nodes_and_flags_missing_experts(
     assert one.returncode == 3 and "have no live node" in one.stderr
     missing = run([*cli, "--discover", "--expect", "9", "--discover-timeout", "0.5", *key])
     assert missing.returncode == 2 and "of the 9 expected nodes" in missing.stderr
+
+
+def test_the_address_dialled_is_on_a_network_that_is_up_here():
+    """Of a record's addresses, one on a network of an interface that is up here comes
+    first, then one of an interface that is down, then the rest (record order breaks ties)."""
+    from ipaddress import ip_network
+
+    from coordinator.remote import discovery
+
+    nets = [(ip_network("192.0.2.0/24"), True), (ip_network("172.17.0.0/16"), False)]
+    real = discovery.local_networks
+    discovery.local_networks = lambda: nets
+    try:
+        assert discovery.best_address(["172.17.0.1", "198.51.100.7", "192.0.2.9"]) == "192.0.2.9"
+        assert discovery.best_address(["198.51.100.7", "172.17.0.1"]) == "172.17.0.1"
+        assert discovery.best_address(["198.51.100.7", "203.0.113.1"]) == "198.51.100.7"
+    finally:
+        discovery.local_networks = real

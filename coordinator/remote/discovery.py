@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import queue
 import socket
@@ -9,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from zeroconf import IPVersion, ServiceBrowser, ServiceStateChange, Zeroconf
 
@@ -91,6 +93,40 @@ def browse(
     return [found[name] for name in sorted(found)]
 
 
+def best_address(addresses: list[str]) -> str:
+    """The address of a node's record to dial. A node bound to every interface announces
+    them all (its LAN address, but also e.g. Docker's bridge, 172.17.0.1, which only its own
+    host can reach), and the records do not keep the node's order. Prefer an address on a
+    network one of this machine's interfaces is on and up, then one on a network of an
+    interface that is down, then the rest; the record's order breaks ties."""
+    networks = local_networks()
+    return min(addresses, key=lambda a: address_rank(a, networks))
+
+
+def address_rank(addr: str, networks) -> int:
+    """0: on a network of an interface that is up here; 1: of one that is down; 2: neither."""
+    ip = ipaddress.ip_address(addr)
+    states = [up for net, up in networks if ip in net]
+    return 0 if any(states) else 1 if states else 2
+
+
+def local_networks() -> list[tuple[ipaddress.IPv4Network, bool]]:
+    """(network, whether its interface is up) of this machine's IPv4 addresses."""
+    import ifaddr
+
+    out = []
+    for adapter in ifaddr.get_adapters():
+        try:
+            state = Path(f"/sys/class/net/{adapter.name}/operstate").read_text().strip()
+        except OSError:
+            state = "unknown"  # not Linux, or no such entry: count it as up
+        for ip in adapter.ips:
+            if isinstance(ip.ip, str):
+                net = ipaddress.ip_network(f"{ip.ip}/{ip.network_prefix}", strict=False)
+                out.append((net, state != "down"))
+    return out
+
+
 def _resolve(zc: Zeroconf, name: str, model_id: str | None) -> Discovered | None:
     """The node behind a service name, or None (logged) if it does not resolve or serves
     another model or format version."""
@@ -105,7 +141,7 @@ def _resolve(zc: Zeroconf, name: str, model_id: str | None) -> Discovered | None
         return None
     node = Discovered(
         node_id=txt.get("node_id", ""),
-        addr=f"{socket.inet_ntoa(info.addresses[0])}:{info.port}",
+        addr=f"{best_address([socket.inet_ntoa(a) for a in info.addresses])}:{info.port}",
         name=txt.get("name", name.removesuffix("." + SERVICE_TYPE)),
         model_id=txt.get("model_id", ""),
         format_version=int(txt.get("fmt", "0") or 0),
