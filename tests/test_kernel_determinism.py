@@ -425,3 +425,40 @@ def test_rows_weighted_sum_equals_the_parts_combined(fmt, run):
     assert experts.tolist() == [0, 2, 4, 5, 6] and starts.tolist() == [0, 3, 5, 8, 9, 11]
     assert rows.tolist() == [0, 1, 2, 2, 4, 0, 2, 4, 0, 1, 4]
     np.testing.assert_array_equal(xs, x[rows])
+
+
+WORKQUEUE_PROBE = """
+import threading, numpy as np
+from moe.kernels import quant
+rng = np.random.default_rng(0)
+data = quant.pack(rng.standard_normal((1024, 1024)).astype(np.float32), "q4_0")
+xs = [rng.standard_normal((4, 1024)).astype(np.float32) for _ in range(4)]
+want = [quant.matmul(data, "q4_0", 1024, 1024, x) for x in xs]
+wrong = []
+def work(i):
+    for _ in range(100):
+        wrong.append(not np.array_equal(quant.matmul(data, "q4_0", 1024, 1024, xs[i]), want[i]))
+threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+[t.start() for t in threads]; [t.join() for t in threads]
+import numba
+print(numba.threading_layer(), sum(wrong))
+"""
+
+
+def test_parallel_kernels_from_many_threads_under_numbas_own_pool():
+    """Where neither OpenMP nor TBB is installed numba uses its "workqueue" pool, which
+    aborts the process (or worse) when two threads launch kernels at once: a node computes
+    from several gRPC threads. The launches take turns there: all results right, no abort."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    env = {**os.environ, "NUMBA_THREADING_LAYER": "workqueue"}
+    out = subprocess.run(
+        [sys.executable, "-c", WORKQUEUE_PROBE], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["workqueue", "0"], out.stdout

@@ -30,6 +30,7 @@ each a matrix in the layout above, back to back (each starts at a multiple of 64
 """
 
 import functools
+import threading
 import time
 from typing import NamedTuple
 
@@ -149,18 +150,34 @@ def _run(kernel, n_weights: int, *args, serial=None):
     want = threads() if n_weights >= PARALLEL_MIN_WEIGHTS else 1
     if want == 1 and serial is not None:
         return serial(*args)
-    if numba.get_num_threads() != want:
-        numba.set_num_threads(want)
-    return kernel(*args)
+    return _launch(kernel, want, args)
 
 
 def run_parallel(kernel, items: int, *args):
     """Call a parallel=True kernel outside this module (e.g. attention over several
     sequences) on as many of `threads()` threads as it has independent items."""
-    want = max(1, min(threads(), items))
-    if numba.get_num_threads() != want:
-        numba.set_num_threads(want)
-    return kernel(*args)
+    return _launch(kernel, max(1, min(threads(), items)), args)
+
+
+_pool = {"lock": threading.Lock(), "shared": None}  # shared: may threads launch at once?
+
+
+def _launch(kernel, want: int, args):
+    """Numba's own thread pool ("workqueue", used where neither OpenMP nor TBB is installed)
+    is not safe for launches from several threads at once (a node computes from gRPC worker
+    threads; audits run beside the decode loop): its results came back wrong in a
+    container without libgomp. There, launches take turns; OpenMP and TBB need no lock."""
+    if _pool["shared"]:
+        if numba.get_num_threads() != want:
+            numba.set_num_threads(want)
+        return kernel(*args)
+    with _pool["lock"]:
+        if numba.get_num_threads() != want:
+            numba.set_num_threads(want)
+        out = kernel(*args)
+        if _pool["shared"] is None:  # known once a kernel has launched
+            _pool["shared"] = numba.threading_layer() != "workqueue"
+        return out
 
 
 def _check_fmt(fmt: str) -> None:
