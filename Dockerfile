@@ -8,18 +8,28 @@ ENV PYTHONUNBUFFERED=1 \
     NUMBA_CACHE_DIR=/var/cache/numba
 
 WORKDIR /app
+# The user every role runs as, with a writable home (`moeshard health` keeps a client key there)
+# and the volumes' mount points it owns (a new named volume takes this ownership).
+RUN useradd --system --uid 10001 --create-home --home-dir /home/moeshard moeshard \
+    && mkdir -p /data /shards /claims /client /checkpoints "$NUMBA_CACHE_DIR" \
+    && chown moeshard /data /shards /claims /client "$NUMBA_CACHE_DIR"
 # The package first (dependencies change rarely), then the demo inputs and the role scripts.
-COPY pyproject.toml README.md ./
-COPY moe moe
-COPY node node
-COPY coordinator coordinator
-RUN pip install . \
-    && useradd --system --uid 10001 --home-dir /app moeshard \
-    && mkdir -p /data /shards /claims /checkpoints "$NUMBA_CACHE_DIR" \
-    && python -c "from moe import quant; quant.warmup()" \
-    && chown -R moeshard /data /shards /claims "$NUMBA_CACHE_DIR"
-# The numba kernels are compiled above into $NUMBA_CACHE_DIR; numba recompiles (once, into the
-# same directory) only when the host CPU differs from the build machine's.
+# It is built from /tmp/src and the sources dropped, so the only `moe` is the installed one:
+# numba keys its cache on the source file's path, and a warm-up importing ./moe (python -c puts
+# the working directory first on sys.path) would fill a cache the installed package never reads.
+COPY pyproject.toml README.md /tmp/src/
+COPY moe /tmp/src/moe
+COPY node /tmp/src/node
+COPY coordinator /tmp/src/coordinator
+RUN pip install /tmp/src \
+    && rm -rf /tmp/src \
+    && python -c "from moe.kernels import quant; from moe.model import fused; \
+print(f'numba kernels compiled in {quant.warmup() + fused.warmup():.1f} s')" \
+    && chown -R moeshard "$NUMBA_CACHE_DIR"
+# The numba kernels are compiled above into $NUMBA_CACHE_DIR, keyed by the installed source
+# files (path and mtime) and the CPU: a container on the build machine's CPU loads them (JIT
+# warm-up well under a second). On another CPU numba compiles once more at the container's
+# start, into the same directory (the moeshard user owns it).
 
 # Demo inputs: the trained demo checkpoint when the repo has it, else the tiny test fixture.
 COPY models models
