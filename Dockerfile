@@ -2,15 +2,23 @@
 #   docker build -t moeshard .
 FROM python:3.11-slim
 
+# NUMBA_THREADING_LAYER: parallel kernels can be called from two threads at once (seen: a
+# coordinator re-running calls itself after a node died). numba's fallback layer, workqueue,
+# is not threadsafe and then returns garbage, so a threadsafe one is required (OpenMP, from
+# libgomp1, which the slim image lacks): without one numba fails instead of computing wrongly.
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    NUMBA_CACHE_DIR=/var/cache/numba
+    NUMBA_CACHE_DIR=/var/cache/numba \
+    NUMBA_THREADING_LAYER=threadsafe
 
 WORKDIR /app
-# The user every role runs as, with a writable home (`moeshard health` keeps a client key there)
-# and the volumes' mount points it owns (a new named volume takes this ownership).
-RUN useradd --system --uid 10001 --create-home --home-dir /home/moeshard moeshard \
+# OpenMP for numba; the user every role runs as, with a writable home (`moeshard health`
+# keeps a client key there) and the volumes' mount points it owns (new volumes take it).
+RUN apt-get update -qq \
+    && apt-get install -y -qq --no-install-recommends libgomp1 >/dev/null \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --system --uid 10001 --create-home --home-dir /home/moeshard moeshard \
     && mkdir -p /data /shards /claims /client /checkpoints "$NUMBA_CACHE_DIR" \
     && chown moeshard /data /shards /claims /client "$NUMBA_CACHE_DIR"
 # The package first (dependencies change rarely), then the demo inputs and the role scripts.

@@ -50,10 +50,10 @@ if ! command -v debootstrap >/dev/null 2>&1; then
 fi
 
 root=$(mktemp -d /var/tmp/moeshard-base.XXXXXX)
-trap 'rm -rf "$root"' EXIT
+trap 'rm -rf "$root" "$root.log"' EXIT
 debootstrap --variant=minbase --include=python3,python3-pip,python3-venv,ca-certificates \
     "$suite" "$root" "$mirror" >"$root.log" 2>&1 \
-    || { tail -20 "$root.log" >&2; rm -f "$root.log"; echo "base image: debootstrap failed" >&2; exit 1; }
+    || { tail -20 "$root.log" >&2; echo "base image: debootstrap failed" >&2; exit 1; }
 rm -f "$root.log"
 
 rm -f "$root/usr/lib/python3.11/EXTERNALLY-MANAGED"
@@ -65,11 +65,11 @@ if [[ -f $host_ca ]]; then
 else
     cp "$root/etc/ssl/certs/ca-certificates.crt" "$root$bundle"
 fi
-rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/* "$root"/usr/share/doc/* \
-    "$root"/usr/share/man/*
+rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/* \
+    "$root"/usr/share/doc/* "$root"/usr/share/man/*
 
 tar -C "$root" --numeric-owner -c . | docker import \
-    -m "moeshard stand-in for $image: debootstrap $suite minbase + python3 (tools/docker_base_image.sh)" \
+    -m "moeshard stand-in for $image: debootstrap $suite minbase + python3 ($0)" \
     -c 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
     -c 'ENV LANG=C.UTF-8' \
     -c "ENV PIP_CERT=$bundle" \
@@ -77,5 +77,5 @@ tar -C "$root" --numeric-owner -c . | docker import \
     -c "ENV REQUESTS_CA_BUNDLE=$bundle" \
     -c 'CMD ["python3"]' \
     - "$image" >/dev/null
-docker run --rm "$image" python -c 'import sys, ssl, venv; print("base image:", sys.version.split()[0])'
+docker run --rm "$image" python -c 'import sys, venv; print("base image: python", sys.version[:6])'
 echo "base image: $image built ($(docker image inspect -f '{{.Size}}' "$image" | numfmt --to=iec))"
