@@ -74,6 +74,7 @@ say "engine $(docker version -f '{{.Server.Version}}'), $($COMPOSE version | hea
 dc() { $COMPOSE "$@"; }
 
 # What exists before the test: afterwards nothing else may (but a base image built now).
+# (Whatever someone else creates in this engine meanwhile would count as left behind.)
 snapshot() {
     { docker ps -aq --no-trunc | sed 's/^/container /'
       docker volume ls -q | sed 's/^/volume /'
@@ -111,6 +112,7 @@ base=$(docker image inspect -f '{{.Id}}' python:3.11-slim)
 
 # ---- the local reference -----------------------------------------------------------------
 step "local reference (.venv/bin/moeshard, q4_0 experts, greedy, $TOKENS tokens)"
+[[ -x .venv/bin/moeshard ]] || { say "no .venv/bin/moeshard: run \`make compose-test\`"; exit 2; }
 .venv/bin/moeshard convert models/demo-hf "$LOCAL" --experts q4_0 --force --quiet
 .venv/bin/moeshard generate "$LOCAL" --prompt "$PROMPT" --max-tokens "$TOKENS" \
     >"$work/local.txt" 2>"$work/local.err"
@@ -215,6 +217,7 @@ docker kill "$victim" >/dev/null
 say "killed $(docker inspect -f '{{.Name}}' "$victim" | tr -d /) after $at_kill of $full bytes"
 wait "$gen_pid" || { cat "$work/killed.err"; fail "the generation failed after the kill"; }
 show_stats killed
+grep -q "DOWN" "$work/killed.err" || fail "the coordinator never found the killed node down"
 same_text killed
 
 # ---- scale to 4 ----------------------------------------------------------------------------
