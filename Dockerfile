@@ -2,24 +2,42 @@
 #   docker build -t moeshard .
 FROM python:3.11-slim
 
+# NUMBA_THREADING_LAYER: parallel kernels can be called from two threads at once (seen: a
+# coordinator re-running calls itself after a node died). numba's fallback layer, workqueue,
+# is not threadsafe and then returns garbage, so a threadsafe one is required (OpenMP, from
+# libgomp1, which the slim image lacks): without one numba fails instead of computing wrongly.
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    NUMBA_CACHE_DIR=/var/cache/numba
+    NUMBA_CACHE_DIR=/var/cache/numba \
+    NUMBA_THREADING_LAYER=threadsafe
 
 WORKDIR /app
+# OpenMP for numba; the user every role runs as, with a writable home (`moeshard health`
+# keeps a client key there) and the volumes' mount points it owns (new volumes take it).
+RUN apt-get update -qq \
+    && apt-get install -y -qq --no-install-recommends libgomp1 >/dev/null \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --system --uid 10001 --create-home --home-dir /home/moeshard moeshard \
+    && mkdir -p /data /shards /claims /client /checkpoints "$NUMBA_CACHE_DIR" \
+    && chown moeshard /data /shards /claims /client "$NUMBA_CACHE_DIR"
 # The package first (dependencies change rarely), then the demo inputs and the role scripts.
-COPY pyproject.toml README.md ./
-COPY moe moe
-COPY node node
-COPY coordinator coordinator
-RUN pip install . \
-    && useradd --system --uid 10001 --home-dir /app moeshard \
-    && mkdir -p /data /shards /claims /checkpoints "$NUMBA_CACHE_DIR" \
-    && python -c "from moe import quant; quant.warmup()" \
-    && chown -R moeshard /data /shards /claims "$NUMBA_CACHE_DIR"
-# The numba kernels are compiled above into $NUMBA_CACHE_DIR; numba recompiles (once, into the
-# same directory) only when the host CPU differs from the build machine's.
+# It is built from /tmp/src and the sources dropped, so the only `moe` is the installed one:
+# numba keys its cache on the source file's path, and a warm-up importing ./moe (python -c puts
+# the working directory first on sys.path) would fill a cache the installed package never reads.
+COPY pyproject.toml README.md /tmp/src/
+COPY moe /tmp/src/moe
+COPY node /tmp/src/node
+COPY coordinator /tmp/src/coordinator
+RUN pip install /tmp/src \
+    && rm -rf /tmp/src \
+    && python -c "from moe.kernels import quant; from moe.model import fused; \
+print(f'numba kernels compiled in {quant.warmup() + fused.warmup():.1f} s')" \
+    && chown -R moeshard "$NUMBA_CACHE_DIR"
+# The numba kernels are compiled above into $NUMBA_CACHE_DIR, keyed by the installed source
+# files (path and mtime) and the CPU: a container on the build machine's CPU loads them (JIT
+# warm-up well under a second). On another CPU numba compiles once more at the container's
+# start, into the same directory (the moeshard user owns it).
 
 # Demo inputs: the trained demo checkpoint when the repo has it, else the tiny test fixture.
 COPY models models

@@ -10,7 +10,7 @@ DEMO_OUT := out/demo
 PROMPT ?= The function returns
 
 .PHONY: all test lint demo demo-local demo-ppl k3-demo serve-demo fixtures ref-venv proto clean \
-	testbed compose-check
+	testbed compose-check compose-test
 
 all: test
 
@@ -91,6 +91,11 @@ testbed: $(VENV)/.stamp
 # compose.yaml through a real Compose implementation's `config` (no Docker engine needed).
 compose-check:
 	bash tools/check_compose.sh
+
+# The compose swarm for real: Docker engine (installed and started when absent), image built,
+# 3 TLS nodes, generation checked against a local run, a node killed, scaled to 4, all removed.
+compose-test: $(VENV)/.stamp
+	bash tools/compose_test.sh
 
 clean:
 	rm -rf out build *.egg-info

@@ -26,7 +26,9 @@ if [ -z "$dir" ]; then
     exit 1
 fi
 echo "node: container $me serves $dir"
-# The shard set is read-only here: the node's key lives with its claim (kept across restarts).
+# The shard set is read-only here: the node's key lives with its claim (kept across restarts),
+# and so does its home (its ledger of signed receipts).
+export MOESHARD_HOME="$CLAIMS/$(basename "$dir")"
 exec moeshard node "$dir" --host "${NODE_HOST:-0.0.0.0}" --port "${NODE_PORT:-50051}" \
     --name "$(basename "$dir")" --key "$CLAIMS/$(basename "$dir")/node-key.pem" \
     --allow "$SHARDS/client.id" --ram "${NODE_CACHE:-0}" "$@"

@@ -9,7 +9,7 @@
 #
 # Idempotent: a re-run with the same inputs changes nothing (running nodes keep their shards).
 set -eu
-DATA=${DATA:-/data} SHARDS=${SHARDS:-/shards} CLAIMS=${CLAIMS:-/claims}
+DATA=${DATA:-/data} SHARDS=${SHARDS:-/shards} CLAIMS=${CLAIMS:-/claims} CLIENT=${CLIENT:-/client}
 CHECKPOINTS=${CHECKPOINTS:-/checkpoints} APP=${APP:-/app}
 NODES=${NODES:-3}
 REPLICAS=${REPLICAS:-2}
@@ -51,10 +51,10 @@ if [ "$(cat "$SHARDS/plan.stamp" 2>/dev/null)" != "$plan" ]; then
 else
     echo "prep: $SHARDS/current is current ($NODES nodes, $REPLICAS replicas)"
 fi
-# The coordinator's identity (mutual TLS): its key stays in the model volume, which only prep
-# and the coordinator mount; the nodes read just its id, the one client they allow.
-mkdir -p "$DATA/client"
-[ -f "$DATA/client/key.pem" ] || moeshard keygen "$DATA/client/key.pem" >/dev/null
-moeshard id "$DATA/client/key.pem" > "$SHARDS/client.id"
+# The coordinator's identity (mutual TLS): its key stays in the client volume, which only prep
+# and the coordinator mount (the coordinator keeps its ledger and the nodes' reputations there
+# too); the nodes read just its id, the one client they allow.
+[ -f "$CLIENT/key.pem" ] || moeshard keygen "$CLIENT/key.pem" >/dev/null
+moeshard id "$CLIENT/key.pem" > "$SHARDS/client.id"
 echo "prep: coordinator id $(cat "$SHARDS/client.id")"
 moeshard inspect "$DATA/model" | head -4

@@ -573,8 +573,9 @@ def warmup() -> float:
     entry.expert_ffn_kernel(code, int8, rec, hidden, inter, layout, lut, x, glu)  # starts the pool
     offsets = _readonly(np.zeros(2, dtype=np.int64))
     entry.experts_b1_kernel(code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x, glu)
+    y = np.zeros((2, hidden), dtype=np.float32)  # writable, as the rows kernel's output is
     entry.accumulate_rows(
-        np.zeros((2, hidden)), np.zeros(2, dtype=np.int64), x, np.ones(2, dtype=np.float32)
+        np.zeros((2, hidden)), np.zeros(2, dtype=np.int64), y, np.ones(2, dtype=np.float32)
     )
     starts = _readonly(np.array([0, 1, 2], dtype=np.int64))
     entry.experts_rows_kernel(
