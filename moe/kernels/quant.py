@@ -577,6 +577,8 @@ def warmup() -> float:
     entry.accumulate_rows(
         np.zeros((2, hidden)), np.zeros(2, dtype=np.int64), y, np.ones(2, dtype=np.float32)
     )
+    ids = np.zeros((2, 2), dtype=np.int64)  # writable, as the router makes them
+    group_by_expert(ids, np.ones((2, 2), dtype=np.float32), np.zeros((2, hidden), np.float32))
     starts = _readonly(np.array([0, 1, 2], dtype=np.int64))
     entry.experts_rows_kernel(
         code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x, starts, glu
