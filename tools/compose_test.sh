@@ -123,7 +123,7 @@ sed 's/^/  local: /' "$work/local.err"
 # ---- build and up ------------------------------------------------------------------------
 step "build ($COMPOSE build)"
 dc build >"$work/build.log" 2>&1 || { tail -30 "$work/build.log"; fail "image build"; }
-grep -o "numba kernels compiled in [0-9.]* s" "$work/build.log" | head -1 | sed 's/^/  build: /'
+grep -o "numba kernels compiled in [0-9.]* s" "$work/build.log" | head -1 | sed 's/^/  build: /' || true  # (a build from cache compiles nothing)
 
 node_ids() {
     docker ps -q --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME" \
