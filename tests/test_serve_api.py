@@ -10,6 +10,7 @@ import subprocess
 import sys
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import openai
 import pytest
@@ -36,12 +37,14 @@ def demo(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def server(demo):
+@contextmanager
+def serving(demo, *flags: str):
+    """A `moeshard serve DEMO --name demo FLAGS...` subprocess on a free port, up: its base URL.
+    Stopped on leaving."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "coordinator.cli", "serve", str(demo), "--port", str(port),
-         "--api-key", KEY, "--max-batch", "4", "--name", "demo"],
+         "--name", "demo", *flags],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
@@ -53,11 +56,19 @@ def server(demo):
         except OSError:
             return proc.poll() is not None  # (died: stop waiting, fail below)
 
-    wait_until(up, 180, what="the server")
-    assert proc.poll() is None, proc.stderr.read()
-    yield base
-    proc.terminate()
-    proc.wait(timeout=30)
+    try:
+        wait_until(up, 180, what="the server")
+        assert proc.poll() is None, proc.stderr.read()
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(demo):
+    with serving(demo, "--api-key", KEY, "--max-batch", "4") as base:
+        yield base
 
 
 @pytest.fixture
@@ -155,28 +166,6 @@ def test_models_health_and_metrics(client, server):
     assert ("moeshard_queue_depth", ()) in values and ("moeshard_batch_size_mean", ()) in values
 
 
-def serve_process(demo, *flags: str):
-    """A `moeshard serve` subprocess with `flags`; (its base URL, the process)."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "serve", str(demo), "--port", str(port),
-         "--name", "demo", *flags],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=1) as r:
-                return r.status == 200
-        except OSError:
-            return proc.poll() is not None
-
-    wait_until(up, 180, what="the server")
-    assert proc.poll() is None, proc.stderr.read()
-    return base, proc
-
-
 @pytest.mark.parametrize("mode", ["ram", "nodes"])
 def test_served_under_a_ram_budget_or_through_nodes_the_text_is_the_same(demo, mode):
     """The same greedy text as `generate` in RAM when the server streams experts under --ram
@@ -193,8 +182,7 @@ def test_served_under_a_ram_budget_or_through_nodes_the_text_is_the_same(demo, m
     else:
         flags = ["--ram", "730M", "--context", "64", "--max-batch", "4"]
     try:
-        base, proc = serve_process(demo, *flags)
-        try:
+        with serving(demo, *flags) as base:
             client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
             want = local_text(demo, 12)
             with ThreadPoolExecutor(3) as pool:
@@ -214,9 +202,6 @@ def test_served_under_a_ram_budget_or_through_nodes_the_text_is_the_same(demo, m
                     if name == "moeshard_node_call_latency_ms"
                 }  # fmt: skip
                 assert len(latency) == 2 and all(v > 0 for v in latency.values()), latency
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
     finally:
         for node in nodes:
             node.stop()

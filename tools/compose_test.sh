@@ -27,6 +27,7 @@ export MOESHARD_IMAGE=moeshard-compose-test:latest
 export NODES=3 REPLICAS=2
 LOCAL=out/compose-test
 work=$(mktemp -d)
+dockerd_pid=  # set when this run starts the Docker daemon
 started=$(date +%s.%N)
 
 say() { echo "compose-test: $*"; }
@@ -52,9 +53,11 @@ if ! command -v dockerd >/dev/null 2>&1; then
     apt_install docker.io
 fi
 if ! docker info >/dev/null 2>&1; then
-    # No service manager here: the daemon runs in the background for this and later runs.
+    # No service manager here: the daemon runs in the background, and is stopped at the end
+    # (with the bridge it made) so what runs next finds the machine as it was.
     say "starting dockerd (log: /var/log/moeshard-dockerd.log)"
     nohup dockerd >>/var/log/moeshard-dockerd.log 2>&1 &
+    dockerd_pid=$!
     for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
     if ! docker info >/dev/null 2>&1; then
         tail -20 /var/log/moeshard-dockerd.log
@@ -99,7 +102,14 @@ on_exit() {
         teardown || say "teardown failed: containers, volumes or the image may be left"
     fi
     rm -rf "$work"
+    stop_dockerd
     exit "$rc"
+}
+stop_dockerd() {  # only the daemon this run started
+    [[ -n $dockerd_pid ]] || return 0
+    kill "$dockerd_pid" 2>/dev/null || true
+    for _ in $(seq 30); do kill -0 "$dockerd_pid" 2>/dev/null || break; sleep 1; done
+    ip link delete docker0 2>/dev/null || true
 }
 trap on_exit EXIT
 teardown  # what an interrupted earlier run may have left
