@@ -239,3 +239,23 @@ def open_remote(
     return _finish(
         model, transformer, experts, warmup_s, started, watcher=watcher, verifier=experts.verifier
     )
+
+
+def open_serving_runtime(
+    path,
+    ram: int | None,
+    context_tokens: int,
+    peers=None,
+    discover=False,
+    discover_timeout: float = 2.0,
+    remote_config=None,
+) -> Runtime:
+    """The runtime a server puts behind its engine: experts in RAM, streamed from SSD under
+    `ram` bytes (planned for `context_tokens` of KV cache: every running sequence has its
+    own), or computed by nodes (`peers`, `discover`).  `moeshard serve` and
+    `bench serve --engine-only` open it the same way."""
+    if peers or discover:
+        return open_remote(path, peers, discover, discover_timeout, remote_config)
+    if ram:
+        return open_streaming(path, ram, context_tokens)
+    return open_local(path)

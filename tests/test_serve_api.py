@@ -4,10 +4,12 @@ OpenAI's 400s, the API key, /v1/models, /health and /metrics."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -40,12 +42,14 @@ def demo(tmp_path_factory):
 @contextmanager
 def serving(demo, *flags: str):
     """A `moeshard serve DEMO --name demo FLAGS...` subprocess on a free port, up: its base URL.
-    Stopped on leaving."""
+    Stopped on leaving.  Its output goes to a file (a pipe nobody reads could fill and
+    stall it), shown when it fails to come up."""
     port = free_port()
+    log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "coordinator.cli", "serve", str(demo), "--port", str(port),
          "--name", "demo", *flags],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
 
@@ -58,11 +62,12 @@ def serving(demo, *flags: str):
 
     try:
         wait_until(up, 180, what="the server")
-        assert proc.poll() is None, proc.stderr.read()
+        assert proc.poll() is None, log.seek(0) or log.read()
         yield base
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -157,9 +162,19 @@ def metrics(base: str) -> dict[tuple[str, tuple], float]:
 
 def test_models_health_and_metrics(client, server):
     assert [m.id for m in client.models.list().data] == ["demo"]
-    with urllib.request.urlopen(server + "/health") as r:
-        assert json.loads(r.read())["status"] == "ok"
+
+    def health() -> dict:
+        with urllib.request.urlopen(server + "/health") as r:
+            return json.loads(r.read())
+
+    wait_until(lambda: health()["running"] == 0, 30, what="the earlier tests' requests to end")
+    before = health()
+    assert before["status"] == "ok"
     client.completions.create(model="demo", prompt=PROMPT, max_tokens=3)
+    engine, engine0 = health()["engine"], before["engine"]
+    assert engine["steps"] - engine0["steps"] == 3  # a request alone: one step per token
+    assert engine["batch_rows"] - engine0["batch_rows"] == 3
+    assert engine["busy_s"] > engine0["busy_s"]
     values = metrics(server)
     assert values["moeshard_generated_tokens_total", ()] >= 3
     assert values["moeshard_requests_total", ()] >= 1
@@ -255,13 +270,58 @@ def test_the_chat_page_streams_in_a_real_browser(server):
         driver.quit()
 
 
-def test_bench_serve_runs(demo):
-    """`moeshard bench serve`: a server process and its clients; one line per level."""
+@pytest.mark.parametrize("engine_only", [False, True], ids=["http", "engine-only"])
+def test_bench_serve_runs(demo, engine_only):
+    """`moeshard bench serve`: a server process and its clients, or (--engine-only) the
+    clients submitting to the engine in-process; one line per level."""
     out = subprocess.run(
         [sys.executable, "-m", "coordinator.cli", "bench", "serve", str(demo),
-         "--concurrency", "1,2", "--tokens", "4", "--requests", "2"],
+         "--concurrency", "1,2", "--tokens", "4", "--requests", "2"]
+        + ["--engine-only"] * engine_only,
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line.startswith("concurrency")]
     assert len(lines) == 2 and "aggregate" in lines[1] and "first token p50" in lines[1]
+    # one client: every engine step holds its one request; the CPU each process spent
+    assert "mean batch  1.0" in lines[0], lines[0]
+    assert int(lines[1].split(":")[1].split("tokens")[0]) == 2 * 4  # every token was made
+    cpu = lines[0].split("CPU per token:")[1]  # "server N us, load generator M us" or "N us"
+    figures = [float(part.split("us")[0].split()[-1]) for part in cpu.split(",")]
+    assert len(figures) == (1 if engine_only else 2) and min(figures) > 0, cpu
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not-streamed"])
+def test_a_client_that_hangs_up_frees_its_slot_at_once(demo, stream):
+    """One slot and no queue: while a request holds the slot another is refused (429, OpenAI's
+    rate-limit error).  Its client hangs up (after the first event when streamed, while
+    waiting when not): the engine ends it as cancelled well before its max_tokens, and the
+    slot serves the next request."""
+    max_tokens = 250  # ~0.3 s of decoding at the fastest this machine runs
+    with serving(demo, "--max-batch", "1", "--max-queue", "0", "--no-eos") as base:
+        port = int(base.rsplit(":", 1)[1])
+        body = {"model": "demo", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(body | {"stream": stream}),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        if stream:
+            first = conn.getresponse().readline()
+            assert first.startswith(b"data: "), first
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        wait_until(lambda: health(base)["running"] == 1, 30, what="the first request to run")
+        with pytest.raises(openai.RateLimitError) as err:  # the one slot is taken
+            client.completions.create(model="demo", prompt=PROMPT, max_tokens=1)
+        assert err.value.body["type"] == "rate_limit_error"
+        conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-answer
+        conn.close()
+        wait_until(lambda: health(base)["running"] == 0, 30, what="the slot to be freed")
+        finished = health(base)["engine"]["finished"]
+        assert finished == {"cancelled": 1}, finished  # not "length": it stopped early
+        assert metrics(base)["moeshard_generated_tokens_total", ()] < max_tokens
+        answer = client.completions.create(model="demo", prompt=PROMPT, max_tokens=3)
+        assert answer.usage.completion_tokens == 3
+
+
+def health(base: str) -> dict:
+    with urllib.request.urlopen(base + "/health", timeout=10) as r:
+        return json.loads(r.read())

@@ -13,6 +13,8 @@ nodes (network mode), against the level of concurrency 1 measured in the same ru
 from __future__ import annotations
 
 import json
+import os
+import resource
 import socket
 import statistics
 import threading
@@ -51,6 +53,12 @@ def add_arguments(p) -> None:
     p.add_argument("--key", help="this client's key (as `moeshard serve --key`)")
     p.add_argument("--insecure", action="store_true", help="plaintext to nodes on loopback")
     p.add_argument("--context", type=int, default=256, help="prompt + tokens a request may use")
+    p.add_argument(
+        "--engine-only",
+        action="store_true",
+        help="no HTTP: the clients submit to the batching engine in this process (what the "
+        "model and scheduler give, without the server's and clients' per-token cost)",
+    )
 
 
 def _free_port() -> int:
@@ -60,12 +68,12 @@ def _free_port() -> int:
 
 
 def _one(base: str, prompt: str | list[int], tokens: int) -> dict:
-    """One streamed greedy completion: its first-token and end times and token count."""
-    body = json.dumps(
-        {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
-    ).encode()
+    """One streamed greedy completion: its first-token and end times and token count (the
+    usage the server reports at the end: a chunk's text may hold no token or several)."""
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
     request = urllib.request.Request(
-        base + "/v1/completions", body, {"Content-Type": "application/json"}
+        base + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
     t0 = time.perf_counter()
     first, n = None, 0
@@ -74,9 +82,10 @@ def _one(base: str, prompt: str | list[int], tokens: int) -> dict:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            n += 1
             if first is None:
                 first = time.perf_counter()
+            if '"usage"' in line:
+                n = (json.loads(line[6:]).get("usage") or {}).get("completion_tokens") or n
     return {"ttft": (first or time.perf_counter()) - t0, "end": time.perf_counter() - t0, "n": n}
 
 
@@ -88,12 +97,18 @@ def _prompt(i: int, ids: bool) -> str | list[int]:
 
 
 def _level(base: str, clients: int, requests: int, tokens: int, ids: bool) -> dict:
+    return _clients(lambda i: _one(base, _prompt(i, ids), tokens), clients, requests)
+
+
+def _clients(one, clients: int, requests: int) -> dict:
+    """`clients` threads share requests 0..requests-1 (`one(i)` makes request i and returns
+    its times and token count), each sending its next when its last has ended."""
     results: list[dict] = []
     lock = threading.Lock()
 
     def client(c: int) -> None:
         for i in range(c, requests, clients):  # request i, prompt i: the same set per level
-            out = _one(base, _prompt(i, ids), tokens)
+            out = one(i)
             with lock:
                 results.append(out)
 
@@ -134,6 +149,8 @@ def run(args) -> int:
     requests = args.requests or 2 * top
     if requests < top:
         raise MoeshardError(f"--requests {requests}: fewer than the {top} clients of a level")
+    if args.engine_only:
+        return _run_engine_only(args, model, levels, requests, ids)
     cmd = [sys.executable, "-m", "coordinator.cli", "serve", args.model, "--port", str(port),
            "--max-batch", str(top), "--max-queue", str(top), "--context", str(args.context),
            "--no-eos"]  # fmt: skip  # (every request makes all its tokens)
@@ -152,14 +169,68 @@ def run(args) -> int:
         _one(base, _prompt(10_000, ids), 2)
         rows = []
         for clients in levels:
-            before = _stats(base)
+            before, cpu = _health(base), _cpu_seconds(server.pid)
             row = _level(base, clients, requests, args.tokens, ids)
-            row |= _expert_cost(before, _stats(base), row["tokens"])
+            after = _health(base)
+            row |= _cpu_cost(cpu, _cpu_seconds(server.pid), before, after, row)
+            row |= _expert_cost(before["experts"], after["experts"], row["tokens"])
             rows.append(row)
             _print_row(row, rows[0])
     finally:
         server.terminate()
         server.wait(timeout=30)
+    return 0
+
+
+def _run_engine_only(args, model, levels: list[int], requests: int, ids: bool) -> int:
+    """The levels against `Engine` in this process: the same requests, greedy, every token
+    made (no end-of-sequence), over the runtime `moeshard serve` would open."""
+    from coordinator.generate import SamplingOptions
+    from coordinator.runtime import open_serving_runtime
+    from coordinator.serve.engine import Engine
+    from moe.units import parse_size
+
+    remote = None
+    if args.peers or args.discover:
+        from coordinator.remote.config import RemoteConfig
+        from moe.identity.keys import client_identity
+
+        remote = RemoteConfig(identity=None if args.insecure else client_identity(args.key))
+    top = levels[-1]
+    rt = open_serving_runtime(
+        model, args.ram and parse_size(args.ram), args.context * top, args.peers,
+        args.discover, remote_config=remote,
+    )  # fmt: skip
+    engine = Engine(rt.transformer, max_batch=top, max_queue=top)
+
+    def one(i: int) -> dict:
+        prompt = _prompt(i, ids)
+        prompt_ids = prompt if ids else rt.encode(prompt)
+        opts = SamplingOptions(max_tokens=args.tokens, temperature=0.0)
+        t0 = time.perf_counter()
+        request = engine.submit(prompt_ids, opts)
+        n = sum(event.kind == "token" for event in request.stream())
+        return {"ttft": request.first_token_s or 0.0, "end": time.perf_counter() - t0, "n": n}
+
+    def health() -> dict:  # what the server's /health would say
+        st = engine.stats
+        engine_stats = {"steps": st.steps, "batch_rows": st.batch_rows, "busy_s": st.busy_s}
+        return {"engine": engine_stats, "experts": rt.experts.stats()}
+
+    try:
+        one(10_000)  # (as the HTTP run's first request: the kernels warm)
+        rows = []
+        for clients in levels:
+            before, cpu = health(), _cpu_seconds(os.getpid())
+            row = _clients(one, clients, requests)
+            after = health()
+            row |= _cpu_cost(cpu, _cpu_seconds(os.getpid()), before, after, row)
+            row |= _expert_cost(before["experts"], after["experts"], row["tokens"])
+            rows.append(row)
+            _print_row(row, rows[0], engine_only=True)
+    finally:
+        engine.close()
+        rt.close()
     return 0
 
 
@@ -176,10 +247,35 @@ def _wait_up(base: str, server) -> None:
     raise MoeshardError("the server did not answer /health within 300 s")
 
 
-def _stats(base: str) -> dict:
-    """The server's experts counters (its /health carries them)."""
+def _health(base: str) -> dict:
+    """The server's /health: its engine's and its experts' counters."""
     with urllib.request.urlopen(base + "/health", timeout=10) as r:
-        return json.loads(r.read()).get("experts", {})
+        return json.loads(r.read())
+
+
+def _cpu_seconds(server_pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) used so far by the server process and by this one (the
+    load generator): the machine's cores are shared by both, so each one's cost per token
+    says where a level's time goes."""
+    with open(f"/proc/{server_pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    server = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return server, own.ru_utime + own.ru_stime
+
+
+def _cpu_cost(cpu0, cpu1, health0: dict, health1: dict, row: dict) -> dict:
+    """Per generated token: the server's and the load generator's CPU time; per step: the
+    engine's mean batch and busy time (its forward passes and sampling)."""
+    tokens = max(row["tokens"], 1)
+    e0, e1 = health0["engine"], health1["engine"]
+    steps = max(e1["steps"] - e0["steps"], 1)
+    return {
+        "server_cpu_us_per_token": (cpu1[0] - cpu0[0]) / tokens * 1e6,
+        "client_cpu_us_per_token": (cpu1[1] - cpu0[1]) / tokens * 1e6,
+        "mean_batch": (e1["batch_rows"] - e0["batch_rows"]) / steps,
+        "step_ms": (e1["busy_s"] - e0["busy_s"]) / steps * 1e3,
+    }
 
 
 def _expert_cost(before: dict, after: dict, tokens: int) -> dict:
@@ -195,7 +291,7 @@ def _expert_cost(before: dict, after: dict, tokens: int) -> dict:
     return out
 
 
-def _print_row(row: dict, base: dict) -> None:
+def _print_row(row: dict, base: dict, engine_only: bool = False) -> None:
     ratio = row["aggregate_tok_s"] / base["aggregate_tok_s"]
     line = (
         f"concurrency {row['clients']:>3}: {row['tokens']:>5} tokens, aggregate "
@@ -203,6 +299,14 @@ def _print_row(row: dict, base: dict) -> None:
         f"per request {row['per_request_tok_s']:7.1f} tok/s, first token p50 "
         f"{row['ttft_p50_s'] * 1e3:7.1f} ms p99 {row['ttft_p99_s'] * 1e3:7.1f} ms"
     )
+    line += f"; mean batch {row['mean_batch']:4.1f}, step {row['step_ms']:5.2f} ms, CPU per token: "
+    if engine_only:  # one process: engine and clients
+        line += f"{row['client_cpu_us_per_token']:5.0f} us"
+    else:
+        line += (
+            f"server {row['server_cpu_us_per_token']:5.0f} us, load generator "
+            f"{row['client_cpu_us_per_token']:5.0f} us"
+        )
     if "expert_bytes_per_token" in row:
         share = row["expert_bytes_per_token"] / max(base["expert_bytes_per_token"], 1e-9)
         line += f", experts read {row['expert_bytes_per_token'] / 1e6:.2f} MB/token ({share:.2f}x)"

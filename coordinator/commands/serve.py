@@ -42,7 +42,7 @@ def cmd_serve(args) -> int:
         import uvicorn
     except ImportError:
         raise MoeshardError("serve needs uvicorn and starlette (pip install moeshard)") from None
-    from coordinator.runtime import open_local, open_remote, open_streaming
+    from coordinator.runtime import open_serving_runtime
     from coordinator.serve.app import ServerState, create_app
     from coordinator.serve.engine import Engine
     from moe.model.model_dir import ModelDir
@@ -53,16 +53,15 @@ def cmd_serve(args) -> int:
     if args.ram and (args.peers or args.discover):
         raise MoeshardError("--ram streams experts from this machine's SSD; not with nodes")
     model = ModelDir(args.model)
+    remote = None
     if args.peers or args.discover:
         from coordinator.commands.network import client_config
 
-        rt = open_remote(
-            model, args.peers, args.discover, args.discover_timeout, client_config(args)
-        )
-    elif args.ram:  # every running sequence has its own cache: plan for all of them
-        rt = open_streaming(model, parse_size(args.ram), args.context * args.max_batch)
-    else:
-        rt = open_local(model)
+        remote = client_config(args)
+    rt = open_serving_runtime(
+        model, args.ram and parse_size(args.ram), args.context * args.max_batch,
+        args.peers, args.discover, args.discover_timeout, remote,
+    )  # fmt: skip
     engine = Engine(rt.transformer, max_batch=args.max_batch, max_queue=args.max_queue)
     state = ServerState(
         engine=engine,

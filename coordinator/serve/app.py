@@ -290,6 +290,14 @@ def create_app(state: ServerState):
                              "model", 404, "not_found_error")  # fmt: skip
         return body
 
+    async def hung_up(http: HttpRequest, req: Request) -> None:
+        """Cancel `req` when its client disconnects.  Its body has been read, so the next
+        ASGI message is the disconnect (uvicorn sends it when the connection closes); an
+        answer that is not streamed sends nothing before its end that could notice it."""
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+        req.cancel()
+
     relays: dict[str, Any] = {}  # the running loop and its Relay (made on first use)
 
     def count(name: str, value: float = 1.0) -> None:
@@ -323,9 +331,11 @@ def create_app(state: ServerState):
         count("moeshard_prompt_tokens_total", len(ids))
         return req, inbox
 
-    async def run(ids, opts, extra, chunk, final) -> Any:
+    async def run(http: HttpRequest, ids, opts, extra, chunk, final) -> Any:
         """Stream (SSE) or collect one request; `chunk(delta, finish, logprob)` and
-        `final(text, finish, usage, logprobs)` shape the API's objects."""
+        `final(text, finish, usage, logprobs)` shape the API's objects.  A client that hangs
+        up frees its slot: a stream notices when its next event cannot be sent, a collected
+        answer through `hung_up`."""
         req, inbox = submit(ids, opts, extra)
         text = TextStream(state.tokenizer, extra["stops"])
 
@@ -368,13 +378,17 @@ def create_app(state: ServerState):
 
             return StreamingResponse(sse(), media_type="text/event-stream")
         parts, finish, logprobs = [], "stop", []
-        async for delta, end, logprob in tokens():
-            parts.append(delta)
-            if logprob is not None:
-                logprobs.append(logprob)
-            if end is not None:
-                finish = end
-                break
+        watcher = asyncio.create_task(hung_up(http, req))
+        try:
+            async for delta, end, logprob in tokens():
+                parts.append(delta)
+                if logprob is not None:
+                    logprobs.append(logprob)
+                if end is not None:
+                    finish = end
+                    break
+        finally:
+            watcher.cancel()
         return JSONResponse(final("".join(parts), finish, usage(), logprobs or None))
 
     async def completions(request: HttpRequest):
@@ -403,7 +417,7 @@ def create_app(state: ServerState):
                     "model": state.model_name, "choices": choices, "usage": usage}  # fmt: skip
 
         try:
-            return await run(ids, opts, extra, chunk, final)
+            return await run(request, ids, opts, extra, chunk, final)
         except BadRequest as exc:
             return fail(exc)
 
@@ -442,7 +456,7 @@ def create_app(state: ServerState):
                     "model": state.model_name, "choices": [choice], "usage": usage}  # fmt: skip
 
         try:
-            return await run(ids, opts, extra, chunk, final)
+            return await run(request, ids, opts, extra, chunk, final)
         except BadRequest as exc:
             return fail(exc)
 
@@ -458,6 +472,9 @@ def create_app(state: ServerState):
         stats = state.experts.stats() if state.experts is not None else {}
         body = {"status": "ok", "model": state.model_name, "running": e.running()}
         body |= {"waiting": e.queue_depth(), "experts": _jsonable(stats)}
+        st = e.stats  # the scheduler's counters: how full its steps were, how busy it was
+        body["engine"] = {"steps": st.steps, "batch_rows": st.batch_rows, "busy_s": st.busy_s,
+                          "finished": dict(st.finished_by)}  # fmt: skip
         return JSONResponse(body)
 
     async def page(request: HttpRequest):
@@ -499,6 +516,11 @@ def prometheus_text(state: ServerState) -> str:
            state.metrics.get("moeshard_requests_total", 0))  # fmt: skip
     metric("moeshard_requests_rejected_total", "counter", "requests refused: queue full",
            state.metrics.get("moeshard_requests_rejected_total", 0))  # fmt: skip
+    name = "moeshard_requests_finished_total"
+    why = "eos; length; cancelled: the client left or a stop sequence ended the text; error"
+    lines += [f"# HELP {name} requests ended, by why ({why})", f"# TYPE {name} counter"]
+    for reason, n in sorted(dict(s.finished_by).items()):
+        lines.append(f'{name}{{reason="{reason}"}} {n}')
     metric("moeshard_prompt_tokens_total", "counter", "prompt tokens in", s.prompt_tokens)
     metric("moeshard_generated_tokens_total", "counter", "tokens out", s.generated_tokens)
     metric("moeshard_tokens_per_second", "gauge", "tokens out per second of engine work",

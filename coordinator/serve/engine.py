@@ -95,6 +95,7 @@ class _Running:
 class EngineStats:
     requests: int = 0
     finished: int = 0
+    finished_by: dict[str, int] = field(default_factory=dict)  # why: eos, length, cancelled...
     rejected: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -241,4 +242,5 @@ class Engine:
     def _end(self, request: Request, finish: str, error: str = "") -> None:
         request.finish = finish
         self.stats.finished += 1
+        self.stats.finished_by[finish] = self.stats.finished_by.get(finish, 0) + 1
         request.put(Event("end", finish=finish, error=error))
