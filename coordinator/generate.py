@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -49,6 +49,10 @@ class SamplingOptions:
     seed: int | None = None  # RNG seed for sampling
     eos_ids: tuple[int, ...] = ()  # stop when one of these is generated
     keep_logits: bool = False  # return the logits each token was chosen from
+    # OpenAI's penalties, counted over the tokens this generation has made (`adjust_logits`)
+    presence_penalty: float = 0.0  # subtracted once from every token already made
+    frequency_penalty: float = 0.0  # subtracted once per time a token was made
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
 
 @dataclass
@@ -70,8 +74,36 @@ class GenerationResult:
         return len(self.prompt_ids) + len(self.tokens) - 1 if self.tokens else 0
 
 
-def sample(logits: np.ndarray, opts: SamplingOptions, rng: np.random.Generator) -> int:
-    """Pick the next token from logits [V]."""
+def adjust_logits(
+    logits: np.ndarray, opts: SamplingOptions, generated: Sequence[int] = ()
+) -> np.ndarray:
+    """logits [V] with opts.logit_bias added and the presence and frequency penalties taken
+    off, as OpenAI defines them: logit[j] - c[j] * frequency_penalty - (c[j] > 0) *
+    presence_penalty, c[j] the times token j is in `generated` (this generation's tokens so
+    far; the prompt's do not count, as in vLLM).  The same array when there are none."""
+    if not (opts.logit_bias or opts.presence_penalty or opts.frequency_penalty):
+        return logits
+    out = logits.astype(np.float32, copy=True)  # [V]
+    for token, bias in opts.logit_bias:
+        out[token] += np.float32(bias)
+    if len(generated) and (opts.presence_penalty or opts.frequency_penalty):
+        counts = np.bincount(np.asarray(generated, dtype=np.int64), minlength=out.size)  # [V]
+        counts = counts[: out.size]
+        out -= (opts.frequency_penalty * counts + opts.presence_penalty * (counts > 0)).astype(
+            np.float32
+        )
+    return out
+
+
+def sample(
+    logits: np.ndarray,
+    opts: SamplingOptions,
+    rng: np.random.Generator,
+    generated: Sequence[int] = (),
+) -> int:
+    """Pick the next token from logits [V] (after `adjust_logits` with `generated`, this
+    generation's tokens so far)."""
+    logits = adjust_logits(logits, opts, generated)
     if opts.temperature <= 0:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / opts.temperature  # [V]
@@ -220,7 +252,7 @@ class _DecodeLoop:
                 result.prefill_s = time.perf_counter() - t0
             else:
                 result.decode_s.append(time.perf_counter() - t0)
-            token = sample(logits, opts, self.rng)
+            token = sample(logits, opts, self.rng, result.tokens)
             result.tokens.append(token)
             if opts.keep_logits:
                 result.logits.append(logits.astype(np.float32))

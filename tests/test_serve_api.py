@@ -81,10 +81,12 @@ def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0)
 
 
-def local_text(demo, max_tokens: int) -> str:
+def local_text(demo, max_tokens: int, **options) -> str:
+    """`generate`'s greedy text for PROMPT (with these SamplingOptions fields)."""
     rt = open_local(demo)
     ids = rt.tokenizer.encode(PROMPT)
-    return rt.decode(generate(rt.transformer, ids, SamplingOptions(max_tokens=max_tokens)).tokens)
+    opts = SamplingOptions(max_tokens=max_tokens, **options)
+    return rt.decode(generate(rt.transformer, ids, opts).tokens)
 
 
 def test_completions_match_generate_streamed_or_not(client, demo):
@@ -123,6 +125,26 @@ def test_stop_sequences_end_the_text(client, demo):
     assert got.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("penalty", ["frequency_penalty", "presence_penalty"])
+def test_penalties_reach_the_sampler(client, demo, penalty):
+    """A penalty changes the greedy text, and the served text is `generate`'s with it."""
+    want = local_text(demo, 24, **{penalty: 1.5})
+    assert want != local_text(demo, 24)
+    got = client.completions.create(
+        model="demo", prompt=PROMPT, max_tokens=24, temperature=0, **{penalty: 1.5}
+    )
+    assert got.choices[0].text == want
+
+
+def test_logit_bias_makes_a_token_win(client, demo):
+    token = 42
+    chat = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Hello"}], max_tokens=5,
+        temperature=0, logit_bias={str(token): 100},
+    )  # fmt: skip
+    assert chat.choices[0].message.content == open_local(demo).decode([token] * 5)
+
+
 def test_bad_requests_are_openai_400s(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="demo", prompt=PROMPT, temperature=5.0)
@@ -133,6 +155,21 @@ def test_bad_requests_are_openai_400s(client):
         client.chat.completions.create(model="demo", messages=[])
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt=PROMPT)
+    for field, value in [("top_k", -1), ("presence_penalty", 3.0), ("logit_bias", {"x": 1}),
+                         ("logit_bias", {"1": 101}), ("logit_bias", {"999999": 1})]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="demo", prompt=PROMPT, extra_body={field: value})
+        assert err.value.body["param"] == field, (field, value)
+    # what this server does not do is refused by name, not answered as if it were not asked
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="demo", prompt=PROMPT, echo=True)
+    assert err.value.body["param"] == "echo"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "hi"}], tools=[tool]
+        )
+    assert err.value.body["param"] == "tools"
     with pytest.raises(openai.APIStatusError) as err:  # a stranger's oversized body
         client.completions.create(model="demo", prompt="x" * (5 << 20), max_tokens=1)
     assert err.value.status_code == 413

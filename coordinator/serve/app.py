@@ -34,7 +34,24 @@ from moe.errors import MoeshardError
 MAX_TOKENS_DEFAULT = 16  # OpenAI's completions default
 PAGE = Path(__file__).with_name("page.html")  # the chat page at /
 MAX_BODY = 4 << 20  # bytes of a request body (a long chat is well under a megabyte)
-SAMPLING_LIMITS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0)}
+SAMPLING_LIMITS = {
+    "temperature": (0.0, 2.0),
+    "top_p": (0.0, 1.0),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+}
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's: a bias is in -100..100
+# Fields OpenAI defines that this server does not do: refused by name when they ask for
+# something (answering as if they were not there would be silently wrong).
+UNSUPPORTED = {
+    "echo": lambda v: v not in (None, False),
+    "best_of": lambda v: v not in (None, 1),
+    "suffix": lambda v: v not in (None, ""),
+    "tools": lambda v: v not in (None, []),
+    "functions": lambda v: v not in (None, []),
+    "top_logprobs": lambda v: v not in (None, 0),
+    "response_format": lambda v: v not in (None, {"type": "text"}),
+}
 
 
 class BadRequest(Exception):
@@ -99,8 +116,35 @@ def _stops(body: dict) -> list[str]:
     return stops
 
 
+def _logit_bias(body: dict, vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias, {"token id": bias in -100..100}, as (id, bias) pairs."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise BadRequest("'logit_bias' must map token ids to numbers", "logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            token = -1
+        if not 0 <= token < vocab:
+            raise BadRequest(f"logit_bias: {key!r} is not a token id in 0..{vocab - 1}",
+                             "logit_bias")  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise BadRequest(f"logit_bias: the bias of {key} must be a number", "logit_bias")
+        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise BadRequest(f"logit_bias: {value} is outside -100..100", "logit_bias")
+        pairs.append((token, float(value)))
+    return tuple(sorted(pairs))
+
+
 def sampling(body: dict, state: ServerState, prompt_tokens: int) -> tuple[SamplingOptions, dict]:
     """SamplingOptions from OpenAI's fields, and the rest of what a request asked."""
+    for name, asks in UNSUPPORTED.items():
+        if asks(body.get(name)):
+            raise BadRequest(f"'{name}' is not supported by this server", name)
     if _int(body, "n", 1, low=1) != 1:
         raise BadRequest("only n=1 is supported", "n")
     max_tokens = _int(body, "max_completion_tokens", None, low=1)
@@ -117,7 +161,11 @@ def sampling(body: dict, state: ServerState, prompt_tokens: int) -> tuple[Sampli
         temperature=_number(body, "temperature", 1.0),
         top_p=_number(body, "top_p", 1.0),
         seed=_int(body, "seed", None),
+        top_k=_int(body, "top_k", 0),  # (not OpenAI's: as vLLM and llama.cpp's server take it)
         eos_ids=state.eos_ids,
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        logit_bias=_logit_bias(body, state.engine.model.config.vocab_size),
     )
     logprobs = body.get("logprobs")
     if logprobs not in (None, False, True) and not isinstance(logprobs, int):

@@ -205,7 +205,7 @@ class Engine:
         still = []
         for r, out in zip(self._running, logits, strict=True):
             last = out[-1]  # [V]
-            token = sample(last, r.request.opts, r.rng)
+            token = sample(last, r.request.opts, r.rng, r.request.tokens)
             self._emit(r.request, token, last)
             finish = self._finish(r.request, token)
             if finish:
