@@ -14,10 +14,12 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+import numpy as np
 import openai
 import pytest
 from helpers import ROOT, wait_until
 
+from coordinator.chat import chat_prompt
 from coordinator.generate import SamplingOptions, generate
 from coordinator.runtime import open_local
 from moe.convert.converter import convert
@@ -145,6 +147,67 @@ def test_logit_bias_makes_a_token_win(client, demo):
     assert chat.choices[0].message.content == open_local(demo).decode([token] * 5)
 
 
+def local_logprobs(demo, ids: list[int], max_tokens: int, top: int):
+    """`generate`'s greedy tokens for prompt `ids`, each with its log-probability and the
+    `top` most likely (token, log-probability), from its logits in float64."""
+    rt = open_local(demo)
+    result = generate(rt.transformer, ids, SamplingOptions(max_tokens=max_tokens, keep_logits=True))
+    out = []
+    for token, logits in zip(result.tokens, result.logits, strict=True):
+        z = logits.astype(np.float64) - logits.max()
+        logp = z - np.log(np.exp(z).sum())  # [V]
+        best = np.argsort(-logp, kind="stable")[:top]
+        out.append((token, logp[token], [(int(t), logp[t]) for t in best]))
+    return rt, out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["collected", "streamed"])
+def test_logprobs_are_the_models(client, demo, stream):
+    """Completions' `logprobs: 3` and chat's `logprobs` with `top_logprobs: 3` give each
+    token's text and log-probability and its three most likely alternatives, as the model's
+    logits say (computed here from `generate`'s)."""
+    rt = open_local(demo)
+    got = client.completions.create(
+        model="demo", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3, stream=stream
+    )
+    if stream:
+        parts = [c.choices[0].logprobs for c in got if c.choices and c.choices[0].logprobs]
+        tokens = [t for p in parts for t in p.tokens]
+        token_logprobs = [x for p in parts for x in p.token_logprobs]
+        top_logprobs = [x for p in parts for x in p.top_logprobs]
+        offsets = [x for p in parts for x in p.text_offset]
+    else:
+        lp = got.choices[0].logprobs
+        tokens, token_logprobs = lp.tokens, lp.token_logprobs
+        top_logprobs, offsets = lp.top_logprobs, lp.text_offset
+    _, want = local_logprobs(demo, rt.tokenizer.encode(PROMPT), 6, 3)
+    assert tokens == [rt.decode([t]) for t, _, _ in want]
+    np.testing.assert_allclose(token_logprobs, [p for _, p, _ in want], atol=1e-5)
+    assert offsets == list(np.cumsum([0] + [len(t) for t in tokens[:-1]]))
+    for alternatives, (_, _, best) in zip(top_logprobs, want, strict=True):
+        assert list(alternatives) == [rt.decode([t]) for t, _ in best]
+        np.testing.assert_allclose(list(alternatives.values()), [p for _, p in best], atol=1e-5)
+
+    messages = [{"role": "user", "content": "What does a function return?"}]
+    chat = client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=6, temperature=0, logprobs=True,
+        top_logprobs=3, stream=stream,
+    )  # fmt: skip
+    if stream:
+        content = [x for c in chat if c.choices and c.choices[0].logprobs
+                   for x in c.choices[0].logprobs.content]  # fmt: skip
+    else:
+        content = chat.choices[0].logprobs.content
+    ids = rt.tokenizer.encode(chat_prompt(demo, rt.model.config.model_type, messages))
+    _, want = local_logprobs(demo, ids, 6, 3)
+    assert [c.token for c in content] == [rt.decode([t]) for t, _, _ in want]
+    np.testing.assert_allclose([c.logprob for c in content], [p for _, p, _ in want], atol=1e-5)
+    for c, (_, _, best) in zip(content, want, strict=True):
+        assert [a.token for a in c.top_logprobs] == [rt.decode([t]) for t, _ in best]
+        assert c.bytes is None or bytes(c.bytes).decode() == c.token
+        assert c.top_logprobs[0].token == c.token  # greedy: the chosen token is the best
+
+
 def test_bad_requests_are_openai_400s(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="demo", prompt=PROMPT, temperature=5.0)
@@ -155,11 +218,17 @@ def test_bad_requests_are_openai_400s(client):
         client.chat.completions.create(model="demo", messages=[])
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt=PROMPT)
-    for field, value in [("top_k", -1), ("presence_penalty", 3.0), ("logit_bias", {"x": 1}),
-                         ("logit_bias", {"1": 101}), ("logit_bias", {"999999": 1})]:  # fmt: skip
+    for field, value in [("logprobs", 6), ("top_k", -1), ("presence_penalty", 3.0),
+                         ("logit_bias", {"x": 1}), ("logit_bias", {"1": 101}),
+                         ("logit_bias", {"999999": 1})]:  # fmt: skip
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model="demo", prompt=PROMPT, extra_body={field: value})
         assert err.value.body["param"] == field, (field, value)
+    with pytest.raises(openai.BadRequestError) as err:  # alternatives without logprobs
+        client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "hi"}], top_logprobs=3
+        )
+    assert err.value.body["param"] == "top_logprobs"
     # what this server does not do is refused by name, not answered as if it were not asked
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="demo", prompt=PROMPT, echo=True)

@@ -49,7 +49,6 @@ UNSUPPORTED = {
     "suffix": lambda v: v not in (None, ""),
     "tools": lambda v: v not in (None, []),
     "functions": lambda v: v not in (None, []),
-    "top_logprobs": lambda v: v not in (None, 0),
     "response_format": lambda v: v not in (None, {"type": "text"}),
 }
 
@@ -140,7 +139,9 @@ def _logit_bias(body: dict, vocab: int) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs))
 
 
-def sampling(body: dict, state: ServerState, prompt_tokens: int) -> tuple[SamplingOptions, dict]:
+def sampling(
+    body: dict, state: ServerState, prompt_tokens: int, chat: bool = False
+) -> tuple[SamplingOptions, dict]:
     """SamplingOptions from OpenAI's fields, and the rest of what a request asked."""
     for name, asks in UNSUPPORTED.items():
         if asks(body.get(name)):
@@ -167,13 +168,70 @@ def sampling(body: dict, state: ServerState, prompt_tokens: int) -> tuple[Sampli
         frequency_penalty=_number(body, "frequency_penalty", 0.0),
         logit_bias=_logit_bias(body, state.engine.model.config.vocab_size),
     )
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, False, True) and not isinstance(logprobs, int):
-        raise BadRequest("'logprobs' must be a boolean or an integer", "logprobs")
+    logprobs, top = _logprobs(body, chat)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be true or false", "stream")
-    return opts, {"stops": _stops(body), "logprobs": bool(logprobs), "stream": stream}
+    extra = {"stops": _stops(body), "logprobs": logprobs, "top_logprobs": top, "stream": stream}
+    return opts, extra
+
+
+def _logprobs(body: dict, chat: bool) -> tuple[bool, int]:
+    """(give each token's log-probability?, how many most likely alternatives with it), as
+    the two endpoints ask: completions `logprobs: N` (0..5), chat `logprobs: true` with
+    `top_logprobs: N` (0..20)."""
+    logprobs = body.get("logprobs")
+    if chat:
+        if logprobs not in (None, False, True):
+            raise BadRequest("'logprobs' must be true or false", "logprobs")
+        top = _int(body, "top_logprobs", 0) or 0
+        if top > 20 or (top and not logprobs):
+            raise BadRequest("'top_logprobs' is 0..20 and needs 'logprobs': true", "top_logprobs")
+        return bool(logprobs), top
+    if logprobs in (None, False):
+        return False, 0
+    if logprobs is True:  # (not OpenAI's, but clients send it)
+        return True, 0
+    if not isinstance(logprobs, int) or not 0 <= logprobs <= 5:
+        raise BadRequest("'logprobs' must be an integer in 0..5", "logprobs")
+    return True, logprobs
+
+
+def token_logprob(state: ServerState, token: int, logprob: float) -> dict:
+    """One token's entry in chat logprobs: its text, log-probability and UTF-8 bytes (null
+    for a token that is part of a character: its text alone is not valid UTF-8)."""
+    text = state.tokenizer.decode([token]) if state.tokenizer is not None else ""
+    raw = None if "\ufffd" in text else list(text.encode("utf-8"))
+    return {"token": text, "logprob": logprob, "bytes": raw}
+
+
+def chat_logprobs(state: ServerState, events: list) -> dict:
+    """Chat's `logprobs` object for these token events."""
+    content = []
+    for e in events:
+        entry = token_logprob(state, e.token, e.logprob)
+        entry["top_logprobs"] = [token_logprob(state, t, p) for t, p in e.top]
+        content.append(entry)
+    return {"content": content}
+
+
+def completion_logprobs(state: ServerState, events: list, offset: int, top: bool) -> dict:
+    """Completions' (legacy) `logprobs` object for these token events, the first at character
+    `offset` of the completion: tokens, token_logprobs, top_logprobs, text_offset."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [] if top else None,
+           "text_offset": []}  # fmt: skip
+    for e in events:
+        text = token_logprob(state, e.token, e.logprob)["token"]
+        out["tokens"].append(text)
+        out["token_logprobs"].append(e.logprob)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if top:
+            alternatives = {}
+            for t, p in e.top:
+                alternatives.setdefault(token_logprob(state, t, p)["token"], p)
+            out["top_logprobs"].append(alternatives)
+    return out
 
 
 def completion_prompt(body: dict, state: ServerState) -> list[int]:
@@ -371,7 +429,7 @@ def create_app(state: ServerState):
             relay.put(inbox, event)
 
         try:
-            req = state.engine.submit(ids, opts, logprobs=extra["logprobs"], listener=listener)
+            req = state.engine.submit(ids, opts, extra["logprobs"], listener, extra["top_logprobs"])
         except QueueFull as exc:
             count("moeshard_requests_rejected_total")
             raise BadRequest(f"the server is busy: {exc}", None, 429, "rate_limit_error") from None
@@ -393,7 +451,7 @@ def create_app(state: ServerState):
                     "total_tokens": len(ids) + n}  # fmt: skip
 
         async def tokens():
-            """(delta text, finish or None, logprob) as the engine gives tokens."""
+            """(delta text, finish or None, the token's Event when logprobs were asked)."""
             try:
                 async for event in events(req, inbox):
                     if event.kind == "token":
@@ -401,9 +459,9 @@ def create_app(state: ServerState):
                         delta = text.push(event.token)
                         if text.stopped:
                             req.cancel()
-                            yield delta, "stop", event.logprob
+                            yield delta, "stop", event if req.logprobs else None
                             return
-                        yield delta, None, event.logprob
+                        yield delta, None, event if req.logprobs else None
                     else:
                         if event.finish == "error":
                             raise RuntimeError(event.error)
@@ -416,8 +474,8 @@ def create_app(state: ServerState):
         if extra["stream"]:
 
             async def sse():
-                async for delta, finish, logprob in tokens():
-                    yield f"data: {json.dumps(chunk(delta, finish, logprob))}\n\n"
+                async for delta, finish, event in tokens():
+                    yield f"data: {json.dumps(chunk(delta, finish, event))}\n\n"
                     if finish is not None:
                         break
                 if extra.get("include_usage"):
@@ -425,19 +483,20 @@ def create_app(state: ServerState):
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(sse(), media_type="text/event-stream")
-        parts, finish, logprobs = [], "stop", []
+        parts, finish, scored = [], "stop", []
         watcher = asyncio.create_task(hung_up(http, req))
         try:
-            async for delta, end, logprob in tokens():
+            async for delta, end, event in tokens():
                 parts.append(delta)
-                if logprob is not None:
-                    logprobs.append(logprob)
+                if event is not None:
+                    scored.append(event)
                 if end is not None:
                     finish = end
                     break
         finally:
             watcher.cancel()
-        return JSONResponse(final("".join(parts), finish, usage(), logprobs or None))
+        logprobs = scored if req.logprobs else None
+        return JSONResponse(final("".join(parts), finish, usage(), logprobs))
 
     async def completions(request: HttpRequest):
         try:
@@ -449,17 +508,22 @@ def create_app(state: ServerState):
             return fail(exc)
         rid, created = new_id("cmpl"), int(time.time())
 
-        def chunk(delta, finish, logprob):
+        offset = [0]  # characters of the completion before the next token's (text_offset)
+        top = bool(extra["top_logprobs"])
+
+        def chunk(delta, finish, event):
             choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
-            if logprob is not None:
-                choice["logprobs"] = {"token_logprobs": [logprob]}
+            if event is not None:
+                choice["logprobs"] = completion_logprobs(state, [event], offset[0], top)
+                offset[0] += len(choice["logprobs"]["tokens"][0])
             return {"id": rid, "object": "text_completion", "created": created,
                     "model": state.model_name, "choices": [choice]}  # fmt: skip
 
-        def final(text, finish, usage, logprobs):
+        def final(text, finish, usage, events):
             choices = [] if text is None else [{
                 "index": 0, "text": text, "finish_reason": finish,
-                "logprobs": None if logprobs is None else {"token_logprobs": logprobs},
+                "logprobs": None if events is None else completion_logprobs(
+                    state, events, 0, top),
             }]  # fmt: skip
             return {"id": rid, "object": "text_completion", "created": created,
                     "model": state.model_name, "choices": choices, "usage": usage}  # fmt: skip
@@ -473,32 +537,31 @@ def create_app(state: ServerState):
         try:
             body = await body_of(request)
             ids = chat_prompt_ids(body, state)
-            opts, extra = sampling(body, state, len(ids))
+            opts, extra = sampling(body, state, len(ids), chat=True)
             extra["include_usage"] = bool((body.get("stream_options") or {}).get("include_usage"))
         except BadRequest as exc:
             return fail(exc)
         rid, created = new_id("chatcmpl"), int(time.time())
         first = [True]
 
-        def chunk(delta, finish, logprob):
+        def chunk(delta, finish, event):
             d = {"content": delta}
             if first[0]:
                 d["role"], first[0] = "assistant", False
             choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
-            if logprob is not None:
-                choice["logprobs"] = {"content": [{"logprob": logprob}]}
+            if event is not None:
+                choice["logprobs"] = chat_logprobs(state, [event])
             return {"id": rid, "object": "chat.completion.chunk", "created": created,
                     "model": state.model_name, "choices": [choice]}  # fmt: skip
 
-        def final(text, finish, usage, logprobs):
+        def final(text, finish, usage, events):
             if text is None:  # the usage chunk of a stream
                 return {"id": rid, "object": "chat.completion.chunk", "created": created,
                         "model": state.model_name, "choices": [], "usage": usage}  # fmt: skip
             choice = {
                 "index": 0, "message": {"role": "assistant", "content": text},
                 "finish_reason": finish,
-                "logprobs": None if logprobs is None else {
-                    "content": [{"logprob": p} for p in logprobs]},
+                "logprobs": None if events is None else chat_logprobs(state, events),
             }  # fmt: skip
             return {"id": rid, "object": "chat.completion", "created": created,
                     "model": state.model_name, "choices": [choice], "usage": usage}  # fmt: skip

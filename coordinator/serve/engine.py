@@ -34,6 +34,12 @@ from coordinator.generate import SamplingOptions, sample
 log = logging.getLogger(__name__)
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """logits [V] -> log-probabilities [V], in float64."""
+    shifted = logits.astype(np.float64) - logits.max()  # [V]
+    return shifted - np.log(np.exp(shifted).sum())
+
+
 class QueueFull(Exception):
     """More requests are waiting than the engine accepts (`max_queue`)."""
 
@@ -46,6 +52,7 @@ class Event:
     kind: str  # "token" or "end"
     token: int = -1
     logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()  # the most likely tokens and their logprobs
     finish: str = ""
     error: str = ""
 
@@ -55,6 +62,7 @@ class Request:
     prompt_ids: list[int]
     opts: SamplingOptions
     logprobs: bool = False
+    top_logprobs: int = 0  # also the log-probabilities of this many most likely tokens
     events: queue.Queue = field(default_factory=queue.Queue)  # Event, in order
     tokens: list[int] = field(default_factory=list)
     submitted: float = field(default_factory=time.perf_counter)
@@ -127,13 +135,18 @@ class Engine:
     # -- the clients' side ------------------------------------------------------------------
 
     def submit(
-        self, prompt_ids: list[int], opts: SamplingOptions, logprobs=False, listener=None
+        self,
+        prompt_ids: list[int],
+        opts: SamplingOptions,
+        logprobs=False,
+        listener=None,
+        top_logprobs: int = 0,
     ) -> Request:
         """Queue a request; its events go to `request.events`, or to `listener` (called on
         the scheduler thread: an asyncio server passes one that hands them to its loop)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
-        request = Request(list(prompt_ids), opts, logprobs, listener=listener)
+        request = Request(list(prompt_ids), opts, logprobs, top_logprobs, listener=listener)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the engine is closed")
@@ -223,11 +236,16 @@ class Engine:
             request.first_token_s = time.perf_counter() - request.submitted
         request.tokens.append(token)
         self.stats.generated_tokens += 1
-        logprob = None
-        if request.logprobs:
-            shifted = logits.astype(np.float64) - logits.max()
-            logprob = float(shifted[token] - np.log(np.exp(shifted).sum()))
-        request.put(Event("token", token=token, logprob=logprob))
+        logprob, top = None, ()
+        if request.logprobs or request.top_logprobs:  # of the model's logits, as vLLM gives
+            logp = log_softmax(logits)  # [V]
+            logprob = float(logp[token])
+            if request.top_logprobs:
+                n = min(request.top_logprobs, logp.size)
+                best = np.argpartition(-logp, n - 1)[:n]  # [n], in no order
+                best = best[np.lexsort((best, -logp[best]))]  # most likely first, ties by id
+                top = tuple((int(t), float(logp[t])) for t in best)
+        request.put(Event("token", token=token, logprob=logprob, top=top))
 
     @staticmethod
     def _finish(request: Request, token: int) -> str:
