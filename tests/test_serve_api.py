@@ -268,6 +268,9 @@ def metrics(base: str) -> dict[tuple[str, tuple], float]:
 
 def test_models_health_and_metrics(client, server):
     assert [m.id for m in client.models.list().data] == ["demo"]
+    assert client.models.retrieve("demo").id == "demo"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
 
     def health() -> dict:
         with urllib.request.urlopen(server + "/health") as r:

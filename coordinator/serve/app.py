@@ -7,10 +7,11 @@ error shape ``{"error": {"message", "type", "param", "code"}}``, so its client r
 `BadRequestError`.
 
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``"stream": true``:
-server-sent events of chunks, then ``data: [DONE]``), ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text), and ``GET /`` a chat page (one static file, `page.html`,
-that streams from the chat endpoint).  With an API key every /v1 route wants ``Authorization:
-Bearer KEY`` (401 otherwise).  A full queue is HTTP 429.
+server-sent events of chunks, then ``data: [DONE]``), ``GET /v1/models`` (and
+``/v1/models/{id}``), ``GET /health``, ``GET /metrics`` (Prometheus text), and ``GET /`` a
+chat page (one static file, `page.html`, that streams from the chat endpoint).  With an API
+key every /v1 route wants ``Authorization: Bearer KEY`` (401 otherwise).  A full queue is
+HTTP 429.
 """
 
 from __future__ import annotations
@@ -571,12 +572,24 @@ def create_app(state: ServerState):
         except BadRequest as exc:
             return fail(exc)
 
+    def model_entry() -> dict:
+        return {"id": state.model_name, "object": "model", "created": int(state.started),
+                "owned_by": "moeshard"}  # fmt: skip
+
     async def models(request: HttpRequest):
         if not authorised(request):
             return fail(BadRequest("invalid API key", None, 401, "authentication_error"))
-        entry = {"id": state.model_name, "object": "model", "created": int(state.started),
-                 "owned_by": "moeshard"}  # fmt: skip
-        return JSONResponse({"object": "list", "data": [entry]})
+        return JSONResponse({"object": "list", "data": [model_entry()]})
+
+    async def model(request: HttpRequest):
+        """`GET /v1/models/{id}` (OpenAI's retrieve): this model, or 404."""
+        if not authorised(request):
+            return fail(BadRequest("invalid API key", None, 401, "authentication_error"))
+        name = request.path_params["model"]
+        if name != state.model_name:
+            return fail(BadRequest(f"model {name!r} is not served here ({state.model_name!r} "
+                                   "is)", "model", 404, "not_found_error"))  # fmt: skip
+        return JSONResponse(model_entry())
 
     async def health(request: HttpRequest):
         e = state.engine
@@ -598,6 +611,7 @@ def create_app(state: ServerState):
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/", page, methods=["GET"]),
