@@ -434,3 +434,41 @@ def test_a_client_that_hangs_up_frees_its_slot_at_once(demo, stream):
 def health(base: str) -> dict:
     with urllib.request.urlopen(base + "/health", timeout=10) as r:
         return json.loads(r.read())
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not-streamed"])
+def test_a_queued_request_whose_client_hangs_up_leaves_the_queue(demo, stream):
+    """One slot and room for one waiting request.  While a long request holds the slot, a
+    second waits; its client hangs up: it leaves the queue at once, so a third is queued
+    rather than refused, and it is never run (only the first's prompt is ever read)."""
+    with serving(demo, "--max-batch", "1", "--max-queue", "1", "--no-eos") as base:
+        port = int(base.rsplit(":", 1)[1])
+
+        def send(max_tokens: int, streamed: bool) -> http.client.HTTPConnection:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            body = {"model": "demo", "prompt": PROMPT, "max_tokens": max_tokens,
+                    "temperature": 0, "stream": streamed}  # fmt: skip
+            conn.request("POST", "/v1/completions", json.dumps(body),
+                         {"Content-Type": "application/json"})  # fmt: skip
+            return conn
+
+        def hang_up(conn: http.client.HTTPConnection) -> None:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+            conn.close()
+
+        holder = send(2000, True)  # seconds of decoding: it holds the slot throughout
+        assert holder.getresponse().readline().startswith(b"data: ")
+        waiting = send(8, stream)
+        wait_until(lambda: health(base)["waiting"] == 1, 30, what="the second request to queue")
+        hang_up(waiting)
+        wait_until(lambda: health(base)["waiting"] == 0, 10, what="the queue to drop it")
+        assert health(base)["running"] == 1  # (the first still decoding: not its admission)
+        third = send(8, stream)  # the room is free again: queued, not refused
+        wait_until(lambda: health(base)["waiting"] == 1, 30, what="the third request to queue")
+        hang_up(third)
+        hang_up(holder)
+        wait_until(lambda: health(base)["running"] + health(base)["waiting"] == 0, 30,
+                   what="the server to be idle")  # fmt: skip
+        assert health(base)["engine"]["finished"] == {"cancelled": 3}
+        assert metrics(base)["moeshard_prompt_tokens_total", ()] == 4  # the first's alone
+        assert metrics(base).get(("moeshard_requests_rejected_total", ()), 0) == 0

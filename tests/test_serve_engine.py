@@ -1,7 +1,7 @@
 """The continuous-batching engine (`coordinator/serve/engine.py`) on the embedded model:
 requests join and leave at token boundaries, greedy tokens are the same alone or together,
 one experts call per layer serves every running sequence, a cancelled request frees its
-slot, and a full queue refuses."""
+slot, and a full queue refuses (but not for requests whose clients have left)."""
 
 from __future__ import annotations
 
@@ -98,10 +98,15 @@ def test_a_full_queue_refuses(demo):
             if engine.running():
                 break
             threading.Event().wait(0.01)
-        engine.submit(PROMPTS[1], SamplingOptions(max_tokens=2))  # waits: the queue's one
+        waiting = engine.submit(PROMPTS[1], SamplingOptions(max_tokens=2))  # the queue's one
         with pytest.raises(QueueFull):
             engine.submit(PROMPTS[2], SamplingOptions(max_tokens=2))
         assert engine.stats.rejected == 1
+        waiting.cancel()  # its client left: it holds no room, and ends at once
+        assert engine.queue_depth() == 0
+        assert list(waiting.stream(timeout=5))[-1].finish == "cancelled"
+        engine.submit(PROMPTS[2], SamplingOptions(max_tokens=2))  # queued in its place
+        assert engine.queue_depth() == 1 and engine.stats.prompt_tokens == len(PROMPTS[0])
     finally:
         gate.set()
         engine.close()

@@ -399,8 +399,9 @@ def create_app(state: ServerState):
 
     async def hung_up(http: HttpRequest, req: Request) -> None:
         """Cancel `req` when its client disconnects.  Its body has been read, so the next
-        ASGI message is the disconnect (uvicorn sends it when the connection closes); an
-        answer that is not streamed sends nothing before its end that could notice it."""
+        ASGI message is the disconnect (uvicorn sends it when the connection closes): a
+        request still waiting in the queue, or an answer that is not streamed, sends nothing
+        that could notice it otherwise."""
         while (await http.receive())["type"] != "http.disconnect":
             pass
         req.cancel()
@@ -441,8 +442,8 @@ def create_app(state: ServerState):
     async def run(http: HttpRequest, ids, opts, extra, chunk, final) -> Any:
         """Stream (SSE) or collect one request; `chunk(delta, finish, logprob)` and
         `final(text, finish, usage, logprobs)` shape the API's objects.  A client that hangs
-        up frees its slot: a stream notices when its next event cannot be sent, a collected
-        answer through `hung_up`."""
+        up frees its slot, or its place in the queue, through `hung_up` (a stream also when
+        its next event cannot be sent)."""
         req, inbox = submit(ids, opts, extra)
         text = TextStream(state.tokenizer, extra["stops"])
 
@@ -472,20 +473,23 @@ def create_app(state: ServerState):
             finally:
                 req.cancel()  # a client gone (or done): its slot is freed at the next step
 
+        watcher = asyncio.create_task(hung_up(http, req))
         if extra["stream"]:
 
             async def sse():
-                async for delta, finish, event in tokens():
-                    yield f"data: {json.dumps(chunk(delta, finish, event))}\n\n"
-                    if finish is not None:
-                        break
-                if extra.get("include_usage"):
-                    yield f"data: {json.dumps(final(None, None, usage(), None))}\n\n"
-                yield "data: [DONE]\n\n"
+                try:
+                    async for delta, finish, event in tokens():
+                        yield f"data: {json.dumps(chunk(delta, finish, event))}\n\n"
+                        if finish is not None:
+                            break
+                    if extra.get("include_usage"):
+                        yield f"data: {json.dumps(final(None, None, usage(), None))}\n\n"
+                    yield "data: [DONE]\n\n"
+                finally:
+                    watcher.cancel()
 
             return StreamingResponse(sse(), media_type="text/event-stream")
         parts, finish, scored = [], "stop", []
-        watcher = asyncio.create_task(hung_up(http, req))
         try:
             async for delta, end, event in tokens():
                 parts.append(delta)

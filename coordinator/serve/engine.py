@@ -150,6 +150,7 @@ class Engine:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the engine is closed")
+            self._drop_cancelled_waiting()  # (their clients left: they hold no room)
             if len(self._waiting) >= self.max_queue + max(0, self.max_batch - len(self._running)):
                 self.stats.rejected += 1
                 raise QueueFull(f"{len(self._waiting)} requests are waiting already")
@@ -159,7 +160,17 @@ class Engine:
         return request
 
     def queue_depth(self) -> int:
-        return len(self._waiting)
+        """Requests waiting for a slot (not those whose clients have left)."""
+        with self._lock:
+            self._drop_cancelled_waiting()
+            return len(self._waiting)
+
+    def _drop_cancelled_waiting(self) -> None:
+        """End the waiting requests whose clients have left (called with the lock held)."""
+        if any(r.cancelled for r in self._waiting):
+            for r in [r for r in self._waiting if r.cancelled]:
+                self._end(r, "cancelled")
+            self._waiting = deque(r for r in self._waiting if not r.cancelled)
 
     def running(self) -> int:
         return len(self._running)
