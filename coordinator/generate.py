@@ -245,7 +245,8 @@ class _DecodeLoop:
                 verifier.begin_step(step)
             if profile:
                 profile.forward_started()
-            logits = self.model.forward(np.asarray(ids, dtype=np.int64), cache)[-1]  # [V]
+            ids = np.asarray(ids, dtype=np.int64)
+            logits = self.model.forward(ids, cache, last_only=True)[-1]  # [V]
             if profile:
                 profile.forward_done()
             if step == 0:

@@ -81,3 +81,55 @@ def test_every_family_batches_with_alone_bits(family, converted, k3):
     np.testing.assert_array_equal(second[2], want[2][0])
     np.testing.assert_array_equal(third[0], want[1][1])
     np.testing.assert_array_equal(third[1], want[2][1])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3"])
+def test_last_only_gives_the_last_rows_bits(family, demo, converted, k3):
+    """`forward_batch(..., last_only=True)` (what sampling reads: no LM head over a prompt's
+    other rows) gives each sequence's last row of the full logits, bit for bit, and
+    `forward(..., last_only=True)` the last token's."""
+    if family == "qwen3_moe":
+        model = demo
+    else:
+        path = k3 if family == "kimi_k3" else converted(family, experts="q4_0", trunk="bf16")
+        model = open_local(path).transformer
+    vocab = model.config.vocab_size
+    prompts = [[1, 5, 9, 2, 7], [42 % vocab], [100 % vocab, 200 % vocab, 30]]
+
+    def run(last_only: bool):
+        caches = [model.new_cache(64) for _ in prompts]
+        first = model.forward_batch(
+            [(np.array(p), c) for p, c in zip(prompts, caches, strict=True)], last_only
+        )
+        then = model.forward_batch([(np.array([11]), c) for c in caches], last_only)
+        return first, then
+
+    (full_first, full_then), (last_first, last_then) = run(False), run(True)
+    for full, last in zip(full_first + full_then, last_first + last_then, strict=True):
+        assert last.shape == (1, vocab)
+        np.testing.assert_array_equal(last, full[-1:])
+    cache = model.new_cache(64)
+    alone = model.forward(np.array(prompts[0]), cache, last_only=True)
+    np.testing.assert_array_equal(alone, full_first[0][-1:])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3"])
+def test_a_prompt_fed_in_pieces_gives_its_whole_logits(family, demo, converted, k3):
+    """The serving engine feeds a long prompt in pieces (`Engine.prefill_chunk`): a piece
+    after the first continues from the cache the earlier ones filled (KV, latent or KDA
+    state), and the logits are the prompt's read at once."""
+    if family == "qwen3_moe":
+        model = demo
+    else:
+        path = k3 if family == "kimi_k3" else converted(family, experts="q4_0", trunk="bf16")
+        model = open_local(path).transformer
+    vocab = model.config.vocab_size
+    prompt = np.array([1, 5, 9, 2, 7, 11, 13, 17, 19, 23], dtype=np.int64) % vocab
+    whole = model.forward(prompt, model.new_cache(64))  # [10, V]
+    for cut in ([3], [3, 6], [1, 2, 9]):
+        cache = model.new_cache(64)
+        pieces = np.split(prompt, cut)
+        got = np.concatenate([model.forward(p, cache) for p in pieces])  # [10, V]
+        np.testing.assert_allclose(got, whole, rtol=1e-5, atol=1e-5)
+        if family == "qwen3_moe":  # (GQA attention reads the cache as it reads its own rows)
+            np.testing.assert_array_equal(got, whole)

@@ -142,3 +142,34 @@ def test_finished_sequences_leave_no_cache_behind(demo):
     finally:
         engine.close()
         del demo.new_cache
+
+
+def test_long_prompts_are_read_in_pieces_with_the_same_tokens(demo):
+    """prefill_chunk=3: a prompt is fed in pieces that end at multiples of 3 positions, at
+    most 3 prompt tokens a step in all, beside the other sequences' decode rows; greedy
+    tokens are still `generate`'s (whole prompts at once: the demo model's logits do not
+    depend on where a prompt is cut)."""
+    engine = Engine(demo, max_batch=4, max_queue=8, prefill_chunk=3)
+    steps: list[list[int]] = []
+    original = engine._forward_batch
+
+    def recorded(batch):
+        steps.append([len(ids) for ids, _ in batch])
+        return original(batch)
+
+    engine._forward_batch = recorded
+    try:
+        lone = engine.submit(PROMPTS[4], SamplingOptions(max_tokens=1))  # 8 tokens: 3 + 3 + 2
+        assert [e.kind for e in lone.stream(timeout=60)] == ["token", "end"]
+        assert steps == [[3], [3], [2]]
+        steps.clear()
+        opts = [SamplingOptions(max_tokens=6) for _ in PROMPTS]
+        want = [generate(demo, p, o).tokens for p, o in zip(PROMPTS, opts, strict=True)]
+        requests = [engine.submit(p, o) for p, o in zip(PROMPTS, opts, strict=True)]
+        for request in requests:
+            assert list(request.stream(timeout=60))[-1].finish == "length"
+        assert [r.tokens for r in requests] == want
+        assert all(sum(s) <= 3 + len(s) for s in steps), steps  # decode rows + <= 3 prompt
+        assert max(max(s) for s in steps) == 3
+    finally:
+        engine.close()

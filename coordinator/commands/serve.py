@@ -26,6 +26,13 @@ def add_serve(sub) -> None:
     p.add_argument(
         "--context", type=int, default=2048, help="prompt + max_tokens a request may use"
     )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=512,
+        help="prompt tokens a step reads at most, so a long prompt does not stall the other "
+        "streams for its whole prefill (0: whole prompts)",
+    )
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--ram", help="RAM budget: stream experts from SSD (e.g. 8G)")
     p.add_argument(
@@ -48,8 +55,10 @@ def cmd_serve(args) -> int:
     from moe.model.model_dir import ModelDir
     from moe.units import parse_size
 
-    if args.max_batch < 1 or args.max_queue < 0 or args.context < 2:
-        raise MoeshardError("--max-batch must be >= 1, --max-queue >= 0, --context >= 2")
+    if args.max_batch < 1 or args.max_queue < 0 or args.context < 2 or args.prefill_chunk < 0:
+        raise MoeshardError(
+            "--max-batch must be >= 1, --max-queue >= 0, --context >= 2, --prefill-chunk >= 0"
+        )
     if args.ram and (args.peers or args.discover):
         raise MoeshardError("--ram streams experts from this machine's SSD; not with nodes")
     model = ModelDir(args.model)
@@ -62,7 +71,7 @@ def cmd_serve(args) -> int:
         model, args.ram and parse_size(args.ram), args.context * args.max_batch,
         args.peers, args.discover, args.discover_timeout, remote,
     )  # fmt: skip
-    engine = Engine(rt.transformer, max_batch=args.max_batch, max_queue=args.max_queue)
+    engine = Engine(rt.transformer, args.max_batch, args.max_queue, args.prefill_chunk)
     state = ServerState(
         engine=engine,
         tokenizer=rt.tokenizer,

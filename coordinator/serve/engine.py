@@ -3,13 +3,13 @@ boundaries.
 
 One scheduler thread owns the model.  Each step it admits waiting requests (up to
 `max_batch` running), then makes one `Transformer.forward_batch` call over every running
-sequence, each with its own cache: a new request's whole prompt (its prefill) beside the
-others' single decode rows.  So each MoE layer makes one experts call with every sequence's
-rows, and an expert that several sequences route to is read (or fetched from a node) once per
-step.  Each sequence samples its next token from its own logits with its own random
-generator; a sequence's logits do not depend on what else is in the batch (the kernels
-compute a row the same way in any batch), so greedy requests give the same tokens alone or
-together (tests/test_serve_engine.py).
+sequence, each with its own cache: a new request's prompt (its prefill, in pieces of at most
+`prefill_chunk` tokens a step: `_schedule`) beside the others' single decode rows.  So each
+MoE layer makes one experts call with every sequence's rows, and an expert that several
+sequences route to is read (or fetched from a node) once per step.  Each sequence samples its
+next token from its own logits with its own random generator; a sequence's logits do not
+depend on what else is in the batch (the kernels compute a row the same way in any batch),
+so greedy requests give the same tokens alone or together (tests/test_serve_engine.py).
 
 A request ends at an end-of-sequence token, a stop sequence, `max_tokens`, or when its
 client goes away (`Request.cancel`): it leaves the batch at the next token boundary and its
@@ -96,7 +96,7 @@ class _Running:
     request: Request
     cache: object
     rng: np.random.Generator
-    pending: list[int]  # ids to feed next: the prompt, then the last token
+    pending: list[int]  # ids to feed: what is left of the prompt, then the last token
 
 
 @dataclass
@@ -116,13 +116,17 @@ class Engine:
     """The scheduler (see the module docstring).  `model` is a family Transformer (any
     experts backend); `close` stops the thread and ends every request with "cancelled"."""
 
-    def __init__(self, model, max_batch: int = 16, max_queue: int = 64):
-        if max_batch < 1 or max_queue < 0:
-            raise ValueError("max_batch must be >= 1 and max_queue >= 0")
+    def __init__(self, model, max_batch: int = 16, max_queue: int = 64, prefill_chunk: int = 512):
+        if max_batch < 1 or max_queue < 0 or prefill_chunk < 0:
+            raise ValueError("max_batch must be >= 1, max_queue and prefill_chunk >= 0")
         self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
+        self.prefill_chunk = prefill_chunk  # prompt tokens a step feeds at most (0: no limit)
         # families without a batched pass run their sequences one after the other
-        self._forward_batch = getattr(model, "forward_batch", None) or (
-            lambda batch: [model.forward(ids, cache) for ids, cache in batch]
+        batched = getattr(model, "forward_batch", None)
+        self._forward_batch = (  # each sequence's last row's logits: all sampling reads
+            (lambda batch: batched(batch, last_only=True))
+            if batched
+            else (lambda batch: [model.forward(ids, cache)[-1:] for ids, cache in batch])
         )
         self.stats = EngineStats()
         self._waiting: deque[Request] = deque()
@@ -222,12 +226,19 @@ class Engine:
         if not self._running:
             return
         t0 = time.perf_counter()
-        batch = [(np.asarray(r.pending, dtype=np.int64), r.cache) for r in self._running]
-        logits = self._forward_batch(batch)  # [T_s, V] per sequence
+        scheduled = self._schedule()  # (sequence, ids it feeds this step)
+        batch = [(np.asarray(ids, dtype=np.int64), r.cache) for r, ids in scheduled]
+        logits = self._forward_batch(batch)  # [1, V] per sequence: its last row's
         self.stats.steps += 1
         self.stats.batch_rows += len(batch)
+        fed = {id(r): (len(ids), out) for (r, ids), out in zip(scheduled, logits, strict=True)}
         still = []
-        for r, out in zip(self._running, logits, strict=True):
+        for r in self._running:
+            n, out = fed.get(id(r), (0, None))
+            r.pending = r.pending[n:]
+            if out is None or r.pending:  # not in this step, or more of its prompt to feed
+                still.append(r)
+                continue
             last = out[-1]  # [V]
             token = sample(last, r.request.opts, r.rng, r.request.tokens)
             self._emit(r.request, token, last)
@@ -241,6 +252,25 @@ class Engine:
         if not still and hasattr(self.model, "forget_caches"):
             self.model.forget_caches()  # the finished sequences' caches go now
         self.stats.busy_s += time.perf_counter() - t0
+
+    def _schedule(self) -> list[tuple[_Running, list[int]]]:
+        """What each running sequence feeds this step: a decoding one its last token; one
+        still reading its prompt the next piece of it, in pieces that end at multiples of
+        `prefill_chunk` positions, while the step's prompt budget (`prefill_chunk` tokens)
+        lasts, in the order they arrived (the first always gets its piece).  So a long
+        prompt does not hold up every other stream for its whole prefill, and where its
+        pieces end never depends on what else runs: the same bits alone or together."""
+        chunk = self.prefill_chunk
+        budget, out = chunk, []
+        for r in self._running:
+            if r.request.tokens or not chunk:  # decoding (or no chunking): all it has
+                out.append((r, r.pending))
+                continue
+            take = min(len(r.pending), chunk - r.cache.length % chunk)
+            if take <= budget:
+                budget -= take
+                out.append((r, r.pending[:take]))
+        return out
 
     def _emit(self, request: Request, token: int, logits: np.ndarray) -> None:
         if request.first_token_s is None:

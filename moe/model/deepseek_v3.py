@@ -237,11 +237,12 @@ class Transformer:
     def new_cache(self, max_len: int) -> LatentCache:
         return LatentCache(self.config, max_len)
 
-    def forward(self, ids: np.ndarray, cache: LatentCache) -> np.ndarray:
-        """Token ids [T] at positions cache.length.. -> logits [T, V]; appends to the cache."""
-        return self.forward_batch([(ids, cache)])[0]
+    def forward(self, ids: np.ndarray, cache: LatentCache, last_only: bool = False) -> np.ndarray:
+        """Token ids [T] at positions cache.length.. -> logits [T, V] (last_only: the last
+        token's alone, [1, V]); appends to the cache."""
+        return self.forward_batch([(ids, cache)], last_only)[0]
 
-    def forward_batch(self, batch) -> list[np.ndarray]:
+    def forward_batch(self, batch, last_only: bool = False) -> list[np.ndarray]:
         """Several sequences in one pass (continuous batching), as the Qwen family's
         `forward_batch`: attention per sequence on its own cache, everything else (and one
         experts call per MoE layer) over every sequence's rows."""
@@ -263,7 +264,7 @@ class Transformer:
         seq.advance()
         x = rms_norm(x, w.vector("model.norm.weight"), c.rms_norm_eps)  # [N, H]
         head = "model.embed_tokens" if c.tie_word_embeddings else "lm_head"
-        return seq.split(w.linear(head)(x))  # [T_s, V] each
+        return seq.logits(x, w.linear(head), last_only)  # [T_s, V] (or [1, V]) each
 
     def absorbed_kv_b(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """kv_b_proj split per head: W_uk [heads, nope, rank], W_uv^T [heads, rank, v]."""

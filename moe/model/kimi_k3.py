@@ -344,7 +344,7 @@ class Transformer(kimi_linear.Transformer):
             out = out + self._mlp(m + "shared_experts.", h)  # [T, H]
         return out
 
-    def forward_batch(self, batch) -> list[np.ndarray]:
+    def forward_batch(self, batch, last_only: bool = False) -> list[np.ndarray]:
         """Several sequences in one pass (continuous batching): KDA and MLA per sequence on
         its own cache; the attention residuals, norms, MLPs and experts over every row."""
         c, w = self.config, self.trunk
@@ -369,7 +369,7 @@ class Transformer(kimi_linear.Transformer):
         x = self._residual(partial, blocks, "model.output_attn_res")  # [N, H]
         x = rms_norm(x, w.vector("model.norm.weight"), c.rms_norm_eps)  # [N, H]
         head = "model.embed_tokens" if c.tie_word_embeddings else "lm_head"
-        return seq.split(w.linear(head)(x))  # [T_s, V] each
+        return seq.logits(x, w.linear(head), last_only)  # [T_s, V] (or [1, V]) each
 
 
 HybridCache = kimi_linear.HybridCache

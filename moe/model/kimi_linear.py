@@ -313,7 +313,7 @@ class Transformer(deepseek_v3.Transformer):
     def new_cache(self, max_len: int) -> HybridCache:
         return HybridCache(self.config, max_len)
 
-    def forward_batch(self, batch) -> list[np.ndarray]:
+    def forward_batch(self, batch, last_only: bool = False) -> list[np.ndarray]:
         """Several sequences in one pass (continuous batching): KDA and attention per
         sequence on its own cache, everything else over every sequence's rows."""
         c, w = self.config, self.trunk
@@ -331,7 +331,7 @@ class Transformer(deepseek_v3.Transformer):
         seq.advance()
         x = rms_norm(x, w.vector("model.norm.weight"), c.rms_norm_eps)  # [N, H]
         head = "model.embed_tokens" if c.tie_word_embeddings else "lm_head"
-        return seq.split(w.linear(head)(x))  # [T_s, V] each
+        return seq.logits(x, w.linear(head), last_only)  # [T_s, V] (or [1, V]) each
 
     def mixer(self, i: int, h: np.ndarray, cache: HybridCache) -> np.ndarray:
         """Layer i's token mixing for one sequence: KDA on its state, or MLA on its cache."""

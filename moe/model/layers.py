@@ -163,3 +163,14 @@ class Segments:
 
     def split(self, out: np.ndarray) -> list[np.ndarray]:
         return [out[self.rows(s)] for s in range(len(self.batch))]
+
+    def logits(self, x: np.ndarray, head, last_only: bool = False) -> list[np.ndarray]:
+        """The LM head over the final hidden states x [N, H]: every row's logits ([T_s, V]
+        each), or (last_only) each sequence's last row's alone ([1, V] each, the same bits:
+        all a sampler reads; a prompt's other rows would cost the head for nothing, and the
+        head of a large vocabulary costs more than a layer)."""
+        if not last_only:
+            return self.split(head(x))
+        last = np.ascontiguousarray(x[self.bounds[1:] - 1])  # [B, H]
+        out = head(last)  # [B, V]
+        return [out[s : s + 1] for s in range(len(self.batch))]

@@ -255,13 +255,17 @@ class Transformer:
             ly = self._layers[i] = _Layer(self.config, self.trunk, i)
         return ly
 
-    def forward(self, ids: np.ndarray, cache: KVCache) -> np.ndarray:
-        """Token ids [T] at positions cache.length.. -> logits [T, V]; appends to the cache."""
-        return self.forward_batch([(ids, cache)])[0]
+    def forward(self, ids: np.ndarray, cache: KVCache, last_only: bool = False) -> np.ndarray:
+        """Token ids [T] at positions cache.length.. -> logits [T, V] (last_only: the last
+        token's alone, [1, V]); appends to the cache."""
+        return self.forward_batch([(ids, cache)], last_only)[0]
 
-    def forward_batch(self, batch: list[tuple[np.ndarray, KVCache]]) -> list[np.ndarray]:
+    def forward_batch(
+        self, batch: list[tuple[np.ndarray, KVCache]], last_only: bool = False
+    ) -> list[np.ndarray]:
         """Several sequences in one pass (continuous batching): each (ids [T_s] at positions
-        cache.length.., its own cache) -> its logits [T_s, V], appended to its cache.
+        cache.length.., its own cache) -> its logits [T_s, V] (last_only: its last row's,
+        [1, V]), appended to its cache.
 
         The rows of every sequence go through each linear layer, norm and router together and
         the experts backend gets one call per layer with all of them; attention runs per
@@ -295,7 +299,7 @@ class Transformer:
             rms_norm_rows(x, w.vector("model.norm.weight"), eps, h)
         else:
             add_rms_norm(x, delta, w.vector("model.norm.weight"), eps, h)
-        return seq.split(w.linear(self._head)(h))  # [T_s, V] each
+        return seq.logits(h, w.linear(self._head), last_only)  # [T_s, V] (or [1, V]) each
 
     def _attention(self, i: int, ly: _Layer, h, rope, caches, bounds) -> np.ndarray:
         """h [N, H] (sequence s in rows bounds[s]:bounds[s + 1]; rope: cos, sin [N, D/2] at
