@@ -118,3 +118,25 @@ def test_failpoint_specs_parse_and_bad_ones_are_refused():
     for bad in ("lie=lots", "fib=nan", "lie=scale"):
         with pytest.raises(ValueError):
             failpoints.parse(bad)
+
+
+def test_a_liar_caught_while_banned_is_still_named(caplog):
+    """A node convicted while it is banned (down: say its stream is read at close after a
+    failed call) is named as disqualified in the log, once, as one caught while up is: the
+    testbed finds its caught liars by that line."""
+    import logging
+    import threading
+    import types
+
+    from coordinator.remote.peers import Peer, PeerSet
+    from coordinator.remote.transport import PeerSpec
+
+    peers = types.SimpleNamespace(lock=threading.Lock(), disqualified={})  # PeerSet's state
+    peer = Peer(PeerSpec("127.0.0.1:1"), node_id="ab" * 32, name="tb-liar")
+    assert not peer.up
+    with caplog.at_level(logging.WARNING, logger="coordinator.remote.peers"):
+        PeerSet.disqualify(peers, peer, "1 reply(ies) to no request (a duplicate?)")
+        PeerSet.disqualify(peers, peer, "caught again")
+    named = [r.getMessage() for r in caplog.records if "disqualified" in r.getMessage()]
+    assert len(named) == 1 and peer.label in named[0] and "down" in named[0], named
+    assert peer.disqualified and peer.node_id in peers.disqualified

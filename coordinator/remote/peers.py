@@ -242,14 +242,16 @@ class PeerSet:
         """Ban `peer` for good (it was caught lying): never probed or admitted again, under
         any address, for as long as this PeerSet lives."""
         with self.lock:
+            first = peer.node_id not in self.disqualified
             self.disqualified[peer.node_id] = reason
             peer.disqualified = reason
             was_up, peer.up = peer.up, False
             if peer.stream is not None:
                 peer.stream.close()
                 peer.stream = None
-        if was_up:
-            log.warning("node %s disqualified: %s", peer.label, reason)
+        if first:  # (also when it was banned at the time: a liar caught late is still named)
+            down = "" if was_up else " (it was down at the time)"
+            log.warning("node %s disqualified%s: %s", peer.label, down, reason)
 
     def live(self) -> list[Peer]:
         with self.lock:
