@@ -83,16 +83,21 @@ def test_every_family_batches_with_alone_bits(family, converted, k3):
     np.testing.assert_array_equal(third[1], want[2][1])
 
 
+def family_model(family: str, demo, converted, k3):
+    """The Transformer of `family`: the embedded model for qwen3_moe, else a converted
+    fixture (k3: the synthetic K3)."""
+    if family == "qwen3_moe":
+        return demo
+    path = k3 if family == "kimi_k3" else converted(family, experts="q4_0", trunk="bf16")
+    return open_local(path).transformer
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3"])
 def test_last_only_gives_the_last_rows_bits(family, demo, converted, k3):
     """`forward_batch(..., last_only=True)` (what sampling reads: no LM head over a prompt's
     other rows) gives each sequence's last row of the full logits, bit for bit, and
     `forward(..., last_only=True)` the last token's."""
-    if family == "qwen3_moe":
-        model = demo
-    else:
-        path = k3 if family == "kimi_k3" else converted(family, experts="q4_0", trunk="bf16")
-        model = open_local(path).transformer
+    model = family_model(family, demo, converted, k3)
     vocab = model.config.vocab_size
     prompts = [[1, 5, 9, 2, 7], [42 % vocab], [100 % vocab, 200 % vocab, 30]]
 
@@ -118,11 +123,7 @@ def test_a_prompt_fed_in_pieces_gives_its_whole_logits(family, demo, converted, 
     """The serving engine feeds a long prompt in pieces (`Engine.prefill_chunk`): a piece
     after the first continues from the cache the earlier ones filled (KV, latent or KDA
     state), and the logits are the prompt's read at once."""
-    if family == "qwen3_moe":
-        model = demo
-    else:
-        path = k3 if family == "kimi_k3" else converted(family, experts="q4_0", trunk="bf16")
-        model = open_local(path).transformer
+    model = family_model(family, demo, converted, k3)
     vocab = model.config.vocab_size
     prompt = np.array([1, 5, 9, 2, 7, 11, 13, 17, 19, 23], dtype=np.int64) % vocab
     whole = model.forward(prompt, model.new_cache(64))  # [10, V]
