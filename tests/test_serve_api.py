@@ -220,7 +220,8 @@ def test_bad_requests_are_openai_400s(client):
         client.completions.create(model="gpt-4", prompt=PROMPT)
     for field, value in [("logprobs", 6), ("top_k", -1), ("presence_penalty", 3.0),
                          ("logit_bias", {"x": 1}), ("logit_bias", {"1": 101}),
-                         ("logit_bias", {"999999": 1})]:  # fmt: skip
+                         ("logit_bias", {"999999": 1}),
+                         ("logit_bias", {str(t): 1 for t in range(1025)})]:  # fmt: skip
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model="demo", prompt=PROMPT, extra_body={field: value})
         assert err.value.body["param"] == field, (field, value)

@@ -42,6 +42,7 @@ SAMPLING_LIMITS = {
     "frequency_penalty": (-2.0, 2.0),
 }
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's: a bias is in -100..100
+LOGIT_BIAS_MAX_TOKENS = 1024  # entries a request may bias (each costs every one of its steps)
 # Fields OpenAI defines that this server does not do: refused by name when they ask for
 # something (answering as if they were not there would be silently wrong).
 UNSUPPORTED = {
@@ -123,6 +124,9 @@ def _logit_bias(body: dict, vocab: int) -> tuple[tuple[int, float], ...]:
         return ()
     if not isinstance(bias, dict):
         raise BadRequest("'logit_bias' must map token ids to numbers", "logit_bias")
+    if len(bias) > LOGIT_BIAS_MAX_TOKENS:
+        raise BadRequest(f"logit_bias: at most {LOGIT_BIAS_MAX_TOKENS} tokens, not {len(bias)}",
+                         "logit_bias")  # fmt: skip
     pairs = []
     for key, value in bias.items():
         try:
