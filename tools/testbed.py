@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from testbed_lib.bed import FIXTURE, MOESHARD, Bed, run  # noqa: E402  # noqa: E402
 from testbed_lib.delay import _relay  # noqa: E402
 from testbed_lib.results import Result  # noqa: E402
-from testbed_lib.scenarios import scenarios  # noqa: E402
+from testbed_lib.scenarios import GROUPS, scenarios  # noqa: E402
 
 
 def main() -> int:
@@ -54,9 +54,20 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=32, help="tokens of the plain scenarios")
     p.add_argument("--deadline", type=float, default=1.0, help="coordinator's per-call deadline")
     p.add_argument("--discover-timeout", type=float, default=2.0)
-    p.add_argument("--work", help="work directory (default: a temporary one, removed)")
+    p.add_argument(
+        "--work", help="work directory (default: a temporary one, removed unless a scenario fails)"
+    )
+    p.add_argument(
+        "--only",
+        help=f"comma-separated scenario groups to run (of {','.join(GROUPS)}; default all)",
+    )
     p.add_argument("--json-out", help="also write the table as JSON here")
     args = p.parse_args()
+    args.only = set(args.only.split(",")) if args.only else set(GROUPS)
+    if unknown := args.only - set(GROUPS):
+        p.error(
+            f"--only: unknown group(s) {','.join(sorted(unknown))}; choose of {','.join(GROUPS)}"
+        )
 
     work = Path(args.work or tempfile.mkdtemp(prefix="moeshard-testbed-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -71,16 +82,20 @@ def main() -> int:
     bed = Bed(args.prefix, args.subnet, work, args.deadline, args.discover_timeout, client)
     results: list[Result] = []
     t_start = time.monotonic()
+    passed = False
     try:
         results = scenarios(bed, args)
+        passed = bool(results) and all(r.ok for r in results)
     finally:
         bed.stop_all()
-        if not args.work:
+        if passed and not args.work:
             shutil.rmtree(work, ignore_errors=True)
+        else:  # a failure's evidence: node logs and every coordinator's stderr (coord-*.log)
+            print(f"testbed: work directory kept: {work}", file=sys.stderr)
     print_table(results, time.monotonic() - t_start, bed.delay_mode)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps([r.__dict__ for r in results], indent=1))
-    return 0 if results and all(r.ok for r in results) else 1
+    return 0 if passed else 1
 
 
 def print_table(results: list[Result], seconds: float, delay_mode: str) -> None:

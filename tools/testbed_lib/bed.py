@@ -34,6 +34,7 @@ class Bed:
     procs: dict = field(default_factory=dict)  # name -> Popen
     logs: dict = field(default_factory=dict)  # name -> log path
     delay_mode: str = ""
+    coordinators: int = 0  # generate processes started so far
 
     def ns(self, host: str) -> str:
         return f"{self.prefix}-{host}"
@@ -147,9 +148,13 @@ class Bed:
             argv += ["--discover", "--discover-timeout", str(self.discover_timeout)]
             argv += ["--deadline", str(self.deadline)]
             argv = self.nsexec("coord", argv)
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
+        self.coordinators += 1  # `finish` keeps its stderr here, for a failure's post-mortem
+        proc.log_path = self.work / f"coord-{self.coordinators:02d}.log"
+        proc.log_path.write_text(" ".join(argv) + "\n")
+        return proc
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:

@@ -8,35 +8,52 @@ from __future__ import annotations
 import random
 import subprocess
 
-from .bed import MOESHARD, REPO, Bed, run
-from .results import Result, check, finish, lines_with
+from .bed import MOESHARD, REPO, Bed, log, run
+from .results import Result, check, finish, lines_with, node_calls
 
 LIES = ("zero", "scale:1.01", "noise:0.001", "nan", "wrong_expert", "duplicate")
+
+
+ATTEMPTS = 3  # generations per lie while the liar is neither caught nor given work
 
 
 def liars(bed: Bed, model, args, ref) -> list[Result]:
     results = []
     for lie in LIES:
-        name = "tb-liar"
-        key = bed.work / f"liar-{lie.split(':')[0]}.pem"  # a stranger never seen before
+        name, tag = "tb-liar", lie.split(":")[0]
+        key = bed.work / f"liar-{tag}.pem"  # a stranger never seen before
         key.unlink(missing_ok=True)
         run([*MOESHARD, "keygen", str(key)])
         bed.start_node("x", model, name, ["--key", str(key)], {"MOESHARD_FAILPOINTS": f"lie={lie}"})
         bed.wait_healthy("x")
-        ledger = bed.work / f"ledger-{lie.split(':')[0]}.jsonl"
-        ledger.unlink(missing_ok=True)
-        proc = bed.generate(model, args.prompt_ids, args.tokens, extra=["--ledger", str(ledger)])
-        result, err, _ = finish(proc)
+        for attempt in range(1, ATTEMPTS + 1):
+            result, err, caught, calls, ledger = _generate(bed, model, args, name, tag, attempt)
+            # A liar given no work and asked no audit told no lie (the duplicate lies only on
+            # a work stream, and a stranger costs more than the honest nodes in holder choice):
+            # that run proves nothing either way, so the generation is run again.
+            if caught or calls:
+                break
+            log(f"liar {lie}: given no work in generation {attempt}; running another")
         bed.stop(name)
-        caught = lines_with(err, name, "disqualified")
         verified, tampered = _ledger_checks(ledger)
         ok = bool(caught) and verified and tampered
-        detail = ("liar disqualified" if caught else "liar NOT caught") + (
-            "; ledger verifies" if verified else "; ledger does NOT verify"
-        )
+        detail = ("liar disqualified" if caught else "liar NOT caught") + f" ({calls} calls)"
+        detail += "; ledger verifies" if verified else "; ledger does NOT verify"
         detail += "; flipped byte detected" if tampered else "; flipped byte NOT detected"
         results.append(check(f"liar: {lie}", result, err, ref(args.tokens), ok, detail))
     return results
+
+
+def _generate(bed: Bed, model, args, name: str, tag: str, attempt: int):
+    """One generation beside the liar, with a reputation database of its own: a new network,
+    where no node has a record yet, so the stranger is not priced out of holder choice by the
+    honest nodes' records from earlier scenarios. (result, stderr, lines convicting the liar,
+    its work calls, the run's ledger)."""
+    ledger = bed.work / f"ledger-{tag}.jsonl"
+    ledger.unlink(missing_ok=True)
+    extra = ["--ledger", str(ledger), "--reputation", str(bed.work / f"rep-{tag}-{attempt}.db")]
+    result, err, _ = finish(bed.generate(model, args.prompt_ids, args.tokens, extra=extra))
+    return result, err, lines_with(err, name, "disqualified"), node_calls(err, name), ledger
 
 
 def _ledger_checks(path) -> tuple[bool, bool]:

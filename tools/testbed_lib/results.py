@@ -29,6 +29,9 @@ def finish(proc, timeout: float = 240.0) -> tuple[dict | None, str, float]:
         out, err = proc.communicate()
         err += "\n[testbed: coordinator timed out]"
     wall = time.monotonic() - t0
+    if log_path := getattr(proc, "log_path", None):
+        with open(log_path, "a") as f:
+            f.write(f"exit {proc.returncode} after {wall:.1f} s\n{err}")
     try:
         result = json.loads(out.strip().splitlines()[-1]) if proc.returncode == 0 else None
     except (json.JSONDecodeError, IndexError):
