@@ -401,6 +401,30 @@ def test_bench_serve_runs(demo, engine_only):
     assert len(figures) == (1 if engine_only else 2) and min(figures) > 0, cpu
 
 
+def test_bench_serve_long_prompts_in_chunks(demo):
+    """`--prompt-tokens` prompts read `--prefill-chunk` tokens a step, clients started over
+    `--ramp`: every token is still made, and the gaps between a stream's chunks are reported."""
+    out = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "bench", "serve", str(demo), "--engine-only",
+         "--concurrency", "1,2", "--tokens", "6", "--requests", "2", "--prompt-tokens", "40",
+         "--prefill-chunk", "8", "--ramp", "0.05"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("concurrency")]
+    assert len(lines) == 2
+    for line in lines:
+        assert int(line.split(":")[1].split("tokens")[0]) == 2 * 6, line
+        gaps = line.split("gaps p50")[1].split("ms")[0]
+        assert float(gaps) > 0, line
+    too_long = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "bench", "serve", str(demo), "--engine-only",
+         "--prompt-tokens", "250", "--tokens", "8", "--context", "256"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert too_long.returncode == 2 and "exceed --context 256" in too_long.stderr
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not-streamed"])
 def test_a_client_that_hangs_up_frees_its_slot_at_once(demo, stream):
     """One slot and no queue: while a request holds the slot another is refused (429, OpenAI's

@@ -6,8 +6,10 @@ concurrency C, the level's requests (the same number at every level: at concurre
 run one after another) are shared among C client threads, each sending streamed greedy
 completions back to back (distinct prompts), over HTTP as any client would.  Per level:
 aggregate tokens/s, per-request tokens/s (after its first token), time to first token p50 and
-p99, and the experts' cost per generated token: bytes read from SSD (`--ram`) or calls to
-nodes (network mode), against the level of concurrency 1 measured in the same run.
+p99, the gaps between a stream's successive chunks p50 and p99 (what a reader sees stall while
+another request's prompt is read: `--prompt-tokens` with `--prefill-chunk`), and the experts'
+cost per generated token: bytes read from SSD (`--ram`) or calls to nodes (network mode),
+against the level of concurrency 1 measured in the same run.
 """
 
 from __future__ import annotations
@@ -54,6 +56,27 @@ def add_arguments(p) -> None:
     p.add_argument("--insecure", action="store_true", help="plaintext to nodes on loopback")
     p.add_argument("--context", type=int, default=256, help="prompt + tokens a request may use")
     p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="prompts of N token ids each (0: a few words of text)",
+    )
+    p.add_argument(
+        "--ramp",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="client c of C starts c*S/C seconds after the first, so that prompts arrive while "
+        "other requests decode, as they do with users (0: all at once, in lockstep)",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        metavar="N",
+        help="the server's --prefill-chunk (prompt tokens a step feeds at most; 0: whole prompts)",
+    )
+    p.add_argument(
         "--engine-only",
         action="store_true",
         help="no HTTP: the clients submit to the batching engine in this process (what the "
@@ -68,15 +91,16 @@ def _free_port() -> int:
 
 
 def _one(base: str, prompt: str | list[int], tokens: int) -> dict:
-    """One streamed greedy completion: its first-token and end times and token count (the
-    usage the server reports at the end: a chunk's text may hold no token or several)."""
+    """One streamed greedy completion: its first-token and end times, token count (the usage
+    the server reports at the end: a chunk's text may hold no token or several) and the gaps
+    between its successive chunks."""
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
     body["stream_options"] = {"include_usage": True}
     request = urllib.request.Request(
         base + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
     t0 = time.perf_counter()
-    first, n = None, 0
+    first, n, arrivals = None, 0, []
     with urllib.request.urlopen(request, timeout=600) as r:
         for raw in r:
             line = raw.decode().strip()
@@ -86,27 +110,36 @@ def _one(base: str, prompt: str | list[int], tokens: int) -> dict:
                 first = time.perf_counter()
             if '"usage"' in line:
                 n = (json.loads(line[6:]).get("usage") or {}).get("completion_tokens") or n
-    return {"ttft": (first or time.perf_counter()) - t0, "end": time.perf_counter() - t0, "n": n}
+            else:
+                arrivals.append(time.perf_counter())
+    end = time.perf_counter() - t0
+    return {"ttft": (first or t0 + end) - t0, "end": end, "n": n, "gaps": np.diff(arrivals)}
 
 
-def _prompt(i: int, ids: bool) -> str | list[int]:
-    """Request i's prompt: text, or token ids for a model without a tokenizer."""
-    if ids:
-        return [1 + (i * 7 + j * 13) % 200 for j in range(8)]
+def _prompt(i: int, ids: bool, length: int = 0) -> str | list[int]:
+    """Request i's prompt: text, or token ids (`length` of them, 8 by default) for a model
+    without a tokenizer or when a prompt length is asked for."""
+    if ids or length:
+        return [1 + (i * 7 + j * 13) % 200 for j in range(length or 8)]
     return PROMPTS[i % len(PROMPTS)] + f" {i}"
 
 
-def _level(base: str, clients: int, requests: int, tokens: int, ids: bool) -> dict:
-    return _clients(lambda i: _one(base, _prompt(i, ids), tokens), clients, requests)
+def _level(base: str, clients: int, requests: int, args, ids: bool) -> dict:
+    def one(i: int) -> dict:
+        return _one(base, _prompt(i, ids, args.prompt_tokens), args.tokens)
+
+    return _clients(one, clients, requests, args.ramp)
 
 
-def _clients(one, clients: int, requests: int) -> dict:
+def _clients(one, clients: int, requests: int, ramp: float = 0.0) -> dict:
     """`clients` threads share requests 0..requests-1 (`one(i)` makes request i and returns
-    its times and token count), each sending its next when its last has ended."""
+    its times and token count), each sending its next when its last has ended; client c
+    starts `ramp` * c / `clients` seconds after the first."""
     results: list[dict] = []
     lock = threading.Lock()
 
     def client(c: int) -> None:
+        time.sleep(ramp * c / clients)
         for i in range(c, requests, clients):  # request i, prompt i: the same set per level
             out = one(i)
             with lock:
@@ -122,6 +155,7 @@ def _clients(one, clients: int, requests: int) -> dict:
     total = sum(r["n"] for r in results)
     ttft = [r["ttft"] for r in results]
     per_request = [(r["n"] - 1) / (r["end"] - r["ttft"]) for r in results if r["n"] > 1]
+    gaps = np.concatenate([r["gaps"] for r in results] + [np.zeros(0)])  # [chunks - 1 each]
     return {
         "clients": clients,
         "tokens": total,
@@ -129,6 +163,8 @@ def _clients(one, clients: int, requests: int) -> dict:
         "per_request_tok_s": statistics.median(per_request) if per_request else 0.0,
         "ttft_p50_s": float(np.percentile(ttft, 50)),
         "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "gap_p50_s": float(np.percentile(gaps, 50)) if gaps.size else 0.0,
+        "gap_p99_s": float(np.percentile(gaps, 99)) if gaps.size else 0.0,
     }
 
 
@@ -149,6 +185,13 @@ def run(args) -> int:
     requests = args.requests or 2 * top
     if requests < top:
         raise MoeshardError(f"--requests {requests}: fewer than the {top} clients of a level")
+    if args.prompt_tokens < 0 or (args.prefill_chunk or 0) < 0:
+        raise MoeshardError("--prompt-tokens and --prefill-chunk must be >= 0")
+    if args.prompt_tokens + args.tokens > args.context:
+        raise MoeshardError(
+            f"--prompt-tokens {args.prompt_tokens} + --tokens {args.tokens} exceed --context "
+            f"{args.context}"
+        )
     if args.engine_only:
         return _run_engine_only(args, model, levels, requests, ids)
     cmd = [sys.executable, "-m", "coordinator.cli", "serve", args.model, "--port", str(port),
@@ -156,6 +199,8 @@ def run(args) -> int:
            "--no-eos"]  # fmt: skip  # (every request makes all its tokens)
     if args.ram:
         cmd += ["--ram", args.ram]
+    if args.prefill_chunk is not None:
+        cmd += ["--prefill-chunk", str(args.prefill_chunk)]
     for flag, value in (("--peers", args.peers), ("--key", args.key)):
         if value:
             cmd += [flag, value]
@@ -166,11 +211,11 @@ def run(args) -> int:
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_up(base, server)
-        _one(base, _prompt(10_000, ids), 2)
+        _one(base, _prompt(10_000, ids, args.prompt_tokens), 2)
         rows = []
         for clients in levels:
             before, cpu = _health(base), _cpu_seconds(server.pid)
-            row = _level(base, clients, requests, args.tokens, ids)
+            row = _level(base, clients, requests, args, ids)
             after = _health(base)
             row |= _cpu_cost(cpu, _cpu_seconds(server.pid), before, after, row)
             row |= _expert_cost(before["experts"], after["experts"], row["tokens"])
@@ -193,24 +238,26 @@ def _run_engine_only(args, model, levels: list[int], requests: int, ids: bool) -
     remote = None
     if args.peers or args.discover:
         from coordinator.remote.config import RemoteConfig
-        from moe.identity.keys import client_identity
 
-        remote = RemoteConfig(identity=None if args.insecure else client_identity(args.key))
+        remote = RemoteConfig.for_client(args.key, args.insecure)
     top = levels[-1]
     rt = open_serving_runtime(
         model, args.ram and parse_size(args.ram), args.context * top, args.peers,
         args.discover, remote_config=remote,
     )  # fmt: skip
-    engine = Engine(rt.transformer, max_batch=top, max_queue=top)
+    chunk = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
+    engine = Engine(rt.transformer, max_batch=top, max_queue=top, **chunk)
 
     def one(i: int) -> dict:
-        prompt = _prompt(i, ids)
-        prompt_ids = prompt if ids else rt.encode(prompt)
+        prompt = _prompt(i, ids, args.prompt_tokens)
+        prompt_ids = prompt if isinstance(prompt, list) else rt.encode(prompt)
         opts = SamplingOptions(max_tokens=args.tokens, temperature=0.0)
         t0 = time.perf_counter()
         request = engine.submit(prompt_ids, opts)
-        n = sum(event.kind == "token" for event in request.stream())
-        return {"ttft": request.first_token_s or 0.0, "end": time.perf_counter() - t0, "n": n}
+        arrivals = [time.perf_counter() for event in request.stream() if event.kind == "token"]
+        end = time.perf_counter() - t0
+        ttft = request.first_token_s or 0.0
+        return {"ttft": ttft, "end": end, "n": len(arrivals), "gaps": np.diff(arrivals)}
 
     def health() -> dict:  # what the server's /health would say
         st = engine.stats
@@ -222,7 +269,7 @@ def _run_engine_only(args, model, levels: list[int], requests: int, ids: bool) -
         rows = []
         for clients in levels:
             before, cpu = health(), _cpu_seconds(os.getpid())
-            row = _clients(one, clients, requests)
+            row = _clients(one, clients, requests, args.ramp)
             after = health()
             row |= _cpu_cost(cpu, _cpu_seconds(os.getpid()), before, after, row)
             row |= _expert_cost(before["experts"], after["experts"], row["tokens"])
@@ -297,7 +344,8 @@ def _print_row(row: dict, base: dict, engine_only: bool = False) -> None:
         f"concurrency {row['clients']:>3}: {row['tokens']:>5} tokens, aggregate "
         f"{row['aggregate_tok_s']:8.1f} tok/s ({ratio:5.2f}x concurrency {base['clients']}), "
         f"per request {row['per_request_tok_s']:7.1f} tok/s, first token p50 "
-        f"{row['ttft_p50_s'] * 1e3:7.1f} ms p99 {row['ttft_p99_s'] * 1e3:7.1f} ms"
+        f"{row['ttft_p50_s'] * 1e3:7.1f} ms p99 {row['ttft_p99_s'] * 1e3:7.1f} ms, gaps p50 "
+        f"{row['gap_p50_s'] * 1e3:6.1f} ms p99 {row['gap_p99_s'] * 1e3:6.1f} ms"
     )
     line += f"; mean batch {row['mean_batch']:4.1f}, step {row['step_ms']:5.2f} ms, CPU per token: "
     if engine_only:  # one process: engine and clients

@@ -151,10 +151,8 @@ def client_config(args, **fields):
     """The RemoteConfig of a client command: its key (--key, or the default one) unless
     --insecure."""
     from coordinator.remote.config import RemoteConfig
-    from moe.identity.keys import client_identity
 
-    identity = None if args.insecure else client_identity(args.key)
-    return RemoteConfig(identity=identity, **fields)
+    return RemoteConfig.for_client(args.key, args.insecure, **fields)
 
 
 def add_shard(sub) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe.errors import MoeshardError
-from moe.identity.keys import Identity
+from moe.identity.keys import Identity, client_identity
 
 
 class RemoteError(MoeshardError):
@@ -42,6 +42,12 @@ class RemoteConfig:
     challenge_interval_s: float = 60.0  # mean time between two challenges of a node (0: off)
     challenge_first_s: float = 10.0  # a new node's first challenge comes within this
     challenge_blocks: int = 8  # blocks per challenge
+
+    @classmethod
+    def for_client(cls, key: str | None, insecure: bool, **fields) -> RemoteConfig:
+        """A client command's settings: its key (`key`, or the default one) unless `insecure`
+        (plaintext, to nodes that allow it)."""
+        return cls(identity=None if insecure else client_identity(key), **fields)
 
     def check(self) -> None:
         if self.wire_dtype not in ("f32", "bf16"):
