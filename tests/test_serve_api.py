@@ -278,7 +278,7 @@ def test_models_health_and_metrics(client, server):
             return json.loads(r.read())
 
     wait_until(lambda: health()["running"] == 0, 30, what="the earlier tests' requests to end")
-    before = health()
+    before, values0 = health(), metrics(server)
     assert before["status"] == "ok"
     client.completions.create(model="demo", prompt=PROMPT, max_tokens=3)
     engine, engine0 = health()["engine"], before["engine"]
@@ -289,6 +289,13 @@ def test_models_health_and_metrics(client, server):
     assert values["moeshard_generated_tokens_total", ()] >= 3
     assert values["moeshard_requests_total", ()] >= 1
     assert ("moeshard_queue_depth", ()) in values and ("moeshard_batch_size_mean", ()) in values
+    # the latency histograms: this request's first token, its 2 gaps, its whole time
+    for name, n in (("time_to_first_token", 1), ("inter_token_latency", 2),
+                    ("request_duration", 1)):  # fmt: skip
+        count = (f"moeshard_{name}_seconds_count", ())
+        assert values[count] - values0.get(count, 0) == n, name
+        inf = (f"moeshard_{name}_seconds_bucket", (("le", "+Inf"),))
+        assert values[inf] == values[count]
 
 
 @pytest.mark.parametrize("mode", ["ram", "nodes"])

@@ -173,3 +173,39 @@ def test_long_prompts_are_read_in_pieces_with_the_same_tokens(demo):
         assert max(max(s) for s in steps) == 3
     finally:
         engine.close()
+
+
+def test_latency_histograms_count_every_token_and_request(demo):
+    """/metrics' histograms: one first-token time per request, a gap per further token, one
+    whole time per request, and their sums the requests' own times."""
+    engine = Engine(demo, max_batch=2, max_queue=4)  # 3 requests: one waits, joins later
+    try:
+        opts = [SamplingOptions(max_tokens=n) for n in (3, 5, 4)]
+        requests = [engine.submit(p, o) for p, o in zip(PROMPTS[:3], opts, strict=True)]
+        for r in requests:
+            assert list(r.stream(timeout=60))[-1].finish == "length"
+        st = engine.stats
+        _, first_sum, first_n = st.first_token.snapshot()
+        _, gap_sum, gap_n = st.inter_token.snapshot()
+        _, whole_sum, whole_n = st.request_time.snapshot()
+        assert (first_n, gap_n, whole_n) == (3, 2 + 4 + 3, 3)
+        assert first_sum == pytest.approx(sum(r.first_token_s for r in requests))
+        last = [r.last_token_at - r.submitted for r in requests]  # to each one's last token
+        assert gap_sum == pytest.approx(sum(last) - first_sum)
+        assert whole_sum >= sum(last)
+    finally:
+        engine.close()
+
+
+def test_histogram_buckets_are_cumulative_and_inclusive():
+    from coordinator.serve.histogram import Histogram
+
+    h = Histogram((0.01, 0.1, 1.0))
+    for seconds in (0.005, 0.01, 0.05, 0.5, 2.0):
+        h.observe(seconds)
+    assert h.snapshot() == ([2, 3, 4, 5], pytest.approx(2.565), 5)
+    lines = h.prometheus("x_seconds", "a test")
+    assert 'x_seconds_bucket{le="0.01"} 2' in lines and 'x_seconds_bucket{le="+Inf"} 5' in lines
+    assert lines[-2:] == ["x_seconds_sum 2.565", "x_seconds_count 5"]
+    with pytest.raises(ValueError, match="must increase"):
+        Histogram((0.1, 0.01))

@@ -663,6 +663,15 @@ def prometheus_text(state: ServerState) -> str:
     metric("moeshard_batch_size", "gauge", "sequences running now", e.running())
     metric("moeshard_batch_size_mean", "gauge", "sequences per step, mean",
            s.batch_rows / s.steps if s.steps else 0.0)  # fmt: skip
+    lines += s.first_token.prometheus(
+        "moeshard_time_to_first_token_seconds", "from a request's arrival to its first token"
+    )
+    lines += s.inter_token.prometheus(
+        "moeshard_inter_token_latency_seconds", "between a request's successive tokens"
+    )
+    lines += s.request_time.prometheus(
+        "moeshard_request_duration_seconds", "from a request's arrival to its end, whatever why"
+    )
     stats = state.experts.stats() if state.experts is not None else {}
     hits, misses = stats.get("hits"), stats.get("misses")
     if hits is not None and misses is not None and hits + misses:

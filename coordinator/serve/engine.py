@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coordinator.generate import SamplingOptions, sample
+from coordinator.serve.histogram import REQUEST_BUCKETS, TOKEN_BUCKETS, Histogram
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     submitted: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None  # seconds from submit to the first token
+    last_token_at: float = 0.0  # perf_counter when its latest token was made
     finish: str = ""
     _cancelled: threading.Event = field(default_factory=threading.Event)
     listener: Callable[[Event], None] | None = None  # gets the events instead of `events`
@@ -110,6 +112,11 @@ class EngineStats:
     steps: int = 0
     batch_rows: int = 0  # sum over steps of the sequences in the step
     busy_s: float = 0.0
+    # seconds from submit to the first token; between a request's successive tokens; from
+    # submit to the end (every request that ends, whatever why)
+    first_token: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS))
+    inter_token: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
+    request_time: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS))
 
 
 class Engine:
@@ -273,8 +280,13 @@ class Engine:
         return out
 
     def _emit(self, request: Request, token: int, logits: np.ndarray) -> None:
+        now = time.perf_counter()
         if request.first_token_s is None:
-            request.first_token_s = time.perf_counter() - request.submitted
+            request.first_token_s = now - request.submitted
+            self.stats.first_token.observe(request.first_token_s)
+        else:
+            self.stats.inter_token.observe(now - request.last_token_at)
+        request.last_token_at = now
         request.tokens.append(token)
         self.stats.generated_tokens += 1
         logprob, top = None, ()
@@ -300,6 +312,7 @@ class Engine:
 
     def _end(self, request: Request, finish: str, error: str = "") -> None:
         request.finish = finish
+        self.stats.request_time.observe(time.perf_counter() - request.submitted)
         self.stats.finished += 1
         self.stats.finished_by[finish] = self.stats.finished_by.get(finish, 0) + 1
         request.put(Event("end", finish=finish, error=error))
