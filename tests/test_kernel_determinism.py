@@ -118,6 +118,26 @@ def test_matmul_row_does_not_depend_on_batch(fmt, n_threads, run):
         check_rows_independent(call, singles, x, n_threads)
 
 
+@pytest.mark.parametrize("n_threads", THREADS)
+@pytest.mark.parametrize("fmt", ["f32", "bf16"])
+def test_float_rows_with_a_column_tail_do_not_depend_on_batch(fmt, n_threads, run):
+    """f32/bf16 rows of any width: columns past the last 16 (summed one by one), and widths
+    on both sides of `fdots.NARROW_COLS` (four activation rows at a time at or below it)."""
+    from moe.kernels.fdots import NARROW_COLS
+
+    for rows, cols in [(5, 40), (3, 264), (9, NARROW_COLS), (6, NARROW_COLS + 8), (4, 8)]:
+        data = quant.pack(weights(rows, cols, seed=rows + cols), fmt)
+        x = activations(max(BATCHES) + 3, cols, seed=cols)  # [36, cols]
+        singles = np.concatenate(
+            [run(0, quant.matmul, data, fmt, rows, cols, x[i : i + 1]) for i in range(len(x))]
+        )  # [36, rows]
+
+        def call(xb, data=data, rows=rows, cols=cols):
+            return run(n_threads, quant.matmul, data, fmt, rows, cols, xb)
+
+        check_rows_independent(call, singles, x, n_threads)
+
+
 def expert_record(fmt: str, hidden: int, inter: int, seed: int) -> np.ndarray:
     gate = weights(inter, hidden, seed) * np.float32(0.05)
     up = weights(inter, hidden, seed + 1) * np.float32(0.05)
