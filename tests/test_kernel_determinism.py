@@ -102,10 +102,9 @@ def check_rows_independent(call, singles: np.ndarray, x: np.ndarray, n_threads: 
             assert same_bits(got, want[perm]), (b, start, n_threads, "permuted")
 
 
-@pytest.mark.parametrize("n_threads", THREADS)
-@pytest.mark.parametrize("fmt", quant.FORMATS)
-def test_matmul_row_does_not_depend_on_batch(fmt, n_threads, run):
-    for rows, cols in MATMUL_SHAPES:
+def check_matmul_rows_independent(fmt, shapes, n_threads: int, run) -> None:
+    """`check_rows_independent` for `quant.matmul` on a packed matrix of each (rows, cols)."""
+    for rows, cols in shapes:
         data = quant.pack(weights(rows, cols, seed=rows + cols), fmt)
         x = activations(max(BATCHES) + 3, cols, seed=cols)  # [36, cols]
         singles = np.concatenate(
@@ -116,6 +115,12 @@ def test_matmul_row_does_not_depend_on_batch(fmt, n_threads, run):
             return run(n_threads, quant.matmul, data, fmt, rows, cols, xb)
 
         check_rows_independent(call, singles, x, n_threads)
+
+
+@pytest.mark.parametrize("n_threads", THREADS)
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_matmul_row_does_not_depend_on_batch(fmt, n_threads, run):
+    check_matmul_rows_independent(fmt, MATMUL_SHAPES, n_threads, run)
 
 
 @pytest.mark.parametrize("n_threads", THREADS)
@@ -125,17 +130,8 @@ def test_float_rows_with_a_column_tail_do_not_depend_on_batch(fmt, n_threads, ru
     on both sides of `fdots.NARROW_COLS` (four activation rows at a time at or below it)."""
     from moe.kernels.fdots import NARROW_COLS
 
-    for rows, cols in [(5, 40), (3, 264), (9, NARROW_COLS), (6, NARROW_COLS + 8), (4, 8)]:
-        data = quant.pack(weights(rows, cols, seed=rows + cols), fmt)
-        x = activations(max(BATCHES) + 3, cols, seed=cols)  # [36, cols]
-        singles = np.concatenate(
-            [run(0, quant.matmul, data, fmt, rows, cols, x[i : i + 1]) for i in range(len(x))]
-        )  # [36, rows]
-
-        def call(xb, data=data, rows=rows, cols=cols):
-            return run(n_threads, quant.matmul, data, fmt, rows, cols, xb)
-
-        check_rows_independent(call, singles, x, n_threads)
+    shapes = [(5, 40), (3, 264), (9, NARROW_COLS), (6, NARROW_COLS + 8), (4, 8)]
+    check_matmul_rows_independent(fmt, shapes, n_threads, run)
 
 
 def expert_record(fmt: str, hidden: int, inter: int, seed: int) -> np.ndarray:
