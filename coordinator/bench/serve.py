@@ -185,8 +185,8 @@ def run(args) -> int:
     requests = args.requests or 2 * top
     if requests < top:
         raise MoeshardError(f"--requests {requests}: fewer than the {top} clients of a level")
-    if args.prompt_tokens < 0 or (args.prefill_chunk or 0) < 0:
-        raise MoeshardError("--prompt-tokens and --prefill-chunk must be >= 0")
+    if args.prompt_tokens < 0 or (args.prefill_chunk or 0) < 0 or args.ramp < 0:
+        raise MoeshardError("--prompt-tokens, --prefill-chunk and --ramp must be >= 0")
     if args.prompt_tokens + args.tokens > args.context:
         raise MoeshardError(
             f"--prompt-tokens {args.prompt_tokens} + --tokens {args.tokens} exceed --context "
