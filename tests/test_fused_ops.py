@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numba import njit
 
 from moe.model import fused
 from moe.model.layers import (
@@ -91,6 +92,47 @@ def test_attend_cache_matches_attend(t, start, hq, hkv, d, window):
     fused.attend_cache(q.reshape(t, hq * d), k, v, start, d**-0.5, window or 0, out)
     want = attend(q, k[:s], v[:s], d**-0.5, window).reshape(t, hq * d)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+@njit
+def attend_position_by_position(q, kc, vc, start, scale, window, out):
+    """`attend_cache`'s arithmetic one key position at a time (`_dot`, `_add_scaled`): the
+    order every score and output element must keep when positions go four at a time."""
+    n_kv, d, dv = kc.shape[1], kc.shape[2], vc.shape[2]
+    n_q = q.shape[1] // d
+    scores = np.empty(start + q.shape[0], dtype=np.float32)
+    for t in range(q.shape[0]):
+        pos = start + t
+        lo = max(0, pos - window + 1) if window > 0 else 0
+        for h in range(n_q):
+            kv = h // (n_q // n_kv)
+            best = np.float32(-np.inf)
+            for s in range(lo, pos + 1):
+                scores[s] = fused._dot(q[t], h * d, kc[s, kv], d) * np.float32(scale)
+                best = max(best, scores[s])
+            total = 0.0
+            for s in range(lo, pos + 1):
+                scores[s] = np.exp(scores[s] - best)
+                total += scores[s]
+            out[t, h * dv : (h + 1) * dv] = 0.0
+            for s in range(lo, pos + 1):
+                fused._add_scaled(out[t], h * dv, np.float32(scores[s] / total), vc[s, kv], dv)
+
+
+@pytest.mark.parametrize(
+    "t,start,d,window",
+    [(1, 0, 64, 0), (1, 2, 64, 0), (1, 36, 64, 0), (1, 38, 128, 0), (1, 41, 40, 0),
+     (7, 5, 64, 0), (6, 3, 128, 5), (3, 17, 24, 6), (1, 200, 64, 13)],
+)  # fmt: skip
+def test_attend_cache_keeps_the_one_position_order(t, start, d, window):
+    """Head sizes 64 and 128 run a kernel compiled for them, others the general one; keys go
+    four at a time and the rest (0-3) one at a time: the same bits as one at a time."""
+    hq, hkv, s = 4, 2, start + t
+    q, kc, vc = randn(t, hq * d), randn(s, hkv, d), randn(s, hkv, d)
+    out, want = np.empty((t, hq * d), np.float32), np.empty((t, hq * d), np.float32)
+    fused.attend_cache(q, kc, vc, start, d**-0.5, window, out)
+    attend_position_by_position(q, kc, vc, start, d**-0.5, window, want)
+    np.testing.assert_array_equal(out, want)
 
 
 @pytest.mark.parametrize("qk_norm", ["none", "head", "full"])

@@ -12,6 +12,11 @@ compares them; the families' files state the math with those):
   position p reads keys lo..p); the dot products are float32 in another order than BLAS's
   (last-bit differences): eight lanes (`_dot`, explicit vector lanes, as numba runs no SLP
   vectoriser: 2.3x faster than eight scalar sums for 64-wide heads), then summed pairwise.
+  Keys go four at a time (four independent sums, the output row loaded once for four value
+  rows), each score and output element in the same order as one at a time, and head sizes
+  64 and 128 get the loops compiled for their size: together 2.4x faster on a 64-wide head
+  at 41 and 201 positions (2.5 against 5.8 us, 11 against 29 us: `attend_cache` alone, one
+  thread, a loop of 1000 calls inside numba).
 * `gqa_attention`: everything between a GQA layer's projections and its o_proj in one call:
   q/k norms, clip, RoPE, the KV-cache write and `attend_cache`; `gqa_attention_many` does
   it for several sequences (continuous batching), each on its own cache.
@@ -83,7 +88,10 @@ def _pairwise_sum(a):
     numpy recurses: n <= 128 is a leaf (`_block_sum`), else the first n2 = n // 2 rounded down
     to a multiple of 8 and the rest are summed separately and added. Here the same tree is
     walked with an explicit stack (numba's cache and recursive functions do not mix). No
-    constant is passed to a helper: numba would compile a variant per literal value."""
+    constant is passed to a helper: numba would compile a variant per literal value.
+    A leaf (every head, router and small row) allocates nothing."""
+    if a.shape[0] <= PAIRWISE_BLOCK:  # the tree is one leaf
+        return _block_sum(a, 0, a.shape[0])
     los = np.empty(64, dtype=np.int64)  # pending nodes: start, length, halves queued
     ns = np.empty(64, dtype=np.int64)
     queued = np.zeros(64, dtype=np.bool_)
@@ -110,9 +118,9 @@ def _pairwise_sum(a):
 
 
 @njit(cache=True, nogil=True)
-def _norm_row(x, lo, d, weight, eps, out):
-    """out[lo:lo+d] = weight * (x / sqrt(mean(x^2) + eps)) for x = x[lo:lo+d] (out may be x)."""
-    squares = np.empty(d, dtype=np.float32)  # [d]
+def _norm_row(x, lo, d, weight, eps, out, squares):
+    """out[lo:lo+d] = weight * (x / sqrt(mean(x^2) + eps)) for x = x[lo:lo+d] (out may be x);
+    squares float32 [d] is scratch (the caller's, made once for all its rows)."""
     for j in range(d):
         squares[j] = x[lo + j] * x[lo + j]
     variance = _pairwise_sum(squares) / np.float32(d)
@@ -127,10 +135,11 @@ def rms_norm_rows(x, weight, eps, out):
     may be x). weight [D] normalises whole rows; weight [D / heads] each head."""
     e = np.float32(eps)
     d = weight.shape[0]
+    squares = np.empty(d, dtype=np.float32)  # [d], scratch
     for r in range(x.shape[0]):
         xr, outr = x[r], out[r]
         for lo in range(0, x.shape[1], d):
-            _norm_row(xr, lo, d, weight, e, outr)
+            _norm_row(xr, lo, d, weight, e, outr, squares)
 
 
 @njit(cache=True, nogil=True)
@@ -232,13 +241,92 @@ def _add_scaled(out, o0, p, v, n):
 
 
 @njit(cache=True, nogil=True)
+def _dots4(a, a0, k0, k1, k2, k3, n):
+    """`_dot` of a[a0:a0+n] with four rows k0..k3 at once, each the same bits as alone: four
+    independent accumulator chains keep the adder busy where one chain waits on itself."""
+    c0, c1, c2, c3 = _vzero(), _vzero(), _vzero(), _vzero()
+    m = n - n % 8
+    for j in range(0, m, 8):
+        x = _vload(a, a0 + j)
+        c0 = _vmuladd(x, _vload(k0, j), c0)
+        c1 = _vmuladd(x, _vload(k1, j), c1)
+        c2 = _vmuladd(x, _vload(k2, j), c2)
+        c3 = _vmuladd(x, _vload(k3, j), c3)
+    t0, t1 = _pair_tree_sum(c0), _pair_tree_sum(c1)
+    t2, t3 = _pair_tree_sum(c2), _pair_tree_sum(c3)
+    for j in range(m, n):
+        xj = a[a0 + j]
+        t0 += xj * k0[j]
+        t1 += xj * k1[j]
+        t2 += xj * k2[j]
+        t3 += xj * k3[j]
+    return t0, t1, t2, t3
+
+
+@njit(cache=True, nogil=True)
+def _add_scaled4(out, o0, p0, v0, p1, v1, p2, v2, p3, v3, n):
+    """`_add_scaled` of four rows in turn (out += p0 v0, then p1 v1, ...), the same bits, with
+    out loaded and stored once instead of four times."""
+    m = n - n % 8
+    s0, s1, s2, s3 = _vsplat(p0), _vsplat(p1), _vsplat(p2), _vsplat(p3)
+    for j in range(0, m, 8):
+        acc = _vmuladd(s0, _vload(v0, j), _vload(out, o0 + j))
+        acc = _vmuladd(s1, _vload(v1, j), acc)
+        acc = _vmuladd(s2, _vload(v2, j), acc)
+        _vstore(out, o0 + j, _vmuladd(s3, _vload(v3, j), acc))
+    for j in range(m, n):
+        out[o0 + j] = (((out[o0 + j] + p0 * v0[j]) + p1 * v1[j]) + p2 * v2[j]) + p3 * v3[j]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, scores, ot, o0, d, dv):
+    """One query head (q at qt[a0:a0+d]) against kv head kv of the cache at positions lo..pos
+    -> ot[o0:o0+dv]; scores float32 [> pos] is scratch.
+
+    Positions go four at a time (`_dots4`, `_add_scaled4`), then one at a time: every score
+    and every output element gets the same operations in the same order either way."""
+    quads = lo + (pos + 1 - lo) // 4 * 4  # positions lo..quads-1 go four at a time
+    best = np.float32(-np.inf)
+    for s in range(lo, quads, 4):
+        d0, d1, d2, d3 = _dots4(qt, a0, kc[s, kv], kc[s + 1, kv], kc[s + 2, kv], kc[s + 3, kv], d)
+        scores[s], scores[s + 1] = d0 * scale, d1 * scale
+        scores[s + 2], scores[s + 3] = d2 * scale, d3 * scale
+    for s in range(quads, pos + 1):
+        scores[s] = _dot(qt, a0, kc[s, kv], d) * scale
+    for s in range(lo, pos + 1):
+        if scores[s] > best:
+            best = scores[s]
+    total = 0.0
+    for s in range(lo, pos + 1):
+        e = np.exp(scores[s] - best)
+        scores[s] = e
+        total += e
+    for j in range(dv):
+        ot[o0 + j] = np.float32(0.0)
+    for s in range(lo, quads, 4):
+        _add_scaled4(
+            ot, o0,
+            np.float32(scores[s] / total), vc[s, kv],
+            np.float32(scores[s + 1] / total), vc[s + 1, kv],
+            np.float32(scores[s + 2] / total), vc[s + 2, kv],
+            np.float32(scores[s + 3] / total), vc[s + 3, kv],
+            dv,
+        )  # fmt: skip
+    for s in range(quads, pos + 1):
+        _add_scaled(ot, o0, np.float32(scores[s] / total), vc[s, kv], dv)
+
+
+@njit(cache=True, nogil=True)
 def attend_cache(q, kc, vc, start, scaling, window, out):
     """Causal GQA attention of T queries against the KV cache.
 
     q [T, Hq*D] at absolute positions start..start+T-1; kc [>= start+T, Hkv, D] and vc
     [>= start+T, Hkv, Dv] hold every position up to and including the queries'; out
     [T, Hq*Dv]. Query head h reads kv head h // (Hq / Hkv). The query at position p sees keys
-    lo..p, lo = max(0, p - window + 1) when window > 0 (transformers: q - k < window)."""
+    lo..p, lo = max(0, p - window + 1) when window > 0 (transformers: q - k < window).
+
+    The usual head sizes (64, 128) get `_attend_head` compiled for that size: its loops with
+    a known trip count ran 2-3x faster than the same loops over a size known only at run time."""
     t_n = q.shape[0]
     n_kv, d, dv = kc.shape[1], kc.shape[2], vc.shape[2]
     n_q = q.shape[1] // d
@@ -250,23 +338,13 @@ def attend_cache(q, kc, vc, start, scaling, window, out):
         lo = max(0, pos - window + 1) if window > 0 else 0
         qt, ot = q[t], out[t]
         for h in range(n_q):
-            kv = h // group
-            best = np.float32(-np.inf)
-            for s in range(lo, pos + 1):
-                sc = _dot(qt, h * d, kc[s, kv], d) * scale
-                scores[s] = sc
-                if sc > best:
-                    best = sc
-            total = 0.0
-            for s in range(lo, pos + 1):
-                e = np.exp(scores[s] - best)
-                scores[s] = e
-                total += e
-            o0 = h * dv
-            for j in range(dv):
-                ot[o0 + j] = np.float32(0.0)
-            for s in range(lo, pos + 1):
-                _add_scaled(ot, o0, np.float32(scores[s] / total), vc[s, kv], dv)
+            a0, kv, o0 = h * d, h // group, h * dv
+            if d == 64 and dv == 64:
+                _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, scores, ot, o0, 64, 64)
+            elif d == 128 and dv == 128:
+                _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, scores, ot, o0, 128, 128)
+            else:
+                _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, scores, ot, o0, d, dv)
 
 
 @njit(cache=True, nogil=True)
