@@ -114,7 +114,7 @@ def test_node_on_all_interfaces_is_discovered_at_a_real_address(cluster_model):
     finally:
         node.stop()
     # Unregistered on stop: a fresh browse no longer sees it.
-    assert "all-interfaces" not in {n.name for n in browse(None, 1.0)}
+    assert "all-interfaces" not in {n.name for n in browse(None, BROWSE_S)}
 
 
 def test_node_started_later_joins_a_running_generation(converted, tmp_path):

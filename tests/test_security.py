@@ -247,9 +247,12 @@ def test_forged_and_expired_announcements_are_ignored_by_discovery(tmp_path, cap
                 0.0,
                 what="the good announcement",
             )
-            browse(model_id, 1.0)  # a second browse: still one warning per record
+            browse(model_id, 1.5)  # a second browse: still one warning per record
         assert found[0].node_id == good.id
-        names = {n.name for n in browse(model_id, 1.0)}
+        # (1.5 s: a browser's first answers can come with its second query, 1 s in)
+        names = wait_until(
+            lambda: {n.name for n in browse(model_id, 1.5)}, 10, 0.0, what="a browse's answer"
+        )
         assert names == {f"good-{tag}"}
         for kind, why in (("forged", "forged"), ("expired", "expired"), ("unsigned", "unsigned")):
             warnings = [
