@@ -9,7 +9,6 @@ the parser and maps errors to exit codes."""
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import textwrap
 
@@ -19,6 +18,7 @@ from coordinator.commands import (
     EXIT_OK,
     EXIT_TERMINATED,
     audit,
+    configure_process,
     generate,
     ledger,
     models,
@@ -117,18 +117,6 @@ def add_threads(p: argparse.ArgumentParser) -> None:
         )
 
 
-def _apply_threads(args) -> None:
-    threads = getattr(args, "threads", None)
-    if threads is None:
-        return
-    from moe.kernels import quant
-
-    try:
-        quant.set_threads(threads)
-    except ValueError as exc:
-        raise MoeshardError(f"--threads: {exc}") from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="moeshard", description="Run mixture-of-experts models larger than RAM.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -168,17 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    from moe.kernels.blas import limit_blas_threads
-
-    limit_blas_threads(
-        1
-    )  # see moe/kernels/blas.py: small products stall on busy BLAS helper threads
     try:
-        _apply_threads(args)
+        configure_process(args)
         return args.func(args)
     except MoeshardError as exc:
         print(f"moeshard: error: {exc}", file=sys.stderr)

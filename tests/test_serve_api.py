@@ -104,6 +104,17 @@ def test_completions_match_generate_streamed_or_not(client, demo):
     assert "".join(chunks) == want and len(chunks) > 3
 
 
+def test_the_engine_in_the_servers_own_process_answers_the_same(demo):
+    """`serve --engine-in-process` (no engine child process): the same greedy text."""
+    want = local_text(demo, 16)
+    with serving(demo, "--engine-in-process") as base:
+        plain = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        got = plain.completions.create(model="demo", prompt=PROMPT, max_tokens=16, temperature=0)
+        assert got.choices[0].text == want
+        with urllib.request.urlopen(base + "/health", timeout=10) as r:
+            assert json.loads(r.read())["engine"]["finished"] == {"length": 1}
+
+
 def test_chat_streamed_and_not(client):
     messages = [{"role": "user", "content": "What does a function return?"}]
     got = client.chat.completions.create(

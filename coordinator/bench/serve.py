@@ -77,6 +77,11 @@ def add_arguments(p) -> None:
         help="the server's --prefill-chunk (prompt tokens a step feeds at most; 0: whole prompts)",
     )
     p.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="the server's --engine-in-process: its engine in the server's own process",
+    )
+    p.add_argument(
         "--engine-only",
         action="store_true",
         help="no HTTP: the clients submit to the batching engine in this process (what the "
@@ -205,6 +210,7 @@ def run(args) -> int:
         if value:
             cmd += [flag, value]
     cmd += ["--discover"] * args.discover + ["--insecure"] * args.insecure
+    cmd += ["--engine-in-process"] * args.engine_in_process
     # the server in its own process, as a user runs it: its engine and event loop do not
     # share an interpreter lock with the load generator's client threads
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -313,14 +319,34 @@ def _health(base: str) -> dict:
 
 
 def _cpu_seconds(server_pid: int) -> tuple[float, float]:
-    """CPU seconds (user + system) used so far by the server process and by this one (the
-    load generator): the machine's cores are shared by both, so each one's cost per token
-    says where a level's time goes."""
-    with open(f"/proc/{server_pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    server = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    """CPU seconds (user + system) used so far by the server (its process and its engine's
+    child process) and by this one (the load generator): the machine's cores are shared by
+    them all, so each one's cost per token says where a level's time goes."""
+    server = sum(_process_cpu(pid) for pid in [server_pid, *_children(server_pid)])
     own = resource.getrusage(resource.RUSAGE_SELF)
     return server, own.ru_utime + own.ru_stime
+
+
+def _process_cpu(pid: int) -> float:
+    """A running process's user + system CPU seconds (0 if it has gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def _children(pid: int) -> list[int]:
+    """The process's children (Linux: /proc/PID/task/*/children)."""
+    out: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return out
 
 
 def _cpu_cost(cpu0, cpu1, health0: dict, health1: dict, row: dict) -> dict:

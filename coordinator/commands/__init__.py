@@ -11,3 +11,25 @@ terminated (SIGTERM; `generate` prints the tokens so far in both cases).
 
 EXIT_OK, EXIT_INTERNAL, EXIT_BAD_INPUT, EXIT_UNCOVERED = 0, 1, 2, 3
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
+
+
+def configure_process(args) -> None:
+    """What a moeshard process sets up before its command runs (also the engine process
+    `serve` starts): logging, BLAS's helper threads, the kernels' threads (--threads)."""
+    import logging
+
+    from moe.errors import MoeshardError
+    from moe.kernels import quant
+    from moe.kernels.blas import limit_blas_threads
+
+    logging.basicConfig(
+        level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    limit_blas_threads(1)  # see moe/kernels/blas.py: small products stall on busy BLAS helpers
+    threads = getattr(args, "threads", None)
+    if threads is not None:
+        try:
+            quant.set_threads(threads)
+        except ValueError as exc:
+            raise MoeshardError(f"--threads: {exc}") from None

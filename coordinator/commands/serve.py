@@ -40,8 +40,42 @@ def add_serve(sub) -> None:
         action="store_true",
         help="ignore end-of-sequence tokens: every request makes max_tokens (benchmarks)",
     )
+    p.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="run the batching engine in the server's own process (by default it runs in a "
+        "child process, so the HTTP event loop and the engine never wait for one "
+        "interpreter lock)",
+    )
     add_peer_options(p, required=False)
     p.set_defaults(func=cmd_serve)
+
+
+def open_runtime(args):
+    """The runtime `serve` puts behind its engine (in the engine's process: a child one
+    unless --engine-in-process)."""
+    from coordinator.runtime import open_serving_runtime
+    from moe.model.model_dir import ModelDir
+    from moe.units import parse_size
+
+    remote = None
+    if args.peers or args.discover:
+        from coordinator.commands.network import client_config
+
+        remote = client_config(args)
+    return open_serving_runtime(
+        ModelDir(args.model), args.ram and parse_size(args.ram), args.context * args.max_batch,
+        args.peers, args.discover, args.discover_timeout, remote,
+    )  # fmt: skip
+
+
+def open_runtime_in_child(args):
+    """`open_runtime` in the engine's child process, set up first as the CLI sets up its
+    own (logging, --threads)."""
+    from coordinator.commands import configure_process
+
+    configure_process(args)
+    return open_runtime(args)
 
 
 def cmd_serve(args) -> int:
@@ -49,11 +83,11 @@ def cmd_serve(args) -> int:
         import uvicorn
     except ImportError:
         raise MoeshardError("serve needs uvicorn and starlette (pip install moeshard)") from None
-    from coordinator.runtime import open_serving_runtime
+    from coordinator.runtime import load_tokenizer
     from coordinator.serve.app import ServerState, create_app
     from coordinator.serve.engine import Engine
+    from coordinator.serve.engine_process import EngineProcess
     from moe.model.model_dir import ModelDir
-    from moe.units import parse_size
 
     if args.max_batch < 1 or args.max_queue < 0 or args.context < 2 or args.prefill_chunk < 0:
         raise MoeshardError(
@@ -62,26 +96,26 @@ def cmd_serve(args) -> int:
     if args.ram and (args.peers or args.discover):
         raise MoeshardError("--ram streams experts from this machine's SSD; not with nodes")
     model = ModelDir(args.model)
-    remote = None
-    if args.peers or args.discover:
-        from coordinator.commands.network import client_config
-
-        remote = client_config(args)
-    rt = open_serving_runtime(
-        model, args.ram and parse_size(args.ram), args.context * args.max_batch,
-        args.peers, args.discover, args.discover_timeout, remote,
-    )  # fmt: skip
-    engine = Engine(rt.transformer, args.max_batch, args.max_queue, args.prefill_chunk)
+    engine_kwargs = {"max_batch": args.max_batch, "max_queue": args.max_queue}
+    engine_kwargs["prefill_chunk"] = args.prefill_chunk
+    if args.engine_in_process:
+        rt = open_runtime(args)
+        engine = Engine(rt.transformer, **engine_kwargs)
+        tokenizer, eos, experts, close = rt.tokenizer, rt.eos_ids, rt.experts, rt.experts.close
+    else:
+        engine = EngineProcess(open_runtime_in_child, _child_args(args), engine_kwargs)
+        tokenizer, eos, experts = load_tokenizer(model), engine.info["eos_ids"], engine.experts
+        close = _nothing
     state = ServerState(
         engine=engine,
-        tokenizer=rt.tokenizer,
+        tokenizer=tokenizer,
         model_name=args.name or model.path.name,
         model_dir=model.path,
         model_type=model.config.model_type,
         context=args.context,
-        eos_ids=() if args.no_eos else tuple(rt.eos_ids),
+        eos_ids=() if args.no_eos else tuple(eos),
         api_key=args.api_key,
-        experts=rt.experts,
+        experts=experts,
     )
     print(
         f"serving {state.model_name} on http://{args.host}:{args.port} (OpenAI API at /v1; "
@@ -93,5 +127,17 @@ def cmd_serve(args) -> int:
         uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="warning")
     finally:
         engine.close()
-        rt.experts.close()
+        close()
     return EXIT_OK
+
+
+def _child_args(args):
+    """The options the engine's process needs, without `func` and the like."""
+    import argparse
+
+    keep = {k: v for k, v in vars(args).items() if not callable(v)}
+    return argparse.Namespace(**keep)
+
+
+def _nothing() -> None:
+    pass

@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -136,6 +136,9 @@ class Engine:
             else (lambda batch: [model.forward(ids, cache)[-1:] for ids, cache in batch])
         )
         self.stats = EngineStats()
+        # called on the scheduler thread after every step (`EngineProcess` sends the step's
+        # events to the server process in one message)
+        self.after_step: Callable[[], None] | None = None
         self._waiting: deque[Request] = deque()
         self._running: list[_Running] = []
         self._lock = threading.Condition()
@@ -186,6 +189,11 @@ class Engine:
     def running(self) -> int:
         return len(self._running)
 
+    def stats_snapshot(self) -> EngineStats:
+        """The counters as they are now, to hand to another thread or process (the
+        histograms copy themselves under their own locks when pickled)."""
+        return replace(self.stats, finished_by=dict(self.stats.finished_by))
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -209,6 +217,8 @@ class Engine:
                 for r in self._running:
                     self._end(r.request, "error", str(exc) or type(exc).__name__)
                 self._running.clear()
+            if self.after_step is not None:
+                self.after_step()
         for r in self._running:
             self._end(r.request, "cancelled")
         for request in self._waiting:

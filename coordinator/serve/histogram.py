@@ -34,6 +34,15 @@ class Histogram:
             self._counts[i] += 1
             self._sum += seconds
 
+    def __getstate__(self) -> dict:
+        """Pickled (for the server process, `engine_process`): the counts, not the lock."""
+        with self._lock:
+            return {"bounds": self.bounds, "_counts": list(self._counts), "_sum": self._sum}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def snapshot(self) -> tuple[list[int], float, int]:
         """(cumulative counts per bound then +Inf, sum, count), taken together."""
         with self._lock:
