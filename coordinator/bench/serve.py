@@ -318,13 +318,14 @@ def _health(base: str) -> dict:
         return json.loads(r.read())
 
 
-def _cpu_seconds(server_pid: int) -> tuple[float, float]:
-    """CPU seconds (user + system) used so far by the server (its process and its engine's
-    child process) and by this one (the load generator): the machine's cores are shared by
-    them all, so each one's cost per token says where a level's time goes."""
-    server = sum(_process_cpu(pid) for pid in [server_pid, *_children(server_pid)])
+def _cpu_seconds(server_pid: int) -> tuple[float, float, float]:
+    """CPU seconds (user + system) used so far by the server's own process (HTTP, and the
+    engine too with --engine-in-process), by its engine's child process, and by this one
+    (the load generator): the machine's cores are shared by them all, so each one's cost per
+    token says where a level's time goes."""
+    engine = sum(_process_cpu(pid) for pid in _children(server_pid))
     own = resource.getrusage(resource.RUSAGE_SELF)
-    return server, own.ru_utime + own.ru_stime
+    return _process_cpu(server_pid), engine, own.ru_utime + own.ru_stime
 
 
 def _process_cpu(pid: int) -> float:
@@ -350,14 +351,18 @@ def _children(pid: int) -> list[int]:
 
 
 def _cpu_cost(cpu0, cpu1, health0: dict, health1: dict, row: dict) -> dict:
-    """Per generated token: the server's and the load generator's CPU time; per step: the
-    engine's mean batch and busy time (its forward passes and sampling)."""
+    """Per generated token: the CPU time of the server (its HTTP process and its engine's
+    process) and of the load generator; per step: the engine's mean batch and busy time (its
+    forward passes and sampling)."""
     tokens = max(row["tokens"], 1)
     e0, e1 = health0["engine"], health1["engine"]
     steps = max(e1["steps"] - e0["steps"], 1)
+    http, engine, client = ((b - a) / tokens * 1e6 for a, b in zip(cpu0, cpu1, strict=True))
     return {
-        "server_cpu_us_per_token": (cpu1[0] - cpu0[0]) / tokens * 1e6,
-        "client_cpu_us_per_token": (cpu1[1] - cpu0[1]) / tokens * 1e6,
+        "server_cpu_us_per_token": http + engine,
+        "http_cpu_us_per_token": http,
+        "engine_cpu_us_per_token": engine,
+        "client_cpu_us_per_token": client,
         "mean_batch": (e1["batch_rows"] - e0["batch_rows"]) / steps,
         "step_ms": (e1["busy_s"] - e0["busy_s"]) / steps * 1e3,
     }
@@ -389,10 +394,13 @@ def _print_row(row: dict, base: dict, engine_only: bool = False) -> None:
     if engine_only:  # one process: engine and clients
         line += f"{row['client_cpu_us_per_token']:5.0f} us"
     else:
-        line += (
-            f"server {row['server_cpu_us_per_token']:5.0f} us, load generator "
-            f"{row['client_cpu_us_per_token']:5.0f} us"
-        )
+        line += f"server {row['server_cpu_us_per_token']:5.0f} us"
+        if row["engine_cpu_us_per_token"]:  # (0: the engine ran in the server's process)
+            line += (
+                f" (HTTP {row['http_cpu_us_per_token']:4.0f}, engine "
+                f"{row['engine_cpu_us_per_token']:4.0f})"
+            )
+        line += f", load generator {row['client_cpu_us_per_token']:5.0f} us"
     if "expert_bytes_per_token" in row:
         share = row["expert_bytes_per_token"] / max(base["expert_bytes_per_token"], 1e-9)
         line += f", experts read {row['expert_bytes_per_token'] / 1e6:.2f} MB/token ({share:.2f}x)"
