@@ -10,6 +10,7 @@ from helpers import ROOT
 
 from coordinator.runtime import open_local
 from moe.convert.converter import convert
+from moe.kernels import quant
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,12 @@ def alone(model, steps):
     return [model.forward(np.array(ids), cache) for ids in steps]
 
 
-def test_a_sequence_in_a_batch_gets_its_alone_bits(demo):
+@pytest.mark.parametrize("attention", ["split", "one-thread"])
+def test_a_sequence_in_a_batch_gets_its_alone_bits(demo, attention, monkeypatch):
+    """(attention: the sequences' attention split among the threads however little work it
+    is, or on the calling thread, as batches this small are by default)"""
+    if attention == "split":
+        monkeypatch.setattr(quant, "PARALLEL_MIN_WORK", 0)
     prompts = [[1, 5, 9, 2, 7], [42], [100, 200, 300], [7, 7, 7, 7, 7, 7, 7, 7]]
     follow = [[11], [12], [13], [14]]
     want = [alone(demo, [p, f, f]) for p, f in zip(prompts, follow, strict=True)]

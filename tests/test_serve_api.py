@@ -418,9 +418,9 @@ def test_bench_serve_runs(demo, engine_only):
     cpu = lines[0].split("CPU per token:")[1]
     # "server N us (HTTP A, engine B), load generator M us", or (engine only) "N us"
     figures = [float(f) for f in re.findall(r"(?:server|HTTP|engine|generator|^) *([0-9]+)", cpu)]
-    assert len(figures) == (1 if engine_only else 4) and min(figures) > 0, cpu
-    if not engine_only:  # the server's figure is its two processes' (rounded apart)
-        server, http_side, engine, _ = figures
+    assert len(figures) == (1 if engine_only else 4) and figures[0] > 0 < figures[-1], cpu
+    if not engine_only:  # the server's figure is its two processes' (rounded apart); each
+        server, http_side, engine, _ = figures  # counts in clock ticks, so one may be 0 here
         assert abs(server - http_side - engine) <= 1, cpu
 
 

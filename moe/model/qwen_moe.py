@@ -318,8 +318,11 @@ class Transformer:
         else:
             kcs, vcs = self._cache_lists(i, caches)
             starts = np.array([c.length for c in caches], dtype=np.int64)  # [B]
+            rows = np.diff(bounds)  # [B]
+            # each new row's query heads against its sequence's keys and values so far
+            work = int(rows @ (starts + rows)) * q.shape[1] * 2
             quant.run_parallel(
-                gqa_attention_many, len(caches),
+                gqa_attention_many, len(caches), work,
                 q, k, v, *args, cos, sin, kcs, vcs, starts, bounds, self.scaling, self._window,
                 out,
             )  # fmt: skip
