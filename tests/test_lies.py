@@ -140,3 +140,19 @@ def test_a_liar_caught_while_banned_is_still_named(caplog):
     named = [r.getMessage() for r in caplog.records if "disqualified" in r.getMessage()]
     assert len(named) == 1 and peer.label in named[0] and "down" in named[0], named
     assert peer.disqualified and peer.node_id in peers.disqualified
+
+
+def test_the_audit_line_adds_up_to_the_calls_picked(capsys):
+    """`generate`'s audit summary names the picked calls that were neither passed nor
+    mismatched (an auditor that did not answer, no other holder), so its figures add up."""
+    from coordinator.commands.generate import _report_remote
+
+    audit = {"audits": 228, "passed": 226, "mismatches": 0, "unresolved": 0, "convicted": []}
+    summary = {"nodes": [], "retries": 0, "bytes_sent": 0, "bytes_received": 0,
+               "accounts": None, "dropped_per_layer": {}}  # fmt: skip
+    _report_remote(summary | {"audit": audit | {"inconclusive": 1, "unauditable": 1}}, 10)
+    err = capsys.readouterr().err
+    assert "[audits: 228 calls re-run, 226 passed, 0 mismatched, 0 unresolved, 1 inconc" in err
+    assert ", 1 unauditable (no other holder)]" in err
+    _report_remote(summary | {"audit": audit | {"passed": 228, "inconclusive": 0}}, 10)
+    assert "228 passed, 0 mismatched, 0 unresolved]" in capsys.readouterr().err

@@ -357,9 +357,20 @@ def _report_remote(summary: dict, tokens: int) -> None:
     audit = summary["audit"]
     if audit["audits"] or audit["convicted"]:
         caught = f"; caught lying: {', '.join(audit['convicted'])}" if audit["convicted"] else ""
+        # the picked calls nobody else could re-run, or whose auditor did not answer (a node
+        # that stopped): counted apart, so that the figures add up to the calls picked
+        unsettled = "".join(
+            f", {audit[key]} {what}"
+            for key, what in (
+                ("inconclusive", "inconclusive (the auditor did not answer)"),
+                ("unauditable", "unauditable (no other holder)"),
+            )
+            if audit.get(key)
+        )
         print(
             f"[audits: {audit['audits']} calls re-run, {audit['passed']} passed, "
-            f"{audit['mismatches']} mismatched, {audit['unresolved']} unresolved{caught}]",
+            f"{audit['mismatches']} mismatched, {audit['unresolved']} unresolved{unsettled}"
+            f"{caught}]",
             file=sys.stderr,
         )
     per_layer = summary["dropped_per_layer"]
