@@ -223,7 +223,8 @@ def run(args) -> int:
             before, cpu = _health(base), _cpu_seconds(server.pid)
             row = _level(base, clients, requests, args, ids)
             after = _health(base)
-            row |= _cpu_cost(cpu, _cpu_seconds(server.pid), before, after, row)
+            cpu1 = _cpu_seconds(server.pid)
+            row |= _cpu_cost(cpu, cpu1, before, after, row, engine_apart=not args.engine_in_process)
             row |= _expert_cost(before["experts"], after["experts"], row["tokens"])
             rows.append(row)
             _print_row(row, rows[0])
@@ -350,18 +351,18 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _cpu_cost(cpu0, cpu1, health0: dict, health1: dict, row: dict) -> dict:
-    """Per generated token: the CPU time of the server (its HTTP process and its engine's
-    process) and of the load generator; per step: the engine's mean batch and busy time (its
-    forward passes and sampling)."""
+def _cpu_cost(cpu0, cpu1, health0: dict, health1: dict, row: dict, engine_apart=False) -> dict:
+    """Per generated token: the CPU time of the server and of the load generator, and
+    (engine_apart: the engine ran in a child process) of the server's HTTP process and
+    engine process each; per step: the engine's mean batch and busy time (its forward passes
+    and sampling)."""
     tokens = max(row["tokens"], 1)
     e0, e1 = health0["engine"], health1["engine"]
     steps = max(e1["steps"] - e0["steps"], 1)
     http, engine, client = ((b - a) / tokens * 1e6 for a, b in zip(cpu0, cpu1, strict=True))
-    return {
+    split = {"http_cpu_us_per_token": http, "engine_cpu_us_per_token": engine}
+    return (split if engine_apart else {}) | {
         "server_cpu_us_per_token": http + engine,
-        "http_cpu_us_per_token": http,
-        "engine_cpu_us_per_token": engine,
         "client_cpu_us_per_token": client,
         "mean_batch": (e1["batch_rows"] - e0["batch_rows"]) / steps,
         "step_ms": (e1["busy_s"] - e0["busy_s"]) / steps * 1e3,
@@ -395,7 +396,7 @@ def _print_row(row: dict, base: dict, engine_only: bool = False) -> None:
         line += f"{row['client_cpu_us_per_token']:5.0f} us"
     else:
         line += f"server {row['server_cpu_us_per_token']:5.0f} us"
-        if row["engine_cpu_us_per_token"]:  # (0: the engine ran in the server's process)
+        if "engine_cpu_us_per_token" in row:  # (not with --engine-in-process)
             line += (
                 f" (HTTP {row['http_cpu_us_per_token']:4.0f}, engine "
                 f"{row['engine_cpu_us_per_token']:4.0f})"
