@@ -267,6 +267,7 @@ class ExpertNodeServicer:
             experts,
             int(live.sum()),
             len(experts) * self.record_nbytes,
+            ARITHMETIC,
         )
         reply.receipt.CopyFrom(receipt)
         if self.ledger is not None:

@@ -28,6 +28,7 @@ from moe.identity.receipts import (
     receipt_mismatch,
 )
 from moe.identity.tls import client_tls
+from moe.kernels.build import ARITHMETIC
 from moe.ledger import (
     LedgerError,
     LedgerWriter,
@@ -45,6 +46,7 @@ from moe.wire import moeshard_pb2_grpc as pb_grpc
 
 MODEL = "ab" * 32  # a model id
 RECORD = 3 << 12  # bytes of one expert record (made up)
+ARITH = ARITHMETIC  # the arithmetic the receipts name
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +77,7 @@ def receipt_for(key, request, out) -> pb.Receipt:
     ids = codec.decode(request.ids, "ids", (codec.I32,))
     experts = np.unique(ids[ids >= 0])
     rows = int((ids >= 0).any(axis=1).sum())
-    return make_receipt(key, MODEL, request, out, experts, rows, len(experts) * RECORD)
+    return make_receipt(key, MODEL, request, out, experts, rows, len(experts) * RECORD, ARITH)
 
 
 # -- receipts and settlements -----------------------------------------------------------------
@@ -105,6 +107,7 @@ def test_a_receipt_checks_and_any_change_to_it_does_not(keys):
         ("input_sha256", bytes(32)),
         ("output_sha256", bytes(32)),
         ("model_id", "cd" * 32),
+        ("arithmetic", ARITH + 1),
     ]:
         forged = pb.Receipt()
         forged.CopyFrom(receipt)
@@ -122,13 +125,25 @@ def test_a_receipt_checks_and_any_change_to_it_does_not(keys):
     altered.CopyFrom(request)
     altered.hidden.data = bytes(len(request.hidden.data))
     assert "input hash" in receipt_mismatch(receipt, altered, out)
+    # the same data read another way is another request: rows, a dtype, the reply's dtype
+    for change in (
+        lambda r: r.hidden.shape.__setitem__(0, r.hidden.shape[0] * 2),
+        lambda r: setattr(r.hidden, "dtype", codec.BF16),
+        lambda r: setattr(r, "out_dtype", codec.BF16),
+        lambda r: setattr(r, "model_id", "cd" * 32),
+    ):
+        altered = pb.ForwardRequest()
+        altered.CopyFrom(request)
+        change(altered)
+        assert "input hash" in receipt_mismatch(receipt, altered, out)
+    assert "arithmetic" in receipt_mismatch(receipt, request, out, arithmetic=ARITH + 1)
     assert "expert bytes" in receipt_mismatch(receipt, request, out, RECORD * 2)
     inflated = receipt_for(node, *forward(session, rows=2))
     request2, out2 = forward(session, rows=2)
     assert receipt_mismatch(inflated, request2, out2) == ""
-    bad = make_receipt(node, MODEL, request2, out2, [2, 5, 7, 9], 2, 4 * RECORD)
+    bad = make_receipt(node, MODEL, request2, out2, [2, 5, 7, 9], 2, 4 * RECORD, ARITH)
     assert "claims experts" in receipt_mismatch(bad, request2, out2)
-    bad = make_receipt(node, MODEL, request2, out2, [2, 5, 7], 5, 3 * RECORD)
+    bad = make_receipt(node, MODEL, request2, out2, [2, 5, 7], 5, 3 * RECORD, ARITH)
     assert "claims 5 rows" in receipt_mismatch(bad, request2, out2)
 
 

@@ -32,6 +32,7 @@ from moe.wire import moeshard_pb2 as pb
 
 RECEIPT_PREFIX = b"moeshard-receipt-v1"
 SETTLEMENT_PREFIX = b"moeshard-settlement-v1"
+INPUT_PREFIX = b"moeshard-input-v2"  # v1 hashed only the tensors' data
 SESSION_BYTES = 16  # a coordinator's session id: random bytes
 MAX_RECEIPT_BYTES = 16 << 10  # larger ones are refused unread (unknown fields, garbage)
 MAX_SETTLEMENT_BYTES = 1 << 10
@@ -39,12 +40,23 @@ CHAIN_START = bytes(32)  # receipts_sha256 of a session with no receipts yet
 
 
 def input_sha256(request: pb.ForwardRequest) -> bytes:
-    """sha256 over the request's hidden, ids and weights data, in that order, each preceded
-    by its length as an 8-byte big-endian integer (so no two splits of the bytes collide)."""
-    h = hashlib.sha256()
-    for data in (request.hidden.data, request.ids.data, request.weights.data):
+    """sha256 over everything a reply depends on: the model id, the layer, the reply's dtype
+    and the hidden, ids and weights tensors (each its dtype, its shape and its data). Every
+    field is preceded by its length as an 8-byte big-endian integer, so no two requests share
+    the bytes hashed: a signed receipt then names exactly one computation, and a fraud proof
+    (`moe.identity.fraud`) cannot be made of the node's signature over another request with
+    the same data read another way (other rows, another dtype, another reply dtype)."""
+    h = hashlib.sha256(INPUT_PREFIX)
+
+    def field(data: bytes) -> None:
         h.update(struct.pack(">Q", len(data)))
         h.update(data)
+
+    field(request.model_id.encode())
+    field(struct.pack(">II", request.layer, request.out_dtype or request.hidden.dtype))
+    for tensor in (request.hidden, request.ids, request.weights):
+        field(struct.pack(f">I{len(tensor.shape)}q", tensor.dtype, *tensor.shape))
+        field(tensor.data)
     return h.digest()
 
 
@@ -73,8 +85,10 @@ def make_receipt(
     experts,
     rows: int,
     expert_bytes: int,
+    arithmetic: int,
 ) -> pb.Receipt:
-    """The node's signed receipt for `request`, whose reply carries `out_data` (out.data)."""
+    """The node's signed receipt for `request`, whose reply carries `out_data` (out.data),
+    computed with the kernels' `arithmetic` (`moe.kernels.build.ARITHMETIC`)."""
     receipt = pb.Receipt(
         session=request.session,
         request_id=request.request_id,
@@ -86,6 +100,7 @@ def make_receipt(
         output_sha256=hashlib.sha256(out_data).digest(),
         node_id=identity.id,
         model_id=model_id,
+        arithmetic=int(arithmetic),
     )  # signature empty: serialized as it is, this is what the signature covers
     receipt.signature = identity.sign(
         RECEIPT_PREFIX + receipt.SerializeToString(deterministic=True)
@@ -118,11 +133,16 @@ def check_receipt(
 
 
 def receipt_mismatch(
-    receipt: pb.Receipt, request: pb.ForwardRequest, out_data: bytes, record_nbytes: int = 0
+    receipt: pb.Receipt,
+    request: pb.ForwardRequest,
+    out_data: bytes,
+    record_nbytes: int = 0,
+    arithmetic: int | None = None,
 ) -> str:
     """'' if a (signature-checked) receipt describes this request and this reply's data, else
     the first field that does not: what the caller sent is the truth here. `record_nbytes` >
-    0 also checks expert_bytes (distinct experts x record size)."""
+    0 also checks expert_bytes (distinct experts x record size); `arithmetic` the arithmetic
+    the receipt must name (the one the node was admitted with)."""
     if receipt.session != request.session:
         return "receipt for another session"
     if receipt.request_id != request.request_id or receipt.layer != request.layer:
@@ -145,6 +165,8 @@ def receipt_mismatch(
         return f"receipt claims {receipt.rows} rows, the request has {rows} routed rows"
     if record_nbytes and receipt.expert_bytes != len(experts) * record_nbytes:
         return f"receipt claims {receipt.expert_bytes} expert bytes, not {len(experts)} records"
+    if arithmetic is not None and receipt.arithmetic != arithmetic:
+        return f"receipt names arithmetic {receipt.arithmetic}, not the admitted {arithmetic}"
     return ""
 
 

@@ -64,6 +64,11 @@ class ExpertNodeStub:
                 request_serializer=moeshard__pb2.ChallengeRequest.SerializeToString,
                 response_deserializer=moeshard__pb2.ChallengeReply.FromString,
                 _registered_method=True)
+        self.Record = channel.unary_stream(
+                '/moeshard.v1.ExpertNode/Record',
+                request_serializer=moeshard__pb2.RecordRequest.SerializeToString,
+                response_deserializer=moeshard__pb2.RecordChunk.FromString,
+                _registered_method=True)
 
 
 class ExpertNodeServicer:
@@ -107,6 +112,14 @@ class ExpertNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Record(self, request, context):
+        """The record's bytes in chunks; NOT_FOUND if the node does not hold it, DATA_LOSS if it
+        failed its checksum (then marked bad, as for Forward).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ExpertNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -139,6 +152,11 @@ def add_ExpertNodeServicer_to_server(servicer, server):
                     servicer.Challenge,
                     request_deserializer=moeshard__pb2.ChallengeRequest.FromString,
                     response_serializer=moeshard__pb2.ChallengeReply.SerializeToString,
+            ),
+            'Record': grpc.unary_stream_rpc_method_handler(
+                    servicer.Record,
+                    request_deserializer=moeshard__pb2.RecordRequest.FromString,
+                    response_serializer=moeshard__pb2.RecordChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -303,6 +321,33 @@ class ExpertNode:
             '/moeshard.v1.ExpertNode/Challenge',
             moeshard__pb2.ChallengeRequest.SerializeToString,
             moeshard__pb2.ChallengeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Record(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/moeshard.v1.ExpertNode/Record',
+            moeshard__pb2.RecordRequest.SerializeToString,
+            moeshard__pb2.RecordChunk.FromString,
             options,
             channel_credentials,
             insecure,
