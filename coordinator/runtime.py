@@ -210,28 +210,21 @@ def open_remote(
     discover_timeout: float = 2.0,
     remote_config=None,
 ) -> Runtime:
-    """Trunk in RAM from `path`; routed experts computed by nodes (a peer list or zeroconf)."""
-    from coordinator.remote.audit import LocalReferee
+    """Trunk in RAM from `path`; routed experts computed by nodes (a peer list or zeroconf),
+    judged by a `Trust` built from the model directory (its roots; its records, if any)."""
     from coordinator.remote.config import RemoteConfig
     from coordinator.remote.discovery import Watcher, resolve_peers
     from coordinator.remote.experts import RemoteExperts
 
     started = time.perf_counter()
-    warmup_s = quant.warmup()  # the trunk's kernels run here
+    warmup_s = quant.warmup()  # the trunk's kernels (and the audits') run here
     model = _model_dir(path)
     model.require_trunk()
     insecure = remote_config is not None and remote_config.identity is None
     specs = resolve_peers(model.model_id, peers, discover, discover_timeout, insecure)
     if remote_config is None:
         remote_config = RemoteConfig()
-    if remote_config.referee is None:  # this directory's own experts judge disputed audits
-        remote_config.referee = LocalReferee.of(model)
-    if remote_config.roots is None:  # what possession challenges are checked against
-        try:
-            remote_config.roots = model.possession_roots()
-        except StoreError as exc:
-            log.warning("no possession challenges: %s", exc)
-    experts = RemoteExperts(model.model_id, model.config.expert_hidden, specs, remote_config)
+    experts = RemoteExperts.for_model(model, specs, remote_config)
     watcher = None
     if discover and not peers:  # keep browsing: nodes that start later join the generation
         watcher = Watcher(model.model_id, lambda node: experts.add_peer(node.spec))

@@ -6,6 +6,7 @@ once at start. A Forward reply is altered with probability RATE (default 1):
   scale:F       every value times F
   noise:S       Gaussian noise of standard deviation S added
   nan           every value NaN
+  ulp           one value, picked at random, moved by one unit in its last place
   wrong_expert  the rows computed with another expert this node holds
   duplicate     the reply sent twice on a stream
   forged_block  (possession challenges, not Forward) one byte of each block proof flipped
@@ -27,7 +28,9 @@ from moe.errors import MoeshardError
 
 log = logging.getLogger(__name__)
 
-MODES = ("zero", "scale", "noise", "nan", "wrong_expert", "duplicate", "forged_block", "crash")
+MODES = (
+    "zero", "scale", "noise", "nan", "ulp", "wrong_expert", "duplicate", "forged_block", "crash",
+)  # fmt: skip
 ENV = "MOESHARD_FAILPOINTS"
 
 
@@ -51,7 +54,17 @@ class Lie:
             return out + self.arg * noise  # [T, H]
         if self.mode == "nan":
             return np.full_like(out, np.nan)
+        if self.mode == "ulp" and out.size:
+            lied = out.copy()  # [T, H]
+            flat = lied.reshape(-1)
+            i = rng.randrange(flat.size)
+            flat[i] = np.nextafter(flat[i], np.inf)
+            return lied
         return out
+
+    def name(self) -> str:
+        """As a failpoint spec names it, without the rate: `scale:1.01`, `zero`."""
+        return f"{self.mode}:{self.arg:.10g}" if self.mode in ("scale", "noise") else self.mode
 
 
 def parse(text: str | None) -> Lie | None:

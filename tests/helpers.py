@@ -23,7 +23,6 @@ from typing import TypeVar
 
 import numpy as np
 
-from coordinator.remote.audit import LocalReferee
 from coordinator.remote.config import RemoteConfig
 from coordinator.remote.experts import RemoteExperts
 from coordinator.remote.transport import PeerSpec
@@ -260,17 +259,14 @@ def client_key() -> Identity:
     return _CLIENT[0]
 
 
-def remote_runtime(model_dir, specs, insecure: bool = False, referee: bool = False, **config):
+def remote_runtime(model_dir, specs, insecure: bool = False, trust_dir=None, **config):
     """(transformer, RemoteExperts): the model's trunk here, its experts on the nodes (mutual
     TLS as the tests' client, each node pinned by its key; plaintext with insecure=True).
-    referee=True: the model directory's own experts settle disputed audits."""
-    model = ModelDir(model_dir)
-    identity = None if insecure else client_key()
-    if referee:
-        config["referee"] = LocalReferee.of(model)
-    remote = RemoteExperts(
-        model.model_id, model.config.expert_hidden, specs, RemoteConfig(identity=identity, **config)
-    )
+    `trust_dir`: the directory the coordinator runs on instead of `model_dir` (a coordinator
+    directory, with no records, makes every audit fetch its records from the nodes)."""
+    model = ModelDir(trust_dir if trust_dir is not None else model_dir)
+    remote_config = RemoteConfig(identity=None if insecure else client_key(), **config)
+    remote = RemoteExperts.for_model(model, specs, remote_config)
     transformer = model.family.Transformer(model.config, model.load_trunk(), remote)
     return transformer, remote
 

@@ -41,7 +41,10 @@ def test_foreign_model_node_is_ignored(cluster_model, converted, cluster, caplog
         with caplog.at_level(logging.WARNING):
             foreign = PeerSpec(f"127.0.0.1:{port}", other.identity.node_id)
             remote = RemoteExperts(
-                model.model_id, 64, [foreign, cluster[0].spec], RemoteConfig(identity=CLIENT)
+                model.model_id,
+                64,
+                [foreign, cluster[0].spec],
+                RemoteConfig(identity=CLIENT, audit=0),
             )
         try:
             assert [p.addr for p in remote.peers.peers] == [cluster[0].addr]

@@ -385,7 +385,7 @@ def test_the_patrol_disqualifies_a_node_that_cannot_prove_and_keeps_honest_ones(
             opts = decode.SamplingOptions(max_tokens=TOKENS, keep_logits=True)
             result = decode.generate(transformer, PROMPT, opts, verifier=remote.verifier)
             honest = [p for p in remote.peers.peers if p is not bad]
-            patrol = remote.patrol.stats
+            patrol = remote.trust.patrol.stats
             wait_until(
                 lambda: bad.disqualified and patrol.passed >= len(honest),
                 timeout=20,

@@ -288,7 +288,9 @@ def test_a_coordinator_refused_by_every_node_says_so(tls_node, tmp_path):
     stranger = keys.generate(tmp_path / "stranger")
     spec = PeerSpec(addr, node.identity.node_id)
     with pytest.raises(RemoteError, match=f"refused this client: PERMISSION_DENIED.*{stranger.id}"):
-        RemoteExperts(node.identity.model_id, 64, [spec], RemoteConfig(identity=stranger))
+        RemoteExperts(
+            node.identity.model_id, 64, [spec], RemoteConfig(identity=stranger, audit=0.0)
+        )
 
 
 def test_a_node_computing_another_arithmetic_is_refused_not_audited(converted, monkeypatch):

@@ -90,8 +90,8 @@ def test_a_cancelled_request_frees_its_slot(demo):
 def test_a_full_queue_refuses(demo):
     gate = threading.Event()
     engine = Engine(demo, max_batch=1, max_queue=1)
-    original = engine._forward_batch
-    engine._forward_batch = lambda batch: (gate.wait(30), original(batch))[1]
+    original = engine.decoder._forward
+    engine.decoder._forward = lambda batch: (gate.wait(30), original(batch))[1]
     try:
         engine.submit(PROMPTS[0], SamplingOptions(max_tokens=2))  # admitted, held at its step
         for _ in range(100):  # until the scheduler has taken it
@@ -151,13 +151,13 @@ def test_long_prompts_are_read_in_pieces_with_the_same_tokens(demo):
     depend on where a prompt is cut)."""
     engine = Engine(demo, max_batch=4, max_queue=8, prefill_chunk=3)
     steps: list[list[int]] = []
-    original = engine._forward_batch
+    original = engine.decoder._forward
 
     def recorded(batch):
         steps.append([len(ids) for ids, _ in batch])
         return original(batch)
 
-    engine._forward_batch = recorded
+    engine.decoder._forward = recorded
     try:
         lone = engine.submit(PROMPTS[4], SamplingOptions(max_tokens=1))  # 8 tokens: 3 + 3 + 2
         assert [e.kind for e in lone.stream(timeout=60)] == ["token", "end"]

@@ -10,7 +10,7 @@ import numpy as np
 
 from coordinator.chat import chat_prompt
 from coordinator.commands import EXIT_OK
-from coordinator.commands.network import add_peer_options
+from coordinator.commands.network import add_audit_options, add_peer_options
 from coordinator.tokenizer import TOKENIZER_FILES
 from moe.errors import MoeshardError
 
@@ -83,13 +83,7 @@ def add_generate(sub) -> None:
         "--wire-dtype", choices=("f32", "bf16"), default="f32", help="activations on the wire"
     )
     p.add_argument("--deadline", type=float, default=5.0, help="seconds per node call")
-    p.add_argument(
-        "--audit",
-        type=float,
-        default=0.05,
-        metavar="P",
-        help="share of node calls re-run on another holder to catch liars (0: off)",
-    )
+    add_audit_options(p)
     p.add_argument(
         "--ledger",
         metavar="FILE",
@@ -100,13 +94,6 @@ def add_generate(sub) -> None:
         "--reputation",
         metavar="FILE",
         help="the nodes' reputations, kept across runs (default: $MOESHARD_HOME/reputation.sqlite)",
-    )
-    p.add_argument(
-        "--audit-new",
-        type=int,
-        default=100,
-        metavar="N",
-        help="a node's first N audits (this run plus its reputation's) are of every call",
     )
     add_streaming_options(p)
     p.set_defaults(func=cmd_generate)
@@ -263,7 +250,7 @@ def _open_runtime(args, model, prompt_tokens: int, context: int):
     from coordinator.runtime import open_local
 
     if args.peers or args.discover:
-        from coordinator.commands.network import client_config
+        from coordinator.commands.network import audit_settings, client_config
         from coordinator.remote.reputation import Reputation
         from coordinator.runtime import open_remote
 
@@ -273,8 +260,7 @@ def _open_runtime(args, model, prompt_tokens: int, context: int):
             deadline_s=args.deadline,
             wire_dtype=args.wire_dtype,
             degrade=args.degrade,
-            audit=args.audit,
-            audit_new=args.audit_new,
+            **audit_settings(args),
             ledger=args.ledger or "",
             reputation=reputation,
         )
@@ -355,24 +341,8 @@ def _report_remote(summary: dict, tokens: int) -> None:
             file=sys.stderr,
         )
     audit = summary["audit"]
-    if audit["audits"] or audit["convicted"]:
-        caught = f"; caught lying: {', '.join(audit['convicted'])}" if audit["convicted"] else ""
-        # the picked calls nobody else could re-run, or whose auditor did not answer (a node
-        # that stopped): counted apart, so that the figures add up to the calls picked
-        unsettled = "".join(
-            f", {audit[key]} {what}"
-            for key, what in (
-                ("inconclusive", "inconclusive (the auditor did not answer)"),
-                ("unauditable", "unauditable (no other holder)"),
-            )
-            if audit.get(key)
-        )
-        print(
-            f"[audits: {audit['audits']} calls re-run, {audit['passed']} passed, "
-            f"{audit['mismatches']} mismatched, {audit['unresolved']} unresolved{unsettled}"
-            f"{caught}]",
-            file=sys.stderr,
-        )
+    if audit is not None and (audit["picked"] or audit["convicted"]):
+        print(format_audits(audit), file=sys.stderr)
     per_layer = summary["dropped_per_layer"]
     if per_layer:
         counts = ", ".join(f"layer {layer}: {n}" for layer, n in per_layer.items())
@@ -381,6 +351,21 @@ def _report_remote(summary: dict, tokens: int) -> None:
             f"dropped ({counts}) because no live node held them]",
             file=sys.stderr,
         )
+
+
+def format_audits(audit: dict) -> str:
+    """The audit line of a run with nodes: what was recomputed, where its records came from."""
+    rec = audit["records"]
+    caught = f"; caught lying: {', '.join(audit['convicted'])}" if audit["convicted"] else ""
+    withheld = f", {audit['withheld']} withheld a record" if audit["withheld"] else ""
+    pending = f", {audit['pending']} unfinished" if audit["pending"] else ""
+    proofs = f"; fraud proofs: {', '.join(audit['proofs'])}" if audit["proofs"] else ""
+    return (
+        f"[audits: {audit['picked']} calls recomputed here, {audit['passed']} equal, "
+        f"{audit['failed']} differed{withheld}{pending}; records: {rec['local']} local, "
+        f"{rec['fetched']} fetched ({rec['fetched_bytes'] / 1e6:.1f} MB), {rec['hits']} "
+        f"cached; {audit['cpu_s'] * 1e3:.0f} ms CPU{caught}{proofs}]"
+    )
 
 
 def add_streaming_options(p) -> None:

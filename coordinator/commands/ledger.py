@@ -1,4 +1,5 @@
-"""The ledger of work: `ledger verify FILE`, `ledger summary FILE` (moe/ledger)."""
+"""The ledger of work: `ledger verify FILE`, `ledger summary FILE`, and `ledger check-fraud
+FILE MODEL` for the fraud proofs audits leave (moe/ledger)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,27 @@ def add_ledger(sub) -> None:
     s.add_argument("file", help="a ledger (.jsonl)")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.set_defaults(func=cmd_summary)
+    f = cmds.add_parser(
+        "check-fraud",
+        help="verify a fraud proof against the model alone (exit 0: proven; 2: it proves "
+        "nothing, and why)",
+    )
+    f.add_argument("file", help="a fraud proof (.fraud) written when an audit convicted a node")
+    f.add_argument(
+        "model", help="the model directory (a coordinator directory from `shard` will do)"
+    )
+    f.set_defaults(func=cmd_check_fraud)
+
+
+def cmd_check_fraud(args) -> int:
+    """Recompute the proof's row from its records (checked against the model's Merkle
+    roots) and compare it with the node's signed reply."""
+    from moe.ledger import fraud
+    from moe.model.model_dir import ModelDir
+
+    verdict = fraud.check(args.file, ModelDir(args.model))  # FraudError: one line, exit 2
+    print(verdict.describe())
+    return EXIT_OK
 
 
 def cmd_verify(args) -> int:

@@ -238,6 +238,59 @@ def add_peer_options(p, required: bool) -> None:
     add_client_identity(p)
 
 
+def add_audit_options(p) -> None:
+    """How the coordinator checks its nodes' work (`generate` and `serve` with nodes)."""
+    from coordinator.remote.policy import AUDIT_RATE, VETTING_AUDITS
+
+    g = p.add_argument_group("audits (the coordinator recomputes a share of the nodes' work)")
+    g.add_argument(
+        "--audit",
+        type=float,
+        default=AUDIT_RATE,
+        metavar="P",
+        help="share of a vetted node's calls recomputed here, from Merkle-checked records, "
+        f"and compared bit for bit (default {AUDIT_RATE}; 0: off)",
+    )
+    g.add_argument(
+        "--audit-new",
+        type=int,
+        default=VETTING_AUDITS,
+        metavar="N",
+        help="a node's calls are all recomputed until N audits of it have passed (this run's "
+        f"plus its reputation's; default {VETTING_AUDITS})",
+    )
+    g.add_argument(
+        "--audit-cache",
+        metavar="SIZE",
+        help="RAM for the expert records audits recompute with (default: the whole model's "
+        "when small, else 256M or two calls' worth)",
+    )
+    g.add_argument(
+        "--audit-bytes",
+        metavar="SIZE",
+        help="cap on the record bytes audits fetch from nodes per generated token, on average "
+        "(default: none); every pick's chance is scaled down to keep it",
+    )
+    g.add_argument(
+        "--evidence",
+        metavar="DIR",
+        help="where fraud proofs of convicted nodes go (default: $MOESHARD_HOME/evidence)",
+    )
+
+
+def audit_settings(args) -> dict:
+    """`add_audit_options`' values as RemoteConfig fields."""
+    from moe.units import parse_size
+
+    return {
+        "audit": args.audit,
+        "audit_new": args.audit_new,
+        "audit_cache": parse_size(args.audit_cache) if args.audit_cache else 0,
+        "audit_bytes_per_token": parse_size(args.audit_bytes) if args.audit_bytes else 0,
+        "evidence": args.evidence or "",
+    }
+
+
 def add_client_identity(p) -> None:
     p.add_argument(
         "--key",

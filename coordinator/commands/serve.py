@@ -7,7 +7,7 @@ import logging
 import sys
 
 from coordinator.commands import EXIT_OK
-from coordinator.commands.network import add_peer_options
+from coordinator.commands.network import add_audit_options, add_peer_options
 from moe.errors import MoeshardError
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ def add_serve(sub) -> None:
         "interpreter lock)",
     )
     add_peer_options(p, required=False)
+    add_audit_options(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -60,9 +61,9 @@ def open_runtime(args):
 
     remote = None
     if args.peers or args.discover:
-        from coordinator.commands.network import client_config
+        from coordinator.commands.network import audit_settings, client_config
 
-        remote = client_config(args)
+        remote = client_config(args, **audit_settings(args))
     return open_serving_runtime(
         ModelDir(args.model), args.ram and parse_size(args.ram), args.context * args.max_batch,
         args.peers, args.discover, args.discover_timeout, remote,

@@ -1,22 +1,31 @@
-"""Spot checks of the nodes' work: a secret random share of Forward calls is re-run elsewhere.
+"""Audits: the coordinator recomputes a secret random share of the nodes' calls itself.
 
-After a node's reply has been used, the `Auditor` may (secretly, with `random.SystemRandom`, so
-a node cannot tell an audited call from another) send the same request to other holders of the
-same experts, off the critical path in a worker thread, and compare the answers:
+When a node's reply is in (and before it is used) `submit` decides, secretly
+(`random.SystemRandom`), whether to audit it, with probability `policy.rate_for` times the
+budget's factor: nothing about the call itself enters the choice. An audit runs in the
+auditor's thread, off the token path:
 
-* equal bits when one node with the same kernel build and CPU level recomputes the whole call
-  (kernels are deterministic per row, `docs/kernels.md`, and a node adds its experts in a fixed
-  order);
-* otherwise within a tolerance: `REGROUP_TOL` when the experts are split over several auditors
-  (their float64 partial sums are added in another grouping), `KERNEL_TOL` across kernel builds.
+1. the records the call used come from the `RecordCache`: the coordinator's own model
+   directory, its audit cache, or a node holding them, every byte checked against the
+   record's Merkle root (merkle.bin, which the model id covers), so a node cannot hand over
+   weights of its own making;
+2. the node's partial sum is recomputed with the kernels every node runs
+   (`moe.experts.compute.recompute_partial_sum`: the same arithmetic, bit for bit, on every
+   CPU level and kernel build of one `ARITHMETIC`), encoded in the dtype the request asked
+   for, and compared with the reply's bytes;
+3. equal: passed (the case is verified; a new node's vetting counts only completed audits).
+   Different: proof. The node signed a reply to this request that the model's weights do
+   not give. It is convicted (disqualified for good, its reputation and the ledger told), a
+   fraud-proof file is written when its reply carried a signed receipt
+   (`moe.ledger.fraud`), and every step that used its unverified work is recomputed: the
+   decode loop rolls back to the earliest such step (`rollback_step`).
 
-A mismatch makes the audited node and its auditors suspects (audited at rate 1) and a referee
-settles it at once: the coordinator's own copy of the experts when it has one (trusted), else
-holders outside the dispute (a majority). The liar is disqualified for good (`PeerSet.disqualify`)
-and every step of the generation that used its unaudited work is marked for recomputation: the
-decode loop rolls back to the earliest such step (`coordinator.generate.Verifier`). Nodes new to
-this coordinator are audited at rate 1 until `audit_new` of their calls have been (this run's
-audits and, with a reputation database, earlier runs').
+Nobody else judges: no node recomputes another's call, no holder votes. The audited node
+takes part only when a record the audit needs is held by nobody else: it is asked for it
+after its reply is in, so the request can only tell it about a lie already committed. A node
+that will not hand over a record it claims (refused, or unreachable for RECORD_WAIT_S) is
+convicted as if the recomputation had failed; a holder whose bytes fail the Merkle root is
+disqualified for failing possession.
 """
 
 from __future__ import annotations
@@ -24,352 +33,307 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
-import grpc
 import numpy as np
 
+from coordinator.remote.fetch import FetchError, default_deadline_s, fetch_record
 from coordinator.remote.peers import Peer, PeerSet
-from moe.experts.local import LocalExperts
+from coordinator.remote.policy import AuditBudget, rate_for
+from coordinator.remote.records import Key, RecordCache
+from moe.experts.compute import recompute_partial_sum
 from moe.wire import codec
 from moe.wire import moeshard_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-REGROUP_TOL = 1e-12  # relative: the same float32 terms summed in float64 in another grouping
-# relative to the call's largest |value|, across kernel builds or CPU levels: 10x the largest
-# difference measured between kernel variants (9.3e-7, docs/kernels.md)
-KERNEL_TOL = 1e-5
-BF16_TOL = 2.0**-6  # relative: partial sums each rounded to bfloat16 (8 significant bits)
-DRAIN_S = 30.0  # longest wait for the audits in flight at the end of a generation
+DRAIN_S = 60.0  # longest wait for the audits in flight when a generation ends
+RECORD_WAIT_S = 30.0  # how long the audited node has to hand over a record only it holds
+# the audited node answered, and refused: no honest node says this of a record it just used
+REFUSALS = {
+    "NOT_FOUND", "DATA_LOSS", "PERMISSION_DENIED", "UNAUTHENTICATED", "INVALID_ARGUMENT",
+    "FAILED_PRECONDITION", "UNIMPLEMENTED", "OUT_OF_RANGE",
+}  # fmt: skip
 
 
-class LocalReferee:
-    """The coordinator's own copy of (some of) the experts, as the judge of disputes."""
-
-    def __init__(self, backend, held: set[tuple[int, int]]):
-        self.backend, self.held = backend, held  # an ExpertsBackend; (layer, expert) it has
-        self.lock = threading.Lock()
-
-    @classmethod
-    def of(cls, model) -> LocalReferee | None:
-        """The referee made of a ModelDir's own experts (read only when a dispute needs one),
-        or None when the directory holds none."""
-        if not model.shard_set.locations:
-            return None
-        return cls(LocalExperts(model.shard_set), set(model.shard_set.locations))
-
-    def holds(self, layer: int, experts: list[int]) -> bool:
-        return all((layer, e) in self.held for e in experts)
-
-    def __call__(self, layer, hidden, ids, weights) -> np.ndarray:
-        """hidden [n, H] f32, ids/weights [n, k] (-1: empty) -> float64 [n, H]."""
-        with self.lock:
-            return self.backend(layer, hidden, ids, weights, dtype=np.float64)
+class Withheld(Exception):
+    """The audited node would not hand over a record its reply used."""
 
 
 @dataclass
 class Case:
-    """One Forward call whose reply went into a layer's result."""
+    """One Forward call whose reply was used."""
 
     step: int
     peer: Peer
     experts: list[int]
     request: pb.ForwardRequest
-    part: np.ndarray  # [n, H] the reply as decoded
+    reply: pb.ForwardReply
     id: int = 0
 
 
 @dataclass
 class AuditStats:
-    audits: int = 0  # calls re-run
-    passed: int = 0
-    mismatches: int = 0
+    picked: int = 0  # calls picked for an audit
+    passed: int = 0  # recomputed: the same bits
+    failed: int = 0  # recomputed: other bits (the node convicted)
+    withheld: int = 0  # a record the audited node would not hand over (convicted)
     convicted: list[str] = field(default_factory=list)  # node ids caught lying
-    unresolved: int = 0  # mismatches no referee could settle
-    inconclusive: int = 0  # an auditor failed to answer
-    unauditable: int = 0  # no other holder (and no referee) for a picked call
+    proofs: list[str] = field(default_factory=list)  # fraud-proof files written
+    cpu_s: float = 0.0  # the audit thread's CPU time (fetching, hashing, recomputing)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
 
 class Auditor:
-    """Picks calls to audit, runs the audits in a worker thread, convicts liars and tells the
-    decode loop which step to recompute from (it is the loop's `Verifier`)."""
+    """Picks calls, recomputes them in its thread, convicts liars, and tells the decode loop
+    which step to recompute from and which steps are settled (it is the loop's `Verifier`)."""
 
     def __init__(
         self,
         peers: PeerSet,
+        records: RecordCache,
+        roots,
         rate: float,
-        new_calls: int,
-        check: Callable[[pb.ForwardReply, int, int], np.ndarray | str],
-        next_id: Callable[[], int],
-        deadline_s: float,
-        own_kernels: str,
-        referee: LocalReferee | None = None,
+        vetting: int,
+        budget: AuditBudget | None = None,
         reputation=None,
         accounts=None,
+        evidence: Callable[[Case, int, np.ndarray, list[Key]], str] | None = None,
     ):
-        self.peers, self.rate, self.new_calls = peers, rate, new_calls
-        self.check, self.next_id, self.deadline_s = check, next_id, deadline_s
-        self.own_kernels, self.referee = own_kernels, referee
-        self.reputation, self.accounts = reputation, accounts
+        self.peers, self.records, self.roots = peers, records, roots
+        self.rate, self.vetting = rate, vetting
+        self.budget = budget or AuditBudget()
+        self.reputation, self.accounts, self.evidence = reputation, accounts, evidence
         self.rng = random.SystemRandom()  # secret: a node cannot predict which calls are audited
         self.lock = threading.Lock()
-        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="audit")
-        self.pending: set[Future] = set()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit")
+        self.pending: dict[int, int] = {}  # case id -> its step, for the audits not yet done
         self.stats = AuditStats()
-        self.suspects: set[str] = set()
         self.distrusted: set[str] = set()  # node ids disqualified by this auditor
-        self.audited: Counter = Counter()  # node id -> audits this run
+        self.completed: Counter = Counter()  # node id -> audits it passed this run
         self.step = 0
-        self.uses: list[tuple[str, int, int]] = []  # (node id, step, case id) this generation
+        self.uses: list[tuple[str, int, int]] = []  # (node id, step, case id) still undoable
         self.verified: set[int] = set()  # case ids that passed an audit
         self._rollback: int | None = None
-        # (case, second answer, exact, tol) of every comparison: `bench audit` records them
-        self.observe: Callable | None = None
         self._next_case = 0
+        self._fetched_seen = 0  # the cache's fetched bytes at the last `tokens` call
+        # `bench audit` keeps (case, the recomputed tensor, whether it matched)
+        self.observe: Callable[[Case, pb.Tensor, bool], None] | None = None
 
     # -- the decode loop's Verifier -----------------------------------------------------------
 
     def begin_step(self, step: int) -> None:
+        """The next calls belong to forward pass `step` (numbers only grow)."""
         with self.lock:
-            if step == 0:  # a new generation, or its prefill again after a rollback
-                self.uses, self.verified = [], set()
-            elif step <= self.step:  # a rollback: the uses of the undone steps are gone
-                self.uses = [u for u in self.uses if u[1] < step]
             self.step = step
 
+    def undo(self, step: int) -> None:
+        """Steps from `step` on were undone (a rollback): their calls no longer matter."""
+        with self.lock:
+            self.uses = [u for u in self.uses if u[1] < step]
+
     def rollback_step(self) -> int | None:
+        """The earliest step whose result used work now known to be wrong (then cleared)."""
         with self.lock:
             step, self._rollback = self._rollback, None
             return step
 
-    def drain(self) -> None:
+    def settled_step(self) -> int:
+        """The last step whose every picked call has been audited (passed, or convicted:
+        then `rollback_step` says so): its tokens may be shown."""
         with self.lock:
-            pending = list(self.pending)
-        for future in pending:
-            try:
-                future.result(timeout=DRAIN_S)
-            except Exception as exc:  # an audit that crashed is logged, not fatal
-                log.error("audit failed: %r", exc)
+            return min(self.pending.values(), default=self.step + 1) - 1
+
+    def forget_before(self, step: int) -> None:
+        """Steps before `step` will never be undone (their tokens were sent): keep no record
+        of their calls, so memory stays bounded over an endless stream of requests."""
+        with self.lock:
+            gone = {u[2] for u in self.uses if u[1] < step}
+            self.uses = [u for u in self.uses if u[1] >= step]
+            self.verified.difference_update(gone)
+
+    def tokens(self, n: int) -> None:
+        """`n` tokens were generated: the budget weighs what audits fetched meanwhile."""
+        if self.records is None:
+            return
+        fetched = self.records.stats.fetched_bytes
+        for _ in range(n):
+            self.budget.token((fetched - self._fetched_seen) / max(n, 1))
+        self._fetched_seen = fetched
+
+    def drain(self, timeout: float = DRAIN_S) -> None:
+        """Wait for the audits in flight (at most `timeout` s)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                if not self.pending:
+                    return
+            if time.monotonic() > deadline:
+                log.error("%d audits still running after %.0f s", len(self.pending), timeout)
+                return
+            time.sleep(0.002)
+
+    def wait_settled(self, step: int, timeout: float = DRAIN_S) -> None:
+        """Block until `settled_step() >= step` (or `timeout`): the serving engine's bound on
+        how far its sent tokens may trail its computed ones."""
+        deadline = time.monotonic() + timeout
+        while self.settled_step() < step and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     # -- picking ------------------------------------------------------------------------------
 
-    def submit(self, peer: Peer, experts: list[int], request, part: np.ndarray) -> bool:
-        """A reply of `peer` is about to be used: remember it, and maybe audit it (in the
-        background). False if `peer` was caught lying meanwhile (its reply was in flight): the
-        caller must not use it. Under the same lock as `distrust`, so a use is either refused
-        or seen by the rollback that a conviction computes."""
+    def submit(self, peer: Peer, experts: list[int], request, reply) -> bool:
+        """`peer`'s reply is in and about to be used: remember it, and perhaps audit it (in the
+        background). False if `peer` was convicted meanwhile: the caller must not use it.
+        Under the same lock as `distrust`, so a use is either refused or seen by the rollback
+        a conviction computes."""
         with self.lock:
             if peer.node_id in self.distrusted:
                 return False
             self._next_case += 1
-            case = Case(self.step, peer, experts, request, part, self._next_case)
+            case = Case(self.step, peer, experts, request, reply, self._next_case)
             self.uses.append((peer.node_id, case.step, case.id))
             if not self._picked(peer.node_id):
                 return True
-            self.audited[peer.node_id] += 1
-            future = self.pool.submit(self._audit, case)
-            self.pending.add(future)
-        future.add_done_callback(self._done)
+            self.stats.picked += 1
+            self.pending[case.id] = case.step
+        future = self.pool.submit(self._audit, case)
+        future.add_done_callback(partial(self._done, case))
         return True
 
     def _picked(self, node_id: str) -> bool:
-        if self.rate <= 0:
-            return False
-        if node_id in self.suspects:
-            return True
         record = self.reputation.record(node_id) if self.reputation else None
-        if record is not None and record.suspect:  # failed an audit lately, in any run
-            return True
-        history = record.audits_seen if record is not None else 0
-        if max(self.audited[node_id], history) < self.new_calls:  # history counts this run's
-            return True
-        return self.rng.random() < self.rate
+        suspect = record is not None and record.suspect  # failed an audit lately, any run
+        history = record.audits_seen if record is not None else 0  # includes this run's
+        completed = max(self.completed[node_id], history)
+        rate = rate_for(self.rate, self.vetting, completed, suspect) * self.budget.factor
+        return rate > 0 and self.rng.random() < rate
 
-    def _done(self, future: Future) -> None:
+    def _done(self, case: Case, future: Future) -> None:
+        if future.exception() is not None:  # a bug, not a verdict: the case stays unverified
+            log.error("audit of %s failed: %r", case.peer.label, future.exception())
         with self.lock:
-            self.pending.discard(future)
-        if future.exception() is not None:
-            log.error("audit failed: %r", future.exception())
+            self.pending.pop(case.id, None)
 
     # -- auditing -----------------------------------------------------------------------------
 
-    def _count(self, name: str) -> None:
-        with self.lock:
-            setattr(self.stats, name, getattr(self.stats, name) + 1)
-
     def _audit(self, case: Case) -> None:
-        self._count("audits")
-        plan = self._cover(case, case.experts, {case.peer.node_id})
-        judge = self.referee is not None and self.referee.holds(case.request.layer, case.experts)
-        if plan is None and not judge:
-            self._count("unauditable")
+        t0 = time.thread_time()
+        try:
+            self._judge(case)
+        finally:
+            with self.lock:
+                self.stats.cpu_s += time.thread_time() - t0
+
+    def _judge(self, case: Case) -> None:
+        request = case.request
+        hidden = codec.decode(request.hidden, "hidden", (codec.F32, codec.BF16))  # [T, H]
+        ids = codec.decode(request.ids, "ids", (codec.I32,))  # [T, k]
+        weights = codec.decode(request.weights, "weights", (codec.F32,))  # [T, k]
+        obtain = partial(self._obtain, case)
+        try:
+            expected = self._recompute(request.layer, hidden, ids, weights, obtain)  # [T, H]
+        except Withheld as exc:
+            with self.lock:
+                self.stats.withheld += 1
+            self._convict(case.peer, case, str(exc))
             return
-        if plan is None:  # nobody else holds them: the coordinator's own copy decides
-            self._referee_verdict(case, [])
-            return
-        answers = self._run(case, plan)
-        if answers is None:
-            self._count("inconclusive")
-            return
-        second = _total(answers)
-        auditors = [p for p, _ in plan]
-        exact = len(plan) == 1 and auditors[0].kernels == case.peer.kernels
-        tol = self._tol(case, [case.peer, *auditors])
+        want = codec.encode(expected, request.out_dtype or request.hidden.dtype)
         if self.observe is not None:
-            self.observe(case, second, exact, tol)
-        if agree(case.part, second, exact, tol):
+            self.observe(case, want, same_bits(want, case.reply.out))
+        if same_bits(want, case.reply.out):
             self._passed(case)
             return
-        self._count("mismatches")
         with self.lock:
-            self.suspects.update(p.node_id for p in [case.peer, *auditors])
-        log.warning(
-            "audit of node %s, layer %d: its reply differs from %s's; settling",
-            case.peer.label, case.request.layer, ", ".join(p.label for p in auditors),
-        )  # fmt: skip
-        if judge:
-            self._referee_verdict(case, plan, answers)
-        else:
-            self._third_party_verdict(case, plan, second)
+            self.stats.failed += 1
+        row = _first_wrong_row(want.data, case.reply.out.data, hidden.shape[0])
+        why = f"its reply to layer {request.layer} is not what the model's experts give"
+        self._convict(case.peer, case, why, (row, expected[row : row + 1], obtain))
 
-    def _referee_verdict(self, case: Case, plan, answers=None) -> None:
-        """The coordinator's own computation is the truth: whoever disagrees with it lied."""
-        ref = self._as_sent(case, self._local(case, case.experts))
-        exact = case.peer.kernels == self.own_kernels
-        if not agree(case.part, ref, exact, self._tol(case, [case.peer], local=True)):
-            self._convict(case.peer, case, "its reply differs from the coordinator's own result")
-        else:
-            self._passed(case)
-        auditors = [p for p, _ in plan]
-        if not answers or agree(_total(answers), ref, False, self._tol(case, auditors, local=True)):
-            self._clear(auditors)
-            return
-        # each auditor's own answer, as it gave it (asking again would let a part-time liar
-        # answer honestly the second time)
-        for (auditor, subset), values in zip(plan, answers, strict=True):
-            mine = self._as_sent(case, self._local(case, subset))
-            exact = auditor.kernels == self.own_kernels
-            if agree(values, mine, exact, self._tol(case, [auditor], local=True)):
-                self._clear([auditor])
-            else:
-                self._convict(auditor, case, "its audit answer differs from the coordinator's")
+    def _recompute(self, layer, hidden, ids, weights, obtain) -> np.ndarray:
+        s = self.records.shards
+        waves = partial(self.records.waves, layer, obtain=obtain)
+        return recompute_partial_sum(waves, s.fmt, s.hidden, s.inter, s.glu, hidden, ids, weights)
 
-    def _third_party_verdict(self, case: Case, plan, second) -> None:
-        """No copy here: holders outside the dispute recompute the call; the side they agree
-        with is honest. Unsettled (nobody else holds it, or they agree with neither side):
-        both sides stay suspects, audited on every call."""
-        disputed = {case.peer.node_id, *(p.node_id for p, _ in plan)}
-        third_plan = self._cover(case, case.experts, disputed)
-        answers = self._run(case, third_plan) if third_plan else None
-        third = _total(answers) if answers else None
-        if third is None:
-            self._count("unresolved")
-            log.warning("audit of %s: no third holder to settle it", case.peer.label)
-            return
-        nodes = [case.peer, *(p for p, _ in plan), *(p for p, _ in third_plan)]
-        p_ok = agree(case.part, third, False, self._tol(case, nodes))
-        q_ok = agree(second, third, False, self._tol(case, nodes))
-        if q_ok and not p_ok:
-            self._convict(case.peer, case, "its reply differs from two other holders'")
-            self._clear([p for p, _ in plan])
-        elif p_ok and not q_ok and len(plan) == 1:
-            self._passed(case)
-            self._convict(plan[0][0], case, "its audit answer differs from two other holders'")
-        else:
-            self._count("unresolved")
-            log.warning("audit of %s: the third holder sides with neither", case.peer.label)
-
-    # -- helpers ------------------------------------------------------------------------------
-
-    def _cover(self, case: Case, experts: list[int], exclude: set[str]):
-        """[(peer, experts)] covering `experts` with live nodes outside `exclude`, fewest nodes
-        first (greedy), picked at random among equals; None if some expert has no such holder."""
-        layer = case.request.layer
-        live = [p for p in self.peers.live() if p.node_id not in exclude]
-        self.rng.shuffle(live)
-        todo, plan = set(experts), []
-        while todo:
-            best = max(live, key=lambda p: sum(p.holds(layer, e) for e in todo), default=None)
-            mine = sorted(e for e in todo if best is not None and best.holds(layer, e))
-            if not mine:
-                return None
-            plan.append((best, mine))
-            todo -= set(mine)
-        return plan
-
-    def _run(self, case: Case, plan) -> list[np.ndarray] | None:
-        """Each of `plan`'s nodes' answer for its share of the call, float64 [n, H] as the
-        wire gave it; None if one of them failed to answer (that is not evidence of lying)."""
-        answers = []
-        for peer, subset in plan:
-            request = self._subrequest(case, subset)
+    def _obtain(self, case: Case, key: Key, out: np.ndarray) -> int:
+        """Fill `out` with record `key`, checked against its root: from another holder (in
+        random order), else from the audited node (Withheld if it will not hand it over)."""
+        root = self.roots.root(*key)
+        if root is None:
+            raise RuntimeError(f"no Merkle root for expert {key[1]} of layer {key[0]}")
+        others = [
+            p
+            for p in self.peers.live()
+            if p.holds(*key) and p.node_id != case.peer.node_id and p.node_id not in self.distrusted
+        ]
+        self.rng.shuffle(others)
+        for peer in others:
             try:
-                reply = peer.stub.Forward(request, timeout=self.deadline_s)
-            except grpc.RpcError as exc:
-                log.info("audit call to %s failed: %s", peer.label, exc.code().name)
-                return None
-            values = self.check(reply, request.request_id, case.part.shape[0])
-            if isinstance(values, str):
-                self._convict(peer, case, f"invalid audit answer: {values}")
-                return None
-            if self.accounts is not None:  # an audit is work too: its receipt is kept
-                self.accounts.record(peer.node_id, request, reply, peer.public_key)
-            answers.append(values.astype(np.float64))  # [n, H]
-        return answers
+                return self._fetch(peer, key, root, out)
+            except FetchError as exc:
+                if exc.evidence:
+                    self._possession_failed(peer, key, exc.why)
+                else:
+                    log.info("record %s from %s: %s", key, peer.label, exc.why)
+        return self._fetch_from_audited(case.peer, key, root, out)
 
-    def _subrequest(self, case: Case, experts: list[int]) -> pb.ForwardRequest:
-        request = pb.ForwardRequest()
-        request.CopyFrom(case.request)
-        request.request_id = self.next_id()
-        if experts != case.experts:
-            ids = codec.decode(request.ids, "ids", (codec.I32,))  # [n, k]
-            keep = np.isin(ids, experts)  # [n, k]
-            request.ids.CopyFrom(codec.encode(np.where(keep, ids, -1), codec.I32))
-        return request
+    def _fetch_from_audited(self, peer: Peer, key: Key, root: bytes, out: np.ndarray) -> int:
+        """The audited node, the only holder left, has RECORD_WAIT_S to hand it over."""
+        deadline, delay = time.monotonic() + RECORD_WAIT_S, 0.2
+        where = f"expert {key[1]} of layer {key[0]}"
+        while True:
+            try:
+                return self._fetch(peer, key, root, out)
+            except FetchError as exc:
+                if exc.evidence or exc.code in REFUSALS:
+                    raise Withheld(f"it would not hand over {where}: {exc.why}") from None
+                if time.monotonic() + delay > deadline:
+                    raise Withheld(
+                        f"it did not hand over {where} within {RECORD_WAIT_S:.0f} s: {exc.why}"
+                    ) from None
+            time.sleep(delay)
+            delay = min(2 * delay, 5.0)
 
-    def _local(self, case: Case, experts: list[int]) -> np.ndarray:
-        """The referee's float64 result for `experts` of the case's call."""
-        r = case.request
-        hidden = codec.decode(r.hidden, "hidden", (codec.F32, codec.BF16))  # [n, H]
-        ids = codec.decode(r.ids, "ids", (codec.I32,))  # [n, k]
-        weights = codec.decode(r.weights, "weights", (codec.F32,))  # [n, k]
-        ids = np.where(np.isin(ids, experts), ids, -1)  # [n, k]
-        return self.referee(r.layer, hidden, ids, weights)  # [n, H]
+    def _fetch(self, peer: Peer, key: Key, root: bytes, out: np.ndarray) -> int:
+        if peer.stub is None:
+            raise FetchError("not connected", code="UNAVAILABLE")
+        timeout = default_deadline_s(self.records.record_nbytes, peer.overhead_ms / 1e3)
+        return fetch_record(
+            peer.stub, self.peers.model_id, key[0], key[1], root,
+            self.records.record_nbytes, out, timeout,
+        )  # fmt: skip
 
-    @staticmethod
-    def _as_sent(case: Case, values: np.ndarray) -> np.ndarray:
-        """`values` rounded as the node's reply was (bf16 or f32 out dtype), for equal bits."""
-        dtype = case.request.out_dtype or case.request.hidden.dtype
-        if dtype == codec.F64:
-            return values
-        return codec.decode(codec.encode(values, dtype), "out", (dtype,))
+    def _possession_failed(self, peer: Peer, key: Key, why: str) -> None:
+        reason = f"handed over expert {key[1]} of layer {key[0]} not as the model has it: {why}"
+        if self.distrust(peer, reason):
+            if self.reputation:
+                self.reputation.record_possession(peer.node_id, False)
+            if self.accounts:
+                self.accounts.audit(peer.node_id, False, reason, key[0])
 
     def _passed(self, case: Case) -> None:
         with self.lock:
             self.verified.add(case.id)
-        self._count("passed")
+            self.completed[case.peer.node_id] += 1
+            self.stats.passed += 1
         if self.reputation:
             self.reputation.record_audit(case.peer.node_id, True)
         if self.accounts:
             self.accounts.audit(case.peer.node_id, True, "", case.request.layer)
 
-    def _clear(self, peers: list[Peer]) -> None:
-        with self.lock:
-            self.suspects.difference_update(p.node_id for p in peers)
-
     def convict(self, peer: Peer, why: str) -> None:
         """`peer` sent something no honest node sends (checked by the caller): disqualify it
-        and recompute whatever used its unaudited work."""
+        and recompute whatever used its unverified work."""
         self._convict(peer, None, why)
 
-    def _convict(self, peer: Peer, case: Case | None, why: str) -> None:
+    def _convict(self, peer: Peer, case: Case | None, why: str, wrong=None) -> None:
         if not self.distrust(peer, why):
             return
         with self.lock:
@@ -378,14 +342,27 @@ class Auditor:
             self.reputation.record_audit(peer.node_id, False)
         if self.accounts:
             self.accounts.audit(peer.node_id, False, why, case.request.layer if case else -1)
+        if wrong is not None and self.evidence is not None:
+            self._write_proof(case, *wrong)
+
+    def _write_proof(self, case: Case, row: int, expected: np.ndarray, obtain) -> None:
+        """The fraud-proof file of a failed recomputation (when the reply had a receipt)."""
+        try:
+            path = self.evidence(case, row, expected, obtain)
+        except (OSError, FetchError, Withheld) as exc:
+            log.error("no fraud proof for %s: %s", case.peer.label, exc)
+            return
+        if path:
+            with self.lock:
+                self.stats.proofs.append(path)
+            log.warning("fraud proof against %s written to %s", case.peer.label, path)
 
     def distrust(self, peer: Peer, why: str) -> bool:
-        """Disqualify `peer` and mark the earliest step that used its unaudited work for
+        """Disqualify `peer` and mark the earliest step that used its unverified work for
         recomputation (also for a failed possession challenge); True the first time."""
-        with self.lock:  # check and mark at once: two audit threads may catch it together
+        with self.lock:  # check and mark at once: a use is either refused or rolled back
             first = peer.node_id not in self.distrusted
             self.distrusted.add(peer.node_id)
-            self.suspects.discard(peer.node_id)
             steps = [
                 s for node, s, cid in self.uses if node == peer.node_id and cid not in self.verified
             ]
@@ -399,33 +376,28 @@ class Auditor:
             log.warning("node %s: %s: recomputing from step %d", peer.label, why, min(steps))
         return first
 
-    def _tol(self, case: Case, nodes: list[Peer], local: bool = False) -> float:
-        """Tolerance for a comparison that is not bit-exact: REGROUP_TOL when every party
-        runs the same kernels (`local`: the coordinator is one), else KERNEL_TOL; a bf16 wire
-        rounds each partial sum to 8 bits, so sums of bf16 parts get bf16's tolerance."""
-        kernels = {p.kernels for p in nodes} | ({self.own_kernels} if local else set())
-        tol = REGROUP_TOL if len(kernels) == 1 else KERNEL_TOL
-        if (case.request.out_dtype or case.request.hidden.dtype) == codec.BF16:
-            tol = max(tol, BF16_TOL)
-        return tol
+    def snapshot(self) -> dict:
+        with self.lock:
+            out = self.stats.as_dict() | {"pending": len(self.pending)}
+            out["convicted"], out["proofs"] = list(out["convicted"]), list(out["proofs"])
+        out["budget_factor"] = self.budget.factor
+        out["records"] = self.records.snapshot()
+        return out
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _total(answers: list[np.ndarray]) -> np.ndarray:
-    """The auditors' float64 partial sums added up, in plan order: [n, H]."""
-    total = answers[0]
-    for values in answers[1:]:
-        total = total + values
-    return total
+def same_bits(want: pb.Tensor, got: pb.Tensor) -> bool:
+    """Whether a reply is, bit for bit, the recomputed one: the same dtype, shape and bytes.
+    The only comparison audits make (no tolerance a node could choose or aim under)."""
+    return want.dtype == got.dtype and list(want.shape) == list(got.shape) and want.data == got.data
 
 
-def agree(a: np.ndarray, b: np.ndarray, exact: bool, tol: float) -> bool:
-    """Equal bits, or |a - b| <= tol * max|b| elementwise (NaN never agrees)."""
-    if a.shape != b.shape:
-        return False
-    if exact:
-        return bool(np.array_equal(a, b))
-    scale = max(float(np.abs(b).max(initial=0.0)), 1e-30)
-    return bool(np.abs(a.astype(np.float64) - b).max(initial=0.0) <= tol * scale)
+def _first_wrong_row(want: bytes, got: bytes, rows: int) -> int:
+    """The first row whose bytes differ (row 0 when the lengths differ)."""
+    if len(want) != len(got) or rows == 0:
+        return 0
+    a = np.frombuffer(want, dtype=np.uint8).reshape(rows, -1)  # [T, row bytes]
+    b = np.frombuffer(got, dtype=np.uint8).reshape(rows, -1)  # [T, row bytes]
+    return int(np.nonzero((a != b).any(axis=1))[0][0])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coordinator.remote.policy import AUDIT_RATE, VETTING_AUDITS
 from moe.errors import MoeshardError
 from moe.identity.keys import Identity, client_identity
 
@@ -32,10 +33,13 @@ class RemoteConfig:
     probe_interval_s: float = 0.2  # how often the prober looks for banned nodes due a probe
     prefetch: bool = True  # forward next-layer prefetch hints to the nodes
     degrade: bool = False  # drop experts no live node holds (renormalising) instead of failing
+    own_experts: bool = False  # compute experts no live node holds from this directory's records
     identity: Identity | None = None  # this client's key (mutual TLS); None = --insecure
-    audit: float = 0.05  # share of Forward calls re-run on another holder (0: no audits)
-    audit_new: int = 100  # audits at rate 1 before a node's calls are sampled at `audit`
-    referee: object | None = None  # audit.LocalReferee: the coordinator's own experts judge
+    audit: float = AUDIT_RATE  # share of a vetted node's calls recomputed here (0: none)
+    audit_new: int = VETTING_AUDITS  # completed audits at rate 1 before `audit` applies
+    audit_cache: int = 0  # bytes of expert records kept for audits (0: sized for the model)
+    audit_bytes_per_token: int = 0  # cap on record bytes audits fetch per token (0: none)
+    evidence: str = ""  # directory for fraud proofs ('' = evidence/ in the moeshard home)
     reputation: object | None = None  # reputation.Reputation: evidence kept across runs
     ledger: str = ""  # receipts and settlements go here ('' = the default; needs an identity)
     roots: object | None = None  # the model's Merkle roots: possession challenges (None: off)
@@ -56,3 +60,5 @@ class RemoteConfig:
             raise MoeshardError(f"transport {self.transport}: use stream or unary")
         if not 0 <= self.audit <= 1 or self.audit_new < 0:
             raise MoeshardError(f"--audit {self.audit}: need 0 <= P <= 1 and --audit-new >= 0")
+        if self.audit_cache < 0 or self.audit_bytes_per_token < 0:
+            raise MoeshardError("--audit-cache and --audit-bytes must not be negative")

@@ -17,22 +17,21 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from functools import partial
 
 import grpc
 import numpy as np
 
-from coordinator.remote.accounts import Accounts
 from coordinator.remote.audit import Auditor
 from coordinator.remote.config import RemoteConfig, RemoteError, UncoveredError
-from coordinator.remote.patrol import PossessionPatrol
 from coordinator.remote.peers import Peer, PeerSet
 from coordinator.remote.transport import ForwardStream, PeerSpec, StreamCall, UnaryCall
-from moe.experts.backend import ExpertsBase, PrefetchHint
-from moe.experts.compute import combine
-from moe.kernels.build import cpu_level, kernel_build
+from coordinator.remote.trust import Trust
+from moe.experts.backend import ExpertsBackend, ExpertsBase, PrefetchHint
+from moe.experts.compute import combine, partial_sum
+from moe.experts.local import LocalExperts
 from moe.wire import codec
 from moe.wire import moeshard_pb2 as pb
-from moe.wire.constants import MAX_ACTIVATION
 
 log = logging.getLogger(__name__)
 
@@ -66,16 +65,22 @@ class RemoteExperts(ExpertsBase):
         hidden_size: int,
         specs: list[PeerSpec],
         config: RemoteConfig | None = None,
+        trust: Trust | None = None,
+        own: ExpertsBackend | None = None,
     ):
+        """`trust`: what judges the nodes (`Trust`, built by the runtime from the model
+        directory); without one, a Trust that cannot audit (then `config.audit` must be 0).
+        `own`: the coordinator's own records (a full model directory's `LocalExperts`): it
+        computes the experts no live node holds itself rather than fail or drop them."""
         self.model_id, self.hidden_size = model_id, hidden_size
         self.config = config or RemoteConfig()
         self.config.check()
         self.wire_dtype = codec.BY_NAME[self.config.wire_dtype]
+        self.trust = trust or Trust(model_id, hidden_size, self.config)
+        self.own = own
+        self.own_calls = 0  # layer calls some of whose experts the coordinator computed
         self.peers = PeerSet(model_id, hidden_size, specs, self.config)
-        identity = self.config.identity  # receipts are signed and settled between keys
-        self.accounts = (
-            Accounts(identity, model_id, self.config.ledger or None) if identity else None
-        )
+        self.trust.start(self.peers)
         self.bytes_sent = 0
         self.bytes_received = 0
         self.layer_calls = 0
@@ -84,28 +89,18 @@ class RemoteExperts(ExpertsBase):
         self.layer_ms: list[float] = []  # fan-out wall time of each layer call
         self._pending_hints: set = set()
         self._request_ids = itertools.count(1)  # a reply must echo its request's id
-        self.auditor = Auditor(
-            self.peers,
-            self.config.audit,
-            self.config.audit_new,
-            self._invalid,
-            lambda: next(self._request_ids),
-            self.config.deadline_s,
-            f"{kernel_build()}/{cpu_level()}",
-            referee=self.config.referee,
-            reputation=self.config.reputation,
-            accounts=self.accounts,
-        )
-        self.patrol = None
-        if self.config.roots is not None and self.config.challenge_interval_s > 0:
-            self.patrol = PossessionPatrol(
-                self.peers,
-                self.config.roots,
-                self.auditor,
-                self.config.challenge_interval_s,
-                self.config.challenge_first_s,
-                self.config.challenge_blocks,
-            )
+
+    @classmethod
+    def for_model(cls, model, specs: list[PeerSpec], config: RemoteConfig) -> RemoteExperts:
+        """The experts of `model` (an opened ModelDir) computed by the nodes of `specs`,
+        judged by a Trust built from the directory; with `config.own_experts`, the
+        directory's own records compute what no live node holds."""
+        hidden = model.config.expert_hidden
+        trust = Trust(model.model_id, hidden, config, model)
+        own = None
+        if config.own_experts and model.shard_set.locations:
+            own = LocalExperts(model.shard_set)
+        return cls(model.model_id, hidden, specs, config, trust, own)
 
     def add_peer(self, spec: PeerSpec) -> bool:
         """A node found after start-up (zeroconf): admitted if it serves this model."""
@@ -171,8 +166,15 @@ class RemoteExperts(ExpertsBase):
         parts: list[tuple[int, np.ndarray, np.ndarray]] = []  # (first expert, rows, [n, H])
         while todo:
             chosen, missing = self._assign(layer, todo, excluded)
+            mine = [e for e in missing if self._own_holds(layer, e)]
+            if mine:  # no live node holds them: the coordinator has them, computes them
+                parts.append(self._compute_own(layer, hidden, ids, weights, mine))
+                todo = [e for e in todo if e not in mine]
+                missing = [e for e in missing if e not in mine]
             if missing:
                 raise _Missing(missing)
+            if not todo:
+                break
             by_peer: dict[str, tuple[Peer, list[int]]] = {}
             for expert, peer in chosen.items():
                 by_peer.setdefault(peer.addr, (peer, []))[1].append(expert)
@@ -187,7 +189,7 @@ class RemoteExperts(ExpertsBase):
             done: list[int] = []
             fatal: RemoteError | None = None
             got: dict[str, list] = defaultdict(list)  # peer addr -> its parts this round
-            bad: set[str] = set()  # peers whose reply failed: none of their parts count
+            bad: set[str] = set()  # peers with a failed or refused reply: none of theirs count
             for peer, experts, rows, request, call in calls:  # every reply is consumed
                 try:
                     reply, rtt = call.result()
@@ -196,31 +198,19 @@ class RemoteExperts(ExpertsBase):
                     bad.add(peer.addr)
                     continue
                 self.peers.record_latency(peer, rtt, reply.compute_ms, len(experts))
-                if self.config.reputation is not None:
-                    self.config.reputation.record_call(peer.node_id, True, rtt * 1e3)
                 self.bytes_received += reply.ByteSize()
-                why = self._invalid(reply, request.request_id, len(rows))
-                if isinstance(why, str):
-                    # No honest node sends this: disqualify this node (not the one that gets
-                    # its work next) and recompute whatever used its earlier, unaudited work.
-                    self.auditor.convict(peer, why)
+                part = self.trust.accept(peer, experts, len(rows), request, reply, rtt)
+                if part is None:  # a lie, or its sender convicted while it was in flight
                     _exclude(excluded, experts, peer)
                     bad.add(peer.addr)
                     continue
-                got[peer.addr].append((peer, experts, rows, request, reply, why))
+                got[peer.addr].append((experts, rows, part))
             for addr, results in got.items():
-                if addr in bad:
+                if addr in bad:  # its experts go to replicas in the next round
                     continue
-                peer, experts = results[0][0], results[0][1]
-                used = [r for r in results if self.auditor.submit(r[0], r[1], r[3], r[5])]
-                if len(used) < len(results):  # caught lying while these replies were in flight
-                    _exclude(excluded, experts, peer)
-                    continue
-                for peer, experts, rows, request, reply, part in used:
+                for experts, rows, part in results:
                     parts.append((experts[0], rows, part))
-                    if self.accounts is not None:  # enqueued: checked and kept off this path
-                        self.accounts.record(peer.node_id, request, reply, peer.public_key)
-                done.extend(experts)
+                    done.extend(experts)
             if fatal is not None:
                 raise fatal
             if len(done) < len(todo):
@@ -228,6 +218,21 @@ class RemoteExperts(ExpertsBase):
             todo = [e for e in todo if e not in set(done)]
         ordered = sorted(parts, key=lambda p: p[0])
         return combine(hidden.shape, ((rows, part) for _, rows, part in ordered), dtype)
+
+    def _own_holds(self, layer: int, expert: int) -> bool:
+        return self.own is not None and (layer, expert) in self.own.shards.locations
+
+    def _compute_own(self, layer, hidden, ids, weights, experts: list[int]):
+        """The coordinator's own partial sum for `experts`, as a node would compute it:
+        (first expert, rows [n], float64 [n, H])."""
+        mine = np.isin(ids, experts)  # [T, k]
+        rows = np.nonzero(mine.any(axis=1))[0]  # [n]
+        my_ids = np.where(mine[rows], ids[rows], -1)  # [n, k]
+        my_weights = np.where(mine[rows], weights[rows], 0)  # [n, k]
+        compute = partial(self.own, layer, dtype=np.float64)
+        part = partial_sum(compute, hidden[rows], my_ids, my_weights)  # [n, H]
+        self.own_calls += 1
+        return experts[0], rows, part
 
     def _requests(self, peer: Peer, layer, hidden, ids, weights, experts: list[int]):
         """Send `peer` the rows that route to `experts`, in as many Forward calls as its
@@ -252,26 +257,10 @@ class RemoteExperts(ExpertsBase):
             # f32 wire: partial sums come back unrounded (f64), so the total is the same bits
             # as on one machine, however the experts are spread
             out_dtype=codec.F64 if self.wire_dtype == codec.F32 else self.wire_dtype,
-            session=self.accounts.session if self.accounts is not None else b"",
+            session=self.trust.accounts.session if self.trust.accounts is not None else b"",
         )
         self.bytes_sent += request.ByteSize()
         return request
-
-    def _invalid(self, reply, request_id: int, rows: int) -> str | np.ndarray:
-        """The reply's partial sum [rows, H], or why it is not one a node may send: the reply
-        to another request (a duplicate or a lost one on the stream), a malformed tensor, or
-        non-finite or absurd values (an honest node refuses those itself)."""
-        if reply.request_id != request_id:
-            return f"reply to request {reply.request_id}, expected {request_id} (a duplicate?)"
-        try:
-            part = codec.decode(
-                reply.out, "reply", (codec.F64, codec.F32, codec.BF16), (rows, self.hidden_size)
-            )  # [rows, H]
-        except codec.CodecError as exc:
-            return f"malformed reply: {exc}"
-        if part.size and not np.abs(part).max() <= MAX_ACTIVATION:  # NaN fails it too
-            return "non-finite or absurd values in its reply"
-        return part
 
     def _send(self, peer: Peer, request) -> UnaryCall | StreamCall:
         with self.peers.lock:
@@ -304,8 +293,7 @@ class RemoteExperts(ExpertsBase):
         _exclude(excluded, experts, peer)
         if code in NODE_FAILURES:
             self.peers.ban(peer, f"{code.name}: {exc.details()}")
-            if self.config.reputation is not None:
-                self.config.reputation.record_call(peer.node_id, False)
+            self.trust.failed(peer)
         elif code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS):
             log.warning("node %s layer %d: %s: %s", peer.addr, layer, code.name, exc.details())
             self.peers.refresh(peer)
@@ -377,13 +365,12 @@ class RemoteExperts(ExpertsBase):
             "expert_bytes_read": 0,  # the nodes read the experts
             "layer_calls": self.layer_calls,
             "retries": self.retries,
+            "own_calls": self.own_calls,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "dropped": {f"{a}:{b}": n for (a, b), n in self.dropped.items()},
             "dropped_per_layer": self._dropped_per_layer(),
-            "audit": self.auditor.stats.as_dict(),
-            "possession": self.patrol.stats.as_dict() if self.patrol is not None else None,
-            "accounts": self.accounts.stats() if self.accounts is not None else None,
+            **self.trust.stats(),
             "nodes": [
                 {
                     "addr": p.addr,
@@ -401,13 +388,13 @@ class RemoteExperts(ExpertsBase):
     @property
     def verifier(self) -> Auditor:
         """The decode loop's `Verifier`: audits roll a generation back past a liar's work."""
-        return self.auditor
+        return self.trust.verifier
 
     def _check_finished(self, peer: Peer, stream: ForwardStream, wait_s: float) -> None:
         """Read `stream` to its end; a reply no request asked for convicts its sender."""
         extra = stream.finish(wait_s)
         if extra:
-            self.auditor.convict(peer, f"{extra} reply(ies) to no request (a duplicate?)")
+            self.trust.convict(peer, f"{extra} reply(ies) to no request (a duplicate?)")
 
     def _finish_streams(self) -> None:
         """At the end, every stream is read to its end, in parallel, so a reply sent twice
@@ -427,15 +414,7 @@ class RemoteExperts(ExpertsBase):
 
     def close(self) -> None:
         self._finish_streams()
-        if self.patrol is not None:
-            self.patrol.close()
-        self.auditor.close()
-        if self.accounts is not None:  # countersign each node's totals, then seal the ledger
-            live = {p.node_id: p.stub for p in self.peers.peers if p.up and p.stub}
-            self.accounts.settle(live)
-            self.accounts.close()
-        if self.config.reputation is not None:
-            self.config.reputation.flush()
+        self.trust.close({p.node_id: p.stub for p in self.peers.peers if p.up and p.stub})
         self.peers.close()
 
 

@@ -7,6 +7,7 @@ import ssl
 import statistics
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 import grpc
 
@@ -58,6 +59,8 @@ def cluster_report(
 ) -> dict:
     """What `moeshard cluster --json` prints: the nodes (with what `reputation` knows of each
     id), the ignored addresses, the coverage (experts with 0, 1, >=2 live replicas)."""
+    # no generation here, so no audits: connecting and asking each node is all it does
+    config = replace(config, audit=0.0)
     remote = RemoteExperts(model.model_id, model.config.expert_hidden, specs, config)
     try:
         nodes = []

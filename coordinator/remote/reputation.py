@@ -29,6 +29,7 @@ from collections import Counter, defaultdict
 from dataclasses import astuple, dataclass, field, fields, replace
 from pathlib import Path
 
+from coordinator.remote.policy import VETTING_AUDITS, rate_for
 from moe.errors import MoeshardError
 from moe.identity.keys import home
 
@@ -39,7 +40,6 @@ FORMAT, SCHEMA = "moeshard-reputation", 1  # the meta table's 'format' and 'sche
 PRIOR = 0.5  # alpha0 = beta0 of every score: Beta(1/2, 1/2)
 AUDIT_LAMBDA, AUDIT_PASS_W, AUDIT_FAIL_W = 0.99, 1.0, 20.0
 AUDIT_DQ, AUDIT_SUSPECT = 0.8, 0.95  # a node that failed, with an audit score below: DQ; suspect
-VETTING_AUDITS = 100  # spot checks a node gets at rate 1 before the caller's base rate
 UP_LAMBDA, UP_W, LATENCY_ALPHA = 0.999, 1.0, 0.05
 RANK_K = 1.0  # rank_weight: a node with score 0 costs 1 + RANK_K times as much
 FLUSH_INTERVAL_S, BUSY_TIMEOUT_S = 10.0, 5.0
@@ -189,11 +189,11 @@ class Reputation:
     def is_disqualified(self, node_id: str) -> bool:
         return self.record(node_id).disqualified
 
-    def audit_rate(self, node_id: str, base_rate: float) -> float:
-        """How often to spot-check the node's calls: 1 while it is new (fewer than
-        VETTING_AUDITS spot checks) or suspect (a recent failure), else `base_rate`."""
+    def audit_rate(self, node_id: str, base_rate: float, vetting: int = VETTING_AUDITS) -> float:
+        """How often to audit the node's calls (`policy.rate_for`): 1 while it is new (fewer
+        than `vetting` audits) or suspect (a recent failure), else `base_rate`."""
         r = self.record(node_id)
-        return 1.0 if r.audits_seen < VETTING_AUDITS or r.suspect else base_rate
+        return rate_for(base_rate, vetting, r.audits_seen, r.suspect)
 
     def row(self, node_id: str) -> dict:
         """The node's figures for display (`moeshard cluster`, JSON-able)."""

@@ -1,10 +1,11 @@
 """Continuous batching: many requests share one model, joining and leaving at token
 boundaries.
 
-One scheduler thread owns the model.  Each step it admits waiting requests (up to
-`max_batch` running), then makes one `Transformer.forward_batch` call over every running
-sequence, each with its own cache: a new request's prompt (its prefill, in pieces of at most
-`prefill_chunk` tokens a step: `_schedule`) beside the others' single decode rows.  So each
+One scheduler thread owns the model and the decode core (`coordinator.decode.Decoder`, the
+one `generate` runs with a batch of one).  Each step it admits waiting requests (up to
+`max_batch` running), then makes one `Decoder.step` over every running sequence, each with
+its own cache: a new request's prompt (its prefill, in pieces of at most `prefill_chunk`
+tokens a step: `_schedule`) beside the others' single decode rows.  So each
 MoE layer makes one experts call with every sequence's rows, and an expert that several
 sequences route to is read (or fetched from a node) once per step.  Each sequence samples its
 next token from its own logits with its own random generator; a sequence's logits do not
@@ -15,6 +16,14 @@ A request ends at an end-of-sequence token, a stop sequence, `max_tokens`, or wh
 client goes away (`Request.cancel`): it leaves the batch at the next token boundary and its
 cache is dropped at once.  Beyond `max_queue` waiting requests `submit` refuses (HTTP 429 in
 the server).
+
+With a `verifier` (nodes whose work is audited), a token is sent to its client only once the
+steps it rests on are settled: every call of theirs that was picked for an audit has been
+recomputed (calls not picked are settled at once).  A lie caught by an audit therefore never
+reaches a client: the decoder rolls the sequences it touched back to the step that used it,
+never past a token already sent (no retraction), and they run again on honest work.  The
+engine runs at most `max_lag` steps ahead of the last settled one (then it waits for the
+audits), which bounds how long a token waits and how far a rollback may go.
 """
 
 from __future__ import annotations
@@ -29,16 +38,14 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from coordinator.generate import SamplingOptions, sample
+from coordinator.decode import ROLLBACK_STEPS, Decoder, Sequence, Verifier
+from coordinator.sampling import SamplingOptions, log_softmax
 from coordinator.serve.histogram import REQUEST_BUCKETS, TOKEN_BUCKETS, Histogram
 
 log = logging.getLogger(__name__)
 
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """logits [V] -> log-probabilities [V], in float64."""
-    shifted = logits.astype(np.float64) - logits.max()  # [V]
-    return shifted - np.log(np.exp(shifted).sum())
+MAX_LAG = ROLLBACK_STEPS - 1  # steps the engine may run ahead of the last settled one
+HELD_BUCKETS = (0, 1, 2, 4, 8, 16)  # steps a token waits to be settled
 
 
 class QueueFull(Exception):
@@ -96,9 +103,9 @@ class Request:
 @dataclass
 class _Running:
     request: Request
-    cache: object
-    rng: np.random.Generator
-    pending: list[int]  # ids to feed: what is left of the prompt, then the last token
+    seq: Sequence
+    events: list[Event] = field(default_factory=list)  # per token made and not yet sent
+    finish: str = ""  # why it is done (its last tokens may still wait to be sent)
 
 
 @dataclass
@@ -112,6 +119,10 @@ class EngineStats:
     steps: int = 0
     batch_rows: int = 0  # sum over steps of the sequences in the step
     busy_s: float = 0.0
+    rollbacks: int = 0  # sequences undone and run again because a node was caught lying
+    verify_wait_s: float = 0.0  # time steps waited for audits (the lag bound)
+    # steps a token waited between being made and being sent (audits settling it)
+    held_steps: Histogram = field(default_factory=lambda: Histogram(HELD_BUCKETS))
     # seconds from submit to the first token; between a request's successive tokens; from
     # submit to the end (every request that ends, whatever why)
     first_token: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS))
@@ -121,20 +132,24 @@ class EngineStats:
 
 class Engine:
     """The scheduler (see the module docstring).  `model` is a family Transformer (any
-    experts backend); `close` stops the thread and ends every request with "cancelled"."""
+    experts backend), `verifier` its experts' auditor (nodes) or None; `close` stops the
+    thread and ends every request with "cancelled"."""
 
-    def __init__(self, model, max_batch: int = 16, max_queue: int = 64, prefill_chunk: int = 512):
-        if max_batch < 1 or max_queue < 0 or prefill_chunk < 0:
-            raise ValueError("max_batch must be >= 1, max_queue and prefill_chunk >= 0")
+    def __init__(
+        self,
+        model,
+        max_batch: int = 16,
+        max_queue: int = 64,
+        prefill_chunk: int = 512,
+        verifier: Verifier | None = None,
+        max_lag: int = MAX_LAG,
+    ):
+        if max_batch < 1 or max_queue < 0 or prefill_chunk < 0 or max_lag < 1:
+            raise ValueError("max_batch, max_lag must be >= 1, max_queue, prefill_chunk >= 0")
         self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
         self.prefill_chunk = prefill_chunk  # prompt tokens a step feeds at most (0: no limit)
-        # families without a batched pass run their sequences one after the other
-        batched = getattr(model, "forward_batch", None)
-        self._forward_batch = (  # each sequence's last row's logits: all sampling reads
-            (lambda batch: batched(batch, last_only=True))
-            if batched
-            else (lambda batch: [model.forward(ids, cache)[-1:] for ids, cache in batch])
-        )
+        self.decoder = Decoder(model, verifier)
+        self.verifier, self.max_lag = verifier, max_lag
         self.stats = EngineStats()
         # called on the scheduler thread after every step (`EngineProcess` sends the step's
         # events to the server process in one message)
@@ -231,9 +246,8 @@ class Engine:
             if request.cancelled:
                 self._end(request, "cancelled")
                 continue
-            cache = self.model.new_cache(len(request.prompt_ids) + request.opts.max_tokens)
-            rng = np.random.default_rng(request.opts.seed)
-            self._running.append(_Running(request, cache, rng, list(request.prompt_ids)))
+            seq = self.decoder.start(request.prompt_ids, request.opts)
+            self._running.append(_Running(request, seq))
             self.stats.prompt_tokens += len(request.prompt_ids)
 
     def _step(self) -> None:
@@ -244,31 +258,60 @@ class Engine:
             return
         t0 = time.perf_counter()
         scheduled = self._schedule()  # (sequence, ids it feeds this step)
-        batch = [(np.asarray(ids, dtype=np.int64), r.cache) for r, ids in scheduled]
-        logits = self._forward_batch(batch)  # [1, V] per sequence: its last row's
-        self.stats.steps += 1
-        self.stats.batch_rows += len(batch)
-        fed = {id(r): (len(ids), out) for (r, ids), out in zip(scheduled, logits, strict=True)}
-        still = []
-        for r in self._running:
-            n, out = fed.get(id(r), (0, None))
-            r.pending = r.pending[n:]
-            if out is None or r.pending:  # not in this step, or more of its prompt to feed
-                still.append(r)
-                continue
-            last = out[-1]  # [V]
-            token = sample(last, r.request.opts, r.rng, r.request.tokens)
-            self._emit(r.request, token, last)
-            finish = self._finish(r.request, token)
-            if finish:
-                self._end(r.request, finish)
-            else:
-                r.pending = [token]
-                still.append(r)
-        self._running = still
-        if not still and hasattr(self.model, "forget_caches"):
+        if scheduled:
+            self._keep_within_lag()
+            made = self.decoder.step([(r.seq, ids) for r, ids in scheduled])
+            self.stats.steps += 1
+            self.stats.batch_rows += len(scheduled)
+            for r in [r for r, _ in scheduled if r.seq in made]:
+                self._made(r)
+        elif self.verifier is not None:  # only finished sequences waiting for their audits
+            self.verifier.wait_settled(self.decoder.step_no - 1, timeout=0.05)
+        undone = self.decoder.rollback([r.seq for r in self._running], retract=False)
+        for r in [r for r in self._running if r.seq in undone]:
+            del r.events[len(r.seq.tokens) - r.seq.shown :]
+            r.finish = ""  # it runs again from where it was undone
+            self.stats.rollbacks += 1
+        self._send_settled()
+        self.decoder.forget([r.seq for r in self._running], retract=False)
+        if not self._running and hasattr(self.model, "forget_caches"):
             self.model.forget_caches()  # the finished sequences' caches go now
         self.stats.busy_s += time.perf_counter() - t0
+
+    def _keep_within_lag(self) -> None:
+        """With audits, wait until the steps more than `max_lag` back are settled."""
+        if self.verifier is None:
+            return
+        t0 = time.perf_counter()
+        self.verifier.wait_settled(self.decoder.step_no - self.max_lag)
+        self.stats.verify_wait_s += time.perf_counter() - t0
+
+    def _made(self, r: _Running) -> None:
+        """A token was made for `r`: its event (sent once settled), and whether it ends."""
+        seq, request = r.seq, r.request
+        token, logits = seq.tokens[-1], seq.last_logits
+        r.events.append(self._token_event(request, token, logits))
+        if token in request.opts.eos_ids:
+            r.finish = "eos"
+        elif len(seq.tokens) >= request.opts.max_tokens:
+            r.finish = "length"
+
+    def _send_settled(self) -> None:
+        """Send every token whose steps are settled; end the sequences whose last is sent."""
+        still = []
+        for r in self._running:
+            seq = r.seq
+            ready = max(self.decoder.settled(seq) - seq.shown, 0)
+            for event in r.events[:ready]:
+                self._emit(r.request, event)
+                self.stats.held_steps.observe(self.decoder.step_no - 1 - seq.token_steps[seq.shown])
+                seq.shown += 1
+            del r.events[:ready]
+            if r.finish and seq.shown == len(seq.tokens):
+                self._end(r.request, r.finish)
+            else:
+                still.append(r)
+        self._running = still
 
     def _schedule(self) -> list[tuple[_Running, list[int]]]:
         """What each running sequence feeds this step: a decoding one its last token; one
@@ -280,25 +323,19 @@ class Engine:
         chunk = self.prefill_chunk
         budget, out = chunk, []
         for r in self._running:
-            if r.request.tokens or not chunk:  # decoding (or no chunking): all it has
-                out.append((r, r.pending))
+            if r.finish:  # done: its last tokens wait for their audits
                 continue
-            take = min(len(r.pending), chunk - r.cache.length % chunk)
+            seq = r.seq
+            if seq.tokens or not chunk:  # decoding (or no chunking): all it has
+                out.append((r, seq.pending))
+                continue
+            take = min(len(seq.pending), chunk - seq.cache.length % chunk)
             if take <= budget:
                 budget -= take
-                out.append((r, r.pending[:take]))
+                out.append((r, seq.pending[:take]))
         return out
 
-    def _emit(self, request: Request, token: int, logits: np.ndarray) -> None:
-        now = time.perf_counter()
-        if request.first_token_s is None:
-            request.first_token_s = now - request.submitted
-            self.stats.first_token.observe(request.first_token_s)
-        else:
-            self.stats.inter_token.observe(now - request.last_token_at)
-        request.last_token_at = now
-        request.tokens.append(token)
-        self.stats.generated_tokens += 1
+    def _token_event(self, request: Request, token: int, logits: np.ndarray) -> Event:
         logprob, top = None, ()
         if request.logprobs or request.top_logprobs:  # of the model's logits, as vLLM gives
             logp = log_softmax(logits)  # [V]
@@ -308,17 +345,19 @@ class Engine:
                 best = np.argpartition(-logp, n - 1)[:n]  # [n], in no order
                 best = best[np.lexsort((best, -logp[best]))]  # most likely first, ties by id
                 top = tuple((int(t), float(logp[t])) for t in best)
-        request.put(Event("token", token=token, logprob=logprob, top=top))
+        return Event("token", token=token, logprob=logprob, top=top)
 
-    @staticmethod
-    def _finish(request: Request, token: int) -> str:
-        if token in request.opts.eos_ids:
-            return "eos"
-        if len(request.tokens) >= request.opts.max_tokens:
-            return "length"
-        if request.cancelled:
-            return "cancelled"
-        return ""
+    def _emit(self, request: Request, event: Event) -> None:
+        now = time.perf_counter()
+        if request.first_token_s is None:
+            request.first_token_s = now - request.submitted
+            self.stats.first_token.observe(request.first_token_s)
+        else:
+            self.stats.inter_token.observe(now - request.last_token_at)
+        request.last_token_at = now
+        request.tokens.append(event.token)
+        self.stats.generated_tokens += 1
+        request.put(event)
 
     def _end(self, request: Request, finish: str, error: str = "") -> None:
         request.finish = finish

@@ -178,3 +178,54 @@ def add_rows(out: np.ndarray, rows: np.ndarray, terms: np.ndarray) -> None:
 def weighted_sum(parts: dict[int, tuple[np.ndarray, np.ndarray]], shape, dtype) -> np.ndarray:
     """`combine` of `run_experts`' output in ascending expert order."""
     return combine(shape, (parts[e] for e in sorted(parts)), dtype)
+
+
+def partial_sum(
+    compute: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray],
+    hidden: np.ndarray,
+    ids: np.ndarray,
+    weights: np.ndarray,
+) -> np.ndarray:
+    """What a node computes for one Forward call, before encoding its reply: hidden [T, H],
+    ids/weights [T, k] (-1: an empty slot) -> float64 [T, H], the rows that name no expert
+    left 0 and the others `compute(hidden[live], ids[live], weights[live])` (float64).
+
+    One definition for the node and for whoever recomputes its reply (the coordinator's
+    audits, `moeshard ledger check-fraud`), so the two agree bit for bit. Empty rows are left
+    out rather than given some expert: an expert's kernel call must see exactly the rows
+    routed to it (a row's bits never depend on its batch, but a row that is not there must
+    not be computed either)."""
+    live = (ids >= 0).any(axis=1)  # [T]
+    out = np.zeros(hidden.shape, dtype=np.float64)  # [T, H]
+    if live.any():
+        out[live] = compute(hidden[live], ids[live], weights[live])  # [n, H]
+    return out
+
+
+Waves = Callable[[list[int]], Iterable[tuple[np.ndarray, dict[int, int]]]]
+
+
+def recompute_partial_sum(
+    waves: Waves,
+    fmt: str,
+    hidden_size: int,
+    inter: int,
+    glu: quant.Glu,
+    hidden: np.ndarray,
+    ids: np.ndarray,
+    weights: np.ndarray,
+) -> np.ndarray:
+    """`partial_sum` of a node's call computed from the expert records themselves, a few at a
+    time: `waves(experts)` yields (arena, {expert: byte offset}) groups that together hold
+    every expert routed (ascending ids in, each exactly once out), so the records need not all
+    be in memory at once.  Every expert runs on exactly its routed rows (`run_experts`) and the
+    weighted outputs are added in ascending expert order (`weighted_sum`): the same bits as
+    any backend gives for the same call (`LocalExperts`' fused kernels, the cache's waves)."""
+
+    def compute(h, i, w):  # [n, H], [n, k], [n, k] -> float64 [n, H]
+        parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for arena, offsets in waves(sorted(set(i[i >= 0].tolist()))):
+            parts.update(run_experts(arena, offsets, fmt, hidden_size, inter, h, i, w, glu=glu))
+        return weighted_sum(parts, h.shape, np.float64)
+
+    return partial_sum(compute, hidden, ids, weights)
