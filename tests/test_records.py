@@ -5,6 +5,7 @@ gRPC servers that answer Record with what an adversary who has read fetch.py mig
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +36,8 @@ from node.servicer import SERVICE
 MiB = 1 << 20
 RECORD_NBYTES = 3_342_336  # the model's records: 3 chunks of 1 MiB and a partial one
 IDLE_S = 2.0  # idle timeout of the in-process node
+BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED
+RECORD = "/moeshard.v1.ExpertNode/Record"
 
 
 @pytest.fixture(scope="module")
@@ -306,6 +309,8 @@ def test_record_streams_are_capped_and_an_abandoned_one_is_cleaned_up(small_node
         assert guard.open["record"] == 2
         err = refused(lambda: fetch(a[1], model, (1, 1)))
         assert err.code == "RESOURCE_EXHAUSTED" and "(--per-client-records)" in err.why
+        silent = silent_record(a[0])  # refused before its request is read: at once
+        assert (silent.code(), "(--per-client-records)" in silent.details()) == (BUSY, True)
         err = refused(lambda: fetch(c[1], model, (1, 1)))
         assert err.code == "RESOURCE_EXHAUSTED" and "2 records open already" in err.why
         assert c[1].Info(pb.InfoRequest(), timeout=5).model_id == model.model_id
@@ -320,6 +325,31 @@ def test_record_streams_are_capped_and_an_abandoned_one_is_cleaned_up(small_node
     finally:
         for channel, _ in (a, b, c):
             channel.close()
+
+
+def silent_record(channel) -> grpc.RpcError:
+    """A Record call whose request never comes: how it ends (within 10 s)."""
+    silent = queue.SimpleQueue()
+    record = channel.stream_stream(
+        RECORD, pb.RecordRequest.SerializeToString, pb.RecordChunk.FromString
+    )
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            next(record(iter(silent.get, None), timeout=10))
+        return err.value
+    finally:
+        silent.put(None)
+
+
+def test_a_record_request_that_never_comes_ends_at_the_idle_timeout(small_node):
+    node, addr = small_node
+    channel, _ = own_stub(addr)
+    with channel:
+        t0 = time.monotonic()
+        err = silent_record(channel)
+        assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "idle" in err.details()
+        assert IDLE_S <= time.monotonic() - t0 < IDLE_S + 2
+    wait_until(lambda: node.servicer.guard.open["record"] == 0, 2, what="the idle call closed")
 
 
 # -- hostile nodes: the client's checks -------------------------------------------------------
