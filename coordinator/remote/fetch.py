@@ -69,7 +69,7 @@ def fetch_record(
     except grpc.RpcError as exc:
         code = exc.code()
         name = code.name if code is not None else "UNKNOWN"
-        raise FetchError(f"{name}: {exc.details()}", code=name) from None
+        raise FetchError(f"{name}: {_one_line(exc.details())}", code=name) from None
     finally:
         call.cancel()  # no-op once the call is over; else stops the node sending
     if received < record_nbytes:
@@ -84,6 +84,13 @@ def fetch_record(
             evidence=True,
         )
     return received
+
+
+def _one_line(text, limit: int = 300) -> str:
+    """A node's status message as one line of at most `limit` characters (it is the node's
+    text: it may hold anything)."""
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _check_buffer(out: np.ndarray, record_nbytes: int) -> None:
