@@ -10,6 +10,7 @@ once at start. A Forward reply is altered with probability RATE (default 1):
   wrong_expert  the rows computed with another expert this node holds
   duplicate     the reply sent twice on a stream
   forged_block  (possession challenges, not Forward) one byte of each block proof flipped
+  forged_record (Record, not Forward) one byte of the record flipped in the chunks sent
   crash:N       not a lie: the process exits (status 1, no reply) on its (N+1)-th Forward
                 call, as a node dying in the middle of a generation
 The testbed and the tests use it to check that the coordinator catches each kind of lie.
@@ -29,7 +30,8 @@ from moe.errors import MoeshardError
 log = logging.getLogger(__name__)
 
 MODES = (
-    "zero", "scale", "noise", "nan", "ulp", "wrong_expert", "duplicate", "forged_block", "crash",
+    "zero", "scale", "noise", "nan", "ulp", "wrong_expert", "duplicate", "forged_block",
+    "forged_record", "crash",
 )  # fmt: skip
 ENV = "MOESHARD_FAILPOINTS"
 

@@ -9,11 +9,18 @@ A node keeps serving well-behaved clients whatever a few others do:
   with RESOURCE_EXHAUSTED "node busy";
 - calls: at most `max_calls` unary calls and `max_streams` ForwardStreams are open at once, and a
   client (its key's id; its address under --insecure) has at most `per_client` of them together;
+- records: at most `max_records` Record streams are open at once, `per_client_records` of them
+  per client (counted apart from its calls and streams), and a client's record bytes go
+  through a token bucket of `record_rate` bytes per second: a coordinator's audits get their
+  records, a stranger cannot use the node as a download mirror at disk speed;
 - rate: a client's calls (every stream message counts) and rows go through token buckets;
 - idle: a call whose next message does not come within `idle_timeout_s` ends with
   DEADLINE_EXCEEDED. grpc's request iterator has no timeout, so messages are read in helper
   threads and waited for with one; on the timeout the call is aborted, grpc cancels it and the
-  helper's read returns;
+  helper's read returns. The other way round, a Record chunk the client does not take within
+  `idle_timeout_s` gets its stream cancelled by a `Watchdog`: grpc's send of a streamed reply
+  waits for HTTP/2 flow control (the client's window) with no timeout, so a client that stops
+  reading would otherwise hold the server thread and the record in memory for good;
 - threads: the server gets `workers()` threads, `spare_workers` more than all the calls and
   streams the caps admit, so health checks are always answered.
 
@@ -22,10 +29,11 @@ A node keeps serving well-behaved clients whatever a few others do:
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
@@ -47,6 +55,12 @@ BURST_S = 1.0  # a client's token buckets hold this many seconds of its rate
 # second; the row rate must not refuse that (the compute gate, not the rate, bounds the work)
 ROWS_RATE_FACTOR = 16
 MAX_CLIENTS = 4096  # client records kept before the idle ones are dropped
+# Record bytes per second per client. A coordinator that recomputes sampled Forward calls
+# fetches a few records per second: Kimi K3's MXFP4 records are 17.5 MB, so 64 MiB/s lets
+# ~3.8 of them a second through (and the 1 s burst, BURST_S, three at once). Reading a whole
+# 1.5 TB model that way takes one client ~6.5 hours: 1/30 to 1/100 of an NVMe's 2-7 GB/s, so a
+# stranger cannot turn the node's disk and network into a mirror that starves its Forwards.
+RECORD_RATE = 64 * MiB
 
 
 class Refused(Exception):
@@ -71,6 +85,13 @@ class Limits:
     max_streams: int = 32  # ForwardStreams open at once, each on a thread while open
     max_watches: int = 4  # health Watch streams open at once, each on a thread
     per_client: int = 4  # calls + streams one client may have open at once
+    # records (rpc Record: a coordinator fetching a record to recompute a Forward itself)
+    max_records: int = 4  # Record streams open at once, each on a thread holding its record
+    per_client_records: int = 2  # Record streams one client may have open at once (apart from
+    # per_client: a coordinator's audits do not take the slots of its Forward work)
+    record_rate: float = RECORD_RATE  # record bytes per second per client (see RECORD_RATE);
+    # a record larger than the bucket (one second of it) is served when the bucket is full and
+    # paid for by waiting after it
     rate: float = 5000.0  # calls per second per client (each stream message counts)
     rate_rows: float = 0.0  # rows per second per client (0: ROWS_RATE_FACTOR full requests
     # to every MoE layer each second)
@@ -104,6 +125,9 @@ class Limits:
             ("--max-streams", self.max_streams, 1, None),
             ("max_watches", self.max_watches, 1, None),
             ("--per-client", self.per_client, 1, None),
+            ("--max-records", self.max_records, 1, None),
+            ("--per-client-records", self.per_client_records, 1, None),
+            ("--record-rate-mb", self.record_rate / MiB, 1e-3, None),
             ("--rate", self.rate, 1e-3, None),
             ("--rate-rows", self.rate_rows, 0, None),
             ("--idle-timeout", self.idle_timeout_s, 1e-3, None),
@@ -115,9 +139,10 @@ class Limits:
                 raise MoeshardError(f"{name} {value:g}: must be {within}")
 
     def messages_held(self) -> int:
-        """Request sizes in memory at worst: a message per unary call and stream being read or
-        waiting, and the working copies of the requests in compute."""
-        return self.max_calls + self.max_streams + WORK_COPIES * self.max_active
+        """Request sizes in memory at worst: a message per unary call and stream (Forward or
+        Record) being read or waiting, and the working copies of the requests in compute. (A
+        Record stream also holds its record: `max_records` records at worst.)"""
+        return self.max_calls + self.max_streams + self.max_records + WORK_COPIES * self.max_active
 
     def request_memory(self) -> int:
         """Bytes requests may hold at once, at worst."""
@@ -125,14 +150,22 @@ class Limits:
 
     def workers(self) -> int:
         """Server threads: every call and stream the caps admit, and spares for health."""
-        return self.max_calls + self.max_streams + self.max_watches + self.spare_workers
+        return (
+            self.max_calls
+            + self.max_streams
+            + self.max_records
+            + self.max_watches
+            + self.spare_workers
+        )
 
     def summary(self) -> str:
         return (
             f"requests up to {fmt_bytes(self.max_request_bytes)} and {self.max_rows} rows; "
             f"{self.max_active} computing + {self.max_queue} queued; {self.max_calls} calls + "
-            f"{self.max_streams} streams, {self.per_client} per client; per client "
-            f"{self.rate:g} calls/s and {self.rate_rows:g} rows/s; idle timeout "
+            f"{self.max_streams} streams, {self.per_client} per client; {self.max_records} "
+            f"record streams, {self.per_client_records} per client; per client {self.rate:g} "
+            f"calls/s, {self.rate_rows:g} rows/s and {fmt_bytes(self.record_rate)}/s of records; "
+            f"idle timeout "
             f"{self.idle_timeout_s:g} s; {self.workers()} threads; requests hold at most "
             f"{self.request_memory() / MiB:.0f} MiB"
         )
@@ -206,20 +239,22 @@ class TokenBucket:
 
 
 class Client:
-    """One client's open calls and streams and its buckets."""
+    """One client's open calls, streams and record streams, and its buckets."""
 
     def __init__(self, limits: Limits):
-        self.open = 0
+        self.open = 0  # unary calls and ForwardStreams
+        self.records = 0  # Record streams
         self.calls = TokenBucket(limits.rate, limits.rate * BURST_S)
         rows_capacity = max(limits.rate_rows * BURST_S, float(limits.max_rows))
         self.rows = TokenBucket(limits.rate_rows, rows_capacity)
+        self.record_bytes = TokenBucket(limits.record_rate, limits.record_rate * BURST_S)
 
     def idle(self, now: float) -> bool:
-        """No call open and both buckets full: forgetting it changes nothing."""
+        """Nothing open and every bucket full: forgetting it changes nothing."""
         return (
             self.open == 0
-            and self.calls.refill(now) >= self.calls.capacity
-            and self.rows.refill(now) >= self.rows.capacity
+            and self.records == 0
+            and all(b.refill(now) >= b.capacity for b in (self.calls, self.rows, self.record_bytes))
         )
 
 
@@ -233,40 +268,63 @@ class Guard:
         self.lock = threading.Lock()
         self.clients: dict[str, Client] = {}
         self.sweep_at = MAX_CLIENTS  # drop idle client records when there are this many
-        self.open = {"call": 0, "stream": 0}  # unary calls and ForwardStreams open now
+        # unary calls, ForwardStreams and Record streams: open now, and the most open at once
+        self.open = {"call": 0, "stream": 0, "record": 0}
+        self.caps = {
+            "call": limits.max_calls,
+            "stream": limits.max_streams,
+            "record": limits.max_records,
+        }
         self.work = Gate(limits.max_active, limits.max_queue)
         # every admitted call and stream has at most one read outstanding: reads never queue
         self.readers = ThreadPoolExecutor(
-            limits.max_calls + limits.max_streams, thread_name_prefix="read"
+            limits.max_calls + limits.max_streams + limits.max_records, thread_name_prefix="read"
         )
+        self.stalls = Watchdog()  # streams whose client stops taking their replies
 
     # -- admission ------------------------------------------------------------------------
 
     @contextmanager
     def admit(self, client: str, kind: str):
-        """Count a unary call (`kind` "call") or a ForwardStream ("stream") of `client` as
-        open for the block; Refused (RESOURCE_EXHAUSTED) over the node's or the client's cap."""
-        cap = self.limits.max_calls if kind == "call" else self.limits.max_streams
+        """Count a unary call (`kind` "call"), a ForwardStream ("stream") or a Record stream
+        ("record") of `client` as open for the block; Refused (RESOURCE_EXHAUSTED) over the
+        node's or the client's cap."""
+        cap = self.caps[kind]
         with self.lock:
             record = self._client(client)
-            if record.open >= self.limits.per_client:
-                raise Refused(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"client {_show(client)} has {record.open} calls and streams open, the most "
-                    f"this node allows (--per-client)",
-                )
+            self._check_client_cap(client, record, kind)
             if self.open[kind] >= cap:
                 raise Refused(
                     grpc.StatusCode.RESOURCE_EXHAUSTED, f"node busy: {cap} {kind}s open already"
                 )
-            record.open += 1
-            self.open[kind] += 1
+            self._count(record, kind, +1)
         try:
             yield
         finally:
             with self.lock:
-                record.open -= 1
-                self.open[kind] -= 1
+                self._count(record, kind, -1)
+
+    def _check_client_cap(self, client: str, record: Client, kind: str) -> None:
+        if kind == "record" and record.records >= self.limits.per_client_records:
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"client {_show(client)} has {record.records} record streams open, the most "
+                f"this node allows (--per-client-records)",
+            )
+        if kind != "record" and record.open >= self.limits.per_client:
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"client {_show(client)} has {record.open} calls and streams open, the most "
+                f"this node allows (--per-client)",
+            )
+
+    def _count(self, record: Client, kind: str, step: int) -> None:
+        """Open (+1) or close (-1) a call of `kind` (under self.lock)."""
+        if kind == "record":
+            record.records += step
+        else:
+            record.open += step
+        self.open[kind] += step
 
     def charge(self, client: str, rows: int = 0) -> None:
         """One call (or stream message) of `rows` rows; Refused when the client is over its
@@ -287,6 +345,24 @@ class Guard:
                     f"rows/s (--rate-rows)",
                 )
             record.calls.take(1, now)
+
+    def charge_bytes(self, client: str, nbytes: int) -> None:
+        """A record of `nbytes` bytes for `client`; Refused when its record-byte bucket holds
+        less than that (or, for a record larger than the bucket, is not full). The bucket may
+        go below zero: a record larger than one second of the rate is paid for by the wait
+        after it. A refused record takes nothing."""
+        now = time.monotonic()
+        with self.lock:
+            bucket = self._client(client).record_bytes
+            if bucket.refill(now) < min(nbytes, bucket.capacity):
+                wait_s = (min(nbytes, bucket.capacity) - bucket.tokens) / bucket.rate
+                raise Refused(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"client {_show(client)} is over its rate of "
+                    f"{fmt_bytes(self.limits.record_rate)}/s of record bytes (--record-rate-mb): "
+                    f"this record in {wait_s:.2g} s",
+                )
+            bucket.tokens -= nbytes
 
     def _client(self, client: str) -> Client:
         """The record of `client` (under self.lock), dropping idle ones when there are many."""
@@ -324,8 +400,66 @@ class Guard:
         except grpc.RpcError:  # cancelled by the client
             return None
 
+    def sending(self, cancel: Callable[[], object]):
+        """Around handing one streamed reply to grpc (context manager): `cancel` (the call's
+        context.cancel) is called if the block has not ended within idle_timeout_s, that is
+        when the client has stopped taking replies and flow control holds the send."""
+        return self.stalls.watch(self.limits.idle_timeout_s, cancel)
+
     def close(self) -> None:
         self.readers.shutdown(wait=False, cancel_futures=True)
+        self.stalls.close()
+
+
+class Watchdog:
+    """Calls the `cancel` of every watched block still running at its deadline. One daemon
+    thread, started on first use, sleeps until the earliest deadline."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.due: dict[int, tuple[float, Callable[[], object]]] = {}  # key -> (deadline, cancel)
+        self.keys = itertools.count()
+        self.thread: threading.Thread | None = None
+        self.closed = False
+        self.fired = 0  # blocks cancelled so far
+
+    @contextmanager
+    def watch(self, timeout_s: float, cancel: Callable[[], object]):
+        with self.cond:
+            key = next(self.keys)
+            self.due[key] = (time.monotonic() + timeout_s, cancel)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+                self.thread.start()
+            self.cond.notify()
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.due.pop(key, None)
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.closed and not self._overdue():
+                    soonest = min((at for at, _ in self.due.values()), default=None)
+                    self.cond.wait(None if soonest is None else soonest - time.monotonic())
+                if self.closed:
+                    return
+                overdue = self._overdue()
+                cancels = [self.due.pop(key)[1] for key in overdue]
+                self.fired += len(cancels)
+            for cancel in cancels:
+                cancel()
+
+    def _overdue(self) -> list[int]:
+        now = time.monotonic()
+        return [key for key, (at, _) in self.due.items() if at <= now]
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
 
 
 def _show(client: str) -> str:

@@ -5,7 +5,8 @@
 call is authorized (node/access.py) and admitted under the node's limits (node/limits.py) before
 its message is read; every request is checked before the backend sees it, and every result
 before it is sent. A bad request gets a status code and a message and the node keeps serving.
-A Prefetch hint starts its reads at once. `HealthServicer` is the standard grpc.health.v1 service.
+A Prefetch hint starts its reads at once. A Record stream sends one record's bytes in chunks
+(node/records.py). `HealthServicer` is the standard grpc.health.v1 service.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ from node.access import AccessDenied, AccessPolicy
 from node.holdings import unavailable
 from node.limits import Guard, Limits, Refused
 from node.possession import Prover
+from node.records import Records, chunks
 
 log = logging.getLogger(__name__)
 SERVICE = "moeshard.v1.ExpertNode"
+NOT_FORWARD = ("duplicate", "forged_block", "forged_record")  # failpoints that leave replies be
 
 
 class RequestError(Exception):
@@ -115,12 +118,17 @@ class ExpertNodeServicer:
             self.bad,
             self.state_lock,
         )
+        self.records = Records(  # records for a coordinator that recomputes (node/records.py)
+            shards, identity.model_id, self.held, self.bad, self.state_lock
+        )
 
     def register(self, server: grpc.Server) -> None:
         """Serve moeshard.v1.ExpertNode on `server`. The unary methods are registered as
         client-streaming handlers (the same bytes on the wire): grpc then hands over the call
         before reading its message, so a call over the limits is refused unread, and a message
-        that does not come within the idle timeout ends the call instead of holding a thread."""
+        that does not come within the idle timeout ends the call instead of holding a thread.
+        Record (one request, a stream of replies) is registered as bidirectional for the same
+        reason."""
 
         def unary(method, request, reply):
             return grpc.stream_unary_rpc_method_handler(
@@ -137,6 +145,9 @@ class ExpertNodeServicer:
                 self.ForwardStream,
                 pb.ForwardRequest.FromString,
                 pb.ForwardReply.SerializeToString,
+            ),
+            "Record": grpc.stream_stream_rpc_method_handler(
+                self.Record, pb.RecordRequest.FromString, pb.RecordChunk.SerializeToString
             ),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
@@ -247,6 +258,33 @@ class ExpertNodeServicer:
         """Proof of possession: the challenged blocks with their Merkle paths, signed."""
         forge = self.lie is not None and self.lie.mode == "forged_block"  # tests only
         return self.prover.answer(request, context.time_remaining(), forge=forge)
+
+    def Record(self, requests, context):
+        """One record's bytes in chunks. Authorized and admitted (--max-records,
+        --per-client-records) before the request is read, the request read under the idle
+        timeout; the record's bytes are charged to the client's byte rate before the disk is
+        read. Each chunk must be taken by the client within the idle timeout, or the stream is
+        cancelled (a client that stops reading would hold the thread and the record)."""
+        with self._refusals(context):
+            client = self._caller(context)
+            with self.guard.admit(client, "record"):
+                request = self.guard.read(requests)
+                if request is None:
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
+                self.guard.charge(client)
+                self.records.check(request)
+                self.guard.charge_bytes(client, self.records.record_nbytes)
+                record = self.records.read(request.layer, request.expert)  # uint8 [nbytes]
+                forge = self.lie is not None and self.lie.mode == "forged_record"  # tests only
+                for chunk in chunks(record, forge=forge and self.lie.fires(self.lie_rng)):
+                    with self.guard.sending(lambda: self._stalled(client, context)):
+                        yield chunk
+
+    @staticmethod
+    def _stalled(client: str, context) -> None:
+        """The watchdog's end of a stream whose client stopped reading it."""
+        log.info("client %s stopped reading a Record stream: cancelled", client or context.peer())
+        context.cancel()
 
     # -- receipts and settlements (issue 15) -------------------------------------------------
 
@@ -415,7 +453,7 @@ class ExpertNodeServicer:
                 log.warning("FAILPOINT: crash after %d Forward calls", self.served - 1)
                 os._exit(1)  # a node dying mid-generation: no reply, no clean-up
             return out
-        if lie is None or lie.mode in ("duplicate", "forged_block") or not lie.fires(self.lie_rng):
+        if lie is None or lie.mode in NOT_FORWARD or not lie.fires(self.lie_rng):
             return out
         if lie.mode != "wrong_expert":
             return lie.alter(out, self.lie_rng)

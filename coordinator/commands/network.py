@@ -85,7 +85,23 @@ def add_node(sub) -> None:
         "--idle-timeout",
         type=float,
         default=60.0,
-        help="seconds a call or stream may send nothing before it is ended",
+        help="seconds a call or stream may send nothing (or a Record stream's client take "
+        "nothing) before it is ended",
+    )
+    lim.add_argument(
+        "--max-records", type=int, default=4, help="Record streams (a record's bytes) open at once"
+    )
+    lim.add_argument(
+        "--per-client-records",
+        type=int,
+        default=2,
+        help="Record streams one client may have open at once",
+    )
+    lim.add_argument(
+        "--record-rate-mb",
+        type=float,
+        default=64.0,
+        help="MiB of records per second per client (a one-second burst)",
     )
     p.set_defaults(func=cmd_node)
 
@@ -105,6 +121,9 @@ def cmd_node(args) -> int:
         rate=args.rate,
         rate_rows=args.rate_rows,
         idle_timeout_s=args.idle_timeout,
+        max_records=args.max_records,
+        per_client_records=args.per_client_records,
+        record_rate=args.record_rate_mb * (1 << 20),
     )
     config = NodeConfig(
         path=args.path,
