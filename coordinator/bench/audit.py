@@ -64,6 +64,9 @@ def run(args) -> int:
     if args.quick:
         args.trials, args.honest_calls, args.real_runs, args.rounds = 200, 2000, 1, 2
     model = ModelDir(args.model)
+    model.require_experts(
+        "bench audit starts its nodes from the records: use the full model directory"
+    )
     with tempfile.TemporaryDirectory(prefix="moeshard-bench-audit-") as tmp:
         dirs = layouts_for(Path(args.model), args.nodes, Path(tmp))[args.nodes]
         procs = NodeProcs(Path(tmp))
