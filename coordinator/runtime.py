@@ -27,6 +27,9 @@ from moe.model.streaming_trunk import StreamingTrunk
 from moe.storage.budget import BudgetPlan, measure_overhead, peak_rss_bytes, plan_budget
 
 log = logging.getLogger(__name__)
+# what to do with a directory without expert records (a coordinator directory) where a mode
+# computes the experts here; the commands name their own options first
+LOCAL_REMEDY = "run it with nodes (--peers or --discover), or use the full model directory"
 
 
 class TextStreamer:
@@ -157,6 +160,7 @@ def open_local(path: str | Path | ModelDir) -> Runtime:
     warmup_s = quant.warmup()  # compile (or load from numba's disk cache) before token one
     model = _model_dir(path)
     model.require_trunk()
+    model.require_experts(LOCAL_REMEDY)
     experts = LocalExperts(model.shard_set)
     transformer = model.family.Transformer(model.config, model.load_trunk(), experts)
     return _finish(model, transformer, experts, warmup_s, started)
@@ -178,6 +182,7 @@ def open_streaming(
     warmup_s = time.perf_counter() - t0
     model = _model_dir(path)
     model.require_trunk()
+    model.require_experts(LOCAL_REMEDY)
     prefetch = store_options.pop("prefetch", True)
     layout = model.trunk_layout()
     plan = plan_budget(

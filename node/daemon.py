@@ -128,6 +128,10 @@ class Node:
                 "(or --insecure on loopback)"
             )
         self.model = ModelDir(config.path)
+        self.model.require_experts(
+            "serve a node directory of its shard set (node-NN beside it), or the full model "
+            "directory"
+        )
         self.key = load_or_create(config.key or self.model.path / NODE_KEY)
         self.tls = None if config.insecure else node_tls(self.key)
         ledger = open_ledger(config.ledger, self.key, "node")  # the file is made on first use

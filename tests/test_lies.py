@@ -13,7 +13,6 @@ from coordinator.generate import SamplingOptions, generate
 from coordinator.runtime import open_local
 from node import failpoints
 
-
 LONG = 40  # tokens: enough calls for a part-time liar's first lie (its 4th call) to come
 
 

@@ -90,6 +90,7 @@ def test_shard_never_replaces_its_model_or_another_directory(capsys, ckpt, tmp_p
     assert cli(capsys, "shard", model, "--nodes", "2", "--out", shards)[0] == 0
     assert cli(capsys, "shard", model, "--nodes", "3", "--out", shards, "--force")[0] == 0
     assert sorted(p.name for p in shards.iterdir() if p.is_dir()) == [
+        "coordinator",
         "node-00",
         "node-01",
         "node-02",

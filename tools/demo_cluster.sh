@@ -2,6 +2,8 @@
 # `make demo`: the network mode on one machine. Splits MODEL's experts over three node daemons
 # on loopback (every expert on two of them), lets the coordinator find them with zeroconf,
 # generates through them, and stops them cleanly (SIGTERM: stop advertising, finish, exit 0).
+# The coordinator runs on the directory `shard` writes for it (MODEL-shards/coordinator: the
+# trunk, tokenizer and Merkle roots, no expert records), as it would on its own machine.
 #
 #   tools/demo_cluster.sh MODEL "PROMPT" [MAX_TOKENS]
 set -euo pipefail
@@ -68,4 +70,4 @@ for i in 0 1 2; do
     fi
 done
 echo "demo: 3 nodes serving on 127.0.0.1:$base_port-$((base_port + 2)); discovering them with zeroconf" >&2
-moeshard generate "$model" --discover --prompt "$prompt" --max-tokens "$max_tokens"
+moeshard generate "$shards/coordinator" --discover --prompt "$prompt" --max-tokens "$max_tokens"

@@ -73,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     if args.quick:
         args.trials, args.honest_calls, args.real_runs, args.rounds = 200, 500, 1, 2
+    ModelDir(args.model).require_experts(
+        "bench audit starts its nodes from the records: use the full model directory"
+    )
     cache = parse_size(args.audit_cache) if args.audit_cache else 0
     with tempfile.TemporaryDirectory(prefix="moeshard-bench-audit-") as tmp:
         tmp = Path(tmp)

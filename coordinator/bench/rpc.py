@@ -262,6 +262,9 @@ def _decode(model: ModelDir, backends: list[Row], tokens: int) -> None:
 
 def run(args) -> int:
     model = ModelDir(args.model)
+    model.require_experts(
+        "bench rpc starts its nodes from the records: use the full model directory"
+    )
     n = max(1, args.nodes)
     with tempfile.TemporaryDirectory(prefix="moeshard-bench-") as tmp:
         nodes = NodeProcs(Path(tmp))

@@ -185,6 +185,10 @@ def run(args) -> int:
     from coordinator.tokenizer import load as load_tokenizer
 
     model = ModelDir(args.model)  # a clear error before a server starts
+    if not (args.peers or args.discover):
+        model.require_experts(
+            "bench serve with --peers or --discover, or use the full model directory"
+        )
     ids = load_tokenizer(model.path) is None  # no tokenizer: prompts as token ids
     top, port = levels[-1], _free_port()
     requests = args.requests or 2 * top

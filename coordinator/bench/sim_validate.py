@@ -127,6 +127,7 @@ def validate(
     at its queue depth (`moe.io.busy_throughput`). Returns (runs, predictions, predictions
     with the disk as seen in the run, median disk); `report` prints medians over the runs."""
     model = ModelDir(model_path)
+    model.require_experts("--validate runs the model here: use the full model directory")
     geometry = simulate.geometry_of(str(model_path))
     disks = [measure_disk(model, geometry.record_bytes, seed=0)]
     runs, predictions, seen = [], [], []

@@ -153,6 +153,7 @@ def run(args) -> int:
     limit_blas_threads(1)  # as `generate --ram` does (see moe/kernels/blas.py)
     overhead = measure_overhead()  # interpreter + numba warm-up, before any model allocation
     model = ModelDir(args.model)
+    model.require_experts("bench stream reads the records here: use the full model directory")
     c = model.config
     prompt = [int(t) for t in args.prompt_ids.split(",")]
     context = len(prompt) + args.tokens

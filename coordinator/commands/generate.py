@@ -122,6 +122,8 @@ def cmd_generate(args) -> int:
     # every check that needs only the model directory runs before anything is loaded,
     # allocated or connected
     model = ModelDir(args.model)
+    if not (args.peers or args.discover):  # local or --ram: the experts are computed here
+        model.require_experts()
     if (args.chat or args.system or args.no_thinking) and args.prompt is None:
         raise MoeshardError("--chat, --system and --no-thinking format a --prompt text")
     if (args.system or args.no_thinking) and not args.chat:

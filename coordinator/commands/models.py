@@ -148,11 +148,31 @@ def add_quality(sub) -> None:
     p.set_defaults(func=cmd_quality)
 
 
+def _checkpoint_dir(src: str, command: str) -> None:
+    """`quality` and `perplexity` convert a Hugging Face checkpoint themselves: a moeshard
+    directory given instead is refused in one line that names the checkpoint to give (a
+    coordinator directory's line also says it holds no expert records)."""
+    from moe.model.model_dir import ModelDir
+    from moe.storage.manifest import MANIFEST
+
+    if not (Path(src) / MANIFEST).is_file():
+        return
+    model = ModelDir(src)
+    try:
+        source = model.manifest.get("converted_from") or "the checkpoint it was converted from"
+        remedy = f"{command} reads a Hugging Face checkpoint: give {source}"
+        model.require_experts(remedy)
+        raise MoeshardError(f"{src}: a moeshard model directory; {remedy}")
+    finally:
+        model.close()
+
+
 def cmd_quality(args) -> int:
     from coordinator import tokenizer
     from coordinator.quality import compare_formats
     from moe.kernels import quant
 
+    _checkpoint_dir(args.src, "quality")
     prompts = [[int(t) for t in p.split(",")] for p in args.prompt_ids or []]
     if args.prompt:
         tok = tokenizer.load(Path(args.src))
@@ -195,6 +215,7 @@ def add_perplexity(sub) -> None:
 def cmd_perplexity(args) -> int:
     from coordinator.quality import perplexity_by_format
 
+    _checkpoint_dir(args.src, "perplexity")
     try:
         text = Path(args.text).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

@@ -175,14 +175,20 @@ def client_config(args, **fields):
 
 
 def add_shard(sub) -> None:
-    p = sub.add_parser("shard", help="split a model's experts into per-node shard directories")
+    p = sub.add_parser(
+        "shard",
+        help="split a model's experts into per-node shard directories, and write the "
+        "coordinator's directory (trunk, tokenizer, Merkle roots; no experts)",
+    )
     p.add_argument("model", help="model directory")
     p.add_argument("--nodes", type=int, required=True, help="number of node directories")
     p.add_argument("--replicas", type=int, default=2, help="copies of every expert")
     p.add_argument(
         "--trace", help="usage to balance by: a trace (.npz), a --profile-out JSON, or {'L:E': n}"
     )
-    p.add_argument("--out", required=True, help="directory to create (node-00, node-01, ...)")
+    p.add_argument(
+        "--out", required=True, help="directory to create (node-00, node-01, ..., coordinator)"
+    )
     p.add_argument(
         "--force",
         action="store_true",
@@ -200,6 +206,12 @@ def cmd_shard(args) -> int:
             f"{node['dir']}: {len(node['experts'])} experts, expected load "
             f"{node['load']:.3f}, {node['bytes'] / 1e6:.1f} MB"
         )
+    coord = plan["coordinator"]
+    print(
+        f"{coord['dir']}: the coordinator's directory (trunk, config, tokenizer, Merkle roots; "
+        f"no expert records), {coord['bytes'] / 1e6:.1f} MB (the full model directory: "
+        f"{coord['source_bytes'] / 1e6:.1f} MB)"
+    )
     print(f"plan written to {plan['plan_file']}")
     return EXIT_OK
 

@@ -97,6 +97,8 @@ def cmd_serve(args) -> int:
     if args.ram and (args.peers or args.discover):
         raise MoeshardError("--ram streams experts from this machine's SSD; not with nodes")
     model = ModelDir(args.model)
+    if not (args.peers or args.discover):
+        model.require_experts("serve with --peers or --discover, or use the full model directory")
     engine_kwargs = {"max_batch": args.max_batch, "max_queue": args.max_queue}
     engine_kwargs["prefill_chunk"] = args.prefill_chunk
     if args.engine_in_process:

@@ -89,14 +89,15 @@ def cluster_report(
             )
         counts = defaultdict(int)
         live = remote.live_peers()
-        for key in model.locations:
+        keys = model.expert_keys()  # the model's records, held here or not (a coordinator's)
+        for key in keys:
             counts[min(sum(1 for p in live if key in p.held), 2)] += 1
         return {
             "model_id": model.model_id,
             "addresses": len(specs),
             "nodes": nodes,
             "ignored": dict(remote.peers.ignored),
-            "coverage": {"experts": len(model.locations), **{k: counts[i] for i, k in COVER}},
+            "coverage": {"experts": len(keys), **{k: counts[i] for i, k in COVER}},
         }
     finally:
         remote.close()

@@ -48,6 +48,7 @@ def pack(model_path: str | Path, trace: Trace, out: str | Path | None = None) ->
     if out is not None:  # a new directory: never the model itself, inside it, or around it
         check_output(out, [src], False, "model")
     model = ModelDir(src)
+    model.require_experts("pack the full model directory")
     dst = Path(out) if out is not None else src
     try:
         order = layout(trace, model)

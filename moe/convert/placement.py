@@ -7,6 +7,12 @@ a valid model directory without trunk: config.json (and the tokenizer/generation
 manifest with the SAME model id, and shard files whose records are copied byte for byte (each
 record's checksum is verified on read and must come out equal on write).
 
+Beside them, OUT/coordinator is what the coordinator needs when every expert is on the nodes:
+a valid model directory with the same model id and no expert records (manifest role
+"coordinator", `moe.storage.manifest`): the trunk, config.json, generation_config.json, the
+tokenizer and chat template files, and merkle.bin, the roots it checks the nodes' records
+against. The experts, nearly all of a large model's bytes, stay on the nodes only.
+
 Trace format (JSON): {"layer:expert": count, ...}; experts not listed count 0, and every
 expert gets a floor of 1e-3 of the mean so unseen experts are still spread.
 """
@@ -17,16 +23,27 @@ import json
 from contextlib import ExitStack
 from pathlib import Path
 
+from moe.convert.converter import COPIED_FILES as MODEL_FILES
 from moe.convert.outdir import PLAN_FILE, check_output, staged
 from moe.errors import MoeshardError, StoreError
 from moe.experts.usage import read_usage
 from moe.model.model_dir import ModelDir
 from moe.storage.io import copy_file, write_file
-from moe.storage.manifest import FORMAT_VERSION, write_manifest
+from moe.storage.manifest import (
+    FORMAT_VERSION,
+    ROLE_COORDINATOR,
+    ROLE_NODE,
+    TRUNK_FILE,
+    write_manifest,
+)
 from moe.storage.merkle import ROOTS_FILE
 from moe.storage.shards import ShardWriter
 
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+# the coordinator's directory: the trunk, every file convert carries over from the checkpoint
+# (configs, tokenizer, the chat template in tokenizer_config.json) and the roots
+COORDINATOR_DIR = "coordinator"
+COORDINATOR_FILES = (TRUNK_FILE, *MODEL_FILES, ROOTS_FILE)
 SHARD_MAX_BYTES = 2 << 30  # one shard file holds at most this many record bytes
 
 
@@ -109,6 +126,7 @@ def _write_node_files(model: ModelDir, keys, out: Path, closing: ExitStack) -> i
     manifest = dict(model.manifest)
     manifest.update(
         format_version=FORMAT_VERSION,
+        role=ROLE_NODE,
         expert_files=files,
         trunk_file=None,
         shard_of=str(model.path),
@@ -116,6 +134,33 @@ def _write_node_files(model: ModelDir, keys, out: Path, closing: ExitStack) -> i
     )
     write_manifest(out, manifest)
     return written
+
+
+def _write_coordinator_dir(model: ModelDir, out: Path) -> int:
+    """The coordinator's directory (see the module docstring); returns its size in bytes.
+    It is opened once written, so a directory that would be refused is never put in place."""
+    out.mkdir(parents=True)
+    for name in COORDINATOR_FILES:
+        if (model.path / name).exists():
+            copy_file(model.path / name, out / name)
+    manifest = dict(model.manifest)
+    for key in ("shard_experts", "layout"):  # what a node's or a packed directory's says
+        manifest.pop(key, None)
+    manifest.update(
+        format_version=FORMAT_VERSION,
+        role=ROLE_COORDINATOR,
+        expert_files=[],
+        trunk_file=TRUNK_FILE,
+        shard_of=str(model.path),
+    )
+    write_manifest(out, manifest)
+    ModelDir(out).close()
+    return directory_bytes(out)
+
+
+def directory_bytes(path: Path) -> int:
+    """Bytes of the files directly in `path` (model directories have no subdirectories)."""
+    return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
 
 
 def shard_model(
@@ -126,15 +171,30 @@ def shard_model(
     trace: str | Path | None = None,
     force: bool = False,
 ) -> dict:
-    """Write OUT/node-00 ... node-(N-1) and OUT/plan.json; returns the plan."""
+    """Write OUT/node-00 ... node-(N-1), OUT/coordinator and OUT/plan.json; returns the plan."""
     out = check_output(out, [model_path], force, "shards")
     model = ModelDir(model_path)
     try:
+        _check_source(model)
         _check_shard_set_size(model, nodes)
         with staged(out, out.with_name(out.name + ".partial")) as tmp:
             return _write_shard_set(model, nodes, replicas, out, tmp, trace)
     finally:
         model.close()
+
+
+def _check_source(model: ModelDir) -> None:
+    """Only a full model directory can be split: the nodes need its records, the coordinator
+    its trunk and the roots the model id covers."""
+    remedy = "shard the full model directory (from `moeshard convert`)"
+    model.require_experts(remedy)
+    if not model.has_trunk:
+        raise MoeshardError(f"{model.path}: has no {TRUNK_FILE} (a node directory?): {remedy}")
+    if not model.manifest.get("merkle"):
+        raise MoeshardError(
+            f"{model.path}: no {ROOTS_FILE} (converted before possession roots): convert the "
+            "checkpoint again to shard it"
+        )
 
 
 def _check_shard_set_size(model: ModelDir, nodes: int) -> None:
@@ -167,6 +227,11 @@ def _write_shard_set(model: ModelDir, nodes, replicas, out: Path, tmp: Path, tra
                 "bytes": written,
             }
         )
+    coordinator = {
+        "dir": str(out / COORDINATOR_DIR),
+        "bytes": _write_coordinator_dir(model, tmp / COORDINATOR_DIR),
+        "source_bytes": directory_bytes(model.path),
+    }
     holders: dict[str, list[int]] = {}
     for n, mine in enumerate(placed):
         for a, b in mine:
@@ -175,6 +240,7 @@ def _write_shard_set(model: ModelDir, nodes, replicas, out: Path, tmp: Path, tra
         "model_id": model.model_id,
         "source": str(model.path),
         "nodes": node_plans,
+        "coordinator": coordinator,
         "replicas": replicas,
         "balanced_by": "trace" if trace else "count",
         "trace": str(trace) if trace else None,

@@ -3,6 +3,13 @@
 The experts' part is a `moe.storage.shards.ShardSet` (`shard_set`), which is all an experts
 backend needs; the trunk is read with `load_trunk` (into RAM) or streamed through
 `moe.model.streaming_trunk`.
+
+Three kinds open here (the manifest's "role", `moe.storage.manifest`): a full model directory,
+a node's shard directory (no trunk) and a coordinator directory (no expert records). The last
+one's ShardSet is empty but still knows the experts' geometry (format, widths, GLU, record
+bytes), and its merkle.bin is checked on opening, since it is the only thing there that speaks
+for the records: covered by the model id, one root per record of the model, of the record
+size the format and geometry give. Commands that need the records call `require_experts`.
 """
 
 from __future__ import annotations
@@ -16,8 +23,15 @@ from moe.model.config import read_json
 from moe.model.families import family_for, load_config
 from moe.model.trunk import Trunk
 from moe.storage import merkle
-from moe.storage.manifest import TRUNK_FILE, check_config, read_manifest
-from moe.storage.shards import ShardSet
+from moe.storage.manifest import (
+    MANIFEST,
+    ROLE_COORDINATOR,
+    ROLE_MODEL,
+    TRUNK_FILE,
+    check_config,
+    read_manifest,
+)
+from moe.storage.shards import Key, ShardSet
 from moe.storage.trunk_file import TrunkLayout, read_trunk_tensors
 
 log = logging.getLogger(__name__)
@@ -37,6 +51,11 @@ class ModelDir:
         self.config = load_config(self.path)
         self.family: ModuleType = family_for(self.config.model_type, str(self.path))
         self.expert_format: str = self.manifest["expert_format"]
+        self.role: str = self.manifest.get("role", ROLE_MODEL)
+        if self.role == ROLE_COORDINATOR and self.manifest["expert_files"]:
+            raise StoreError(
+                f"{self.path / MANIFEST}: a coordinator directory that lists expert files"
+            )
         self.shard_set = ShardSet(
             [self.path / name for name in self.manifest["expert_files"]],
             self.model_id,
@@ -48,6 +67,28 @@ class ModelDir:
         self.shards = self.shard_set.files
         self.locations = self.shard_set.locations
         self._roots: merkle.Roots | None = None
+        if self.role == ROLE_COORDINATOR:
+            self._check_coordinator()
+
+    def _check_coordinator(self) -> None:
+        """A coordinator directory has its trunk, and its roots file is the one the model id
+        covers, with a root for every record of the model and the record size its format and
+        geometry give. StoreError (one line) otherwise."""
+        if not self.has_trunk:
+            raise StoreError(
+                f"{self.path}: a coordinator directory without {TRUNK_FILE}: run "
+                "`moeshard shard` again"
+            )
+        if not self.manifest.get("merkle"):
+            raise StoreError(
+                f"{self.path / MANIFEST}: a coordinator directory without possession roots"
+            )
+        roots = self.possession_roots()
+        if roots.keys() != self.expert_keys():
+            raise StoreError(
+                f"{self.path / merkle.ROOTS_FILE}: {len(roots.keys())} roots, not one for each "
+                f"of the model's {len(self.expert_keys())} expert records"
+            )
 
     @property
     def has_trunk(self) -> bool:
@@ -56,6 +97,30 @@ class ModelDir:
     def require_trunk(self) -> None:
         if not self.has_trunk:
             raise StoreError(f"{self.path}: has no {TRUNK_FILE} (a node shard directory?)")
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether this directory holds expert records (a coordinator directory holds none)."""
+        return bool(self.locations)
+
+    def require_experts(
+        self, remedy: str = "generate with --peers or --discover, or use the full model directory"
+    ) -> None:
+        """StoreError (one line, exit 2) naming the directory and `remedy` (what to do
+        instead) unless it holds expert records: for every use that reads or computes them
+        here rather than on nodes."""
+        if self.has_experts:
+            return
+        if self.role == ROLE_COORDINATOR:
+            what = "a coordinator directory made by `moeshard shard`"
+        else:
+            what = "its manifest lists no expert files"
+        raise StoreError(f"{self.path} holds no expert records ({what}): {remedy}")
+
+    def expert_keys(self) -> set[Key]:
+        """Every (layer, expert) record of the model, whatever this directory holds of them."""
+        c = self.config
+        return {(layer, e) for layer in c.moe_layers for e in range(c.n_experts)}
 
     def trunk_layout(self) -> TrunkLayout:
         return TrunkLayout(self.path / TRUNK_FILE, self.model_id)
@@ -72,7 +137,9 @@ class ModelDir:
         if self._roots is None:
             entry = self.manifest.get("merkle")
             if entry:
-                self._roots = merkle.load_covered(self.path, entry, self.model_id)
+                roots = merkle.load_covered(self.path, entry, self.model_id)
+                self._check_record_size(roots)
+                self._roots = roots
             elif self.locations:
                 log.warning(
                     "%s: no possession roots file; computing roots from the records "
@@ -83,6 +150,15 @@ class ModelDir:
             else:
                 raise StoreError(f"{self.path}: no possession roots and no records: reconvert")
         return self._roots
+
+    def _check_record_size(self, roots: merkle.Roots) -> None:
+        """The roots file's record size must be the one the experts' format and geometry
+        give (`quant.expert_record_nbytes`): every proof's block count depends on it."""
+        if roots.record_nbytes != self.shard_set.record_nbytes:
+            raise StoreError(
+                f"{self.path / merkle.ROOTS_FILE}: records of {roots.record_nbytes} bytes; "
+                f"the model's {self.expert_format} experts have {self.shard_set.record_nbytes}"
+            )
 
     def generation_config(self) -> dict:
         path = self.path / "generation_config.json"

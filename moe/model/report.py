@@ -6,7 +6,8 @@ from pathlib import Path
 
 from moe.kernels import quant
 from moe.model.model_dir import ModelDir
-from moe.storage.manifest import TRUNK_FILE
+from moe.storage.manifest import ROLE_COORDINATOR, ROLE_NODE, TRUNK_FILE
+from moe.storage.merkle import ROOTS_FILE
 from moe.units import fmt_bytes
 
 
@@ -54,12 +55,31 @@ def describe(path: str | Path, verify: bool = False) -> tuple[str, bool]:
             f"params     {total / 1e6:,.2f} M (trunk {params.get('trunk', 0) / 1e6:,.2f} M, "
             f"experts {params.get('experts', 0) / 1e6:,.2f} M)"
         )
-    lines.append(
-        f"sizes      total {fmt_bytes(trunk_bytes + expert_total)}; "
-        f"trunk {fmt_bytes(trunk_bytes)}; "
-        f"experts {fmt_bytes(expert_total)} ({n_records} records of {fmt_bytes(record)}); "
-        f"active per token {fmt_bytes(record * c.top_k * len(c.moe_layers))} of experts"
-    )
+    active = f"active per token {fmt_bytes(record * c.top_k * len(c.moe_layers))} of experts"
+    if model.role == ROLE_COORDINATOR:
+        roots = model.possession_roots()  # checked on opening: one per record of the model
+        lines.append(
+            "directory  coordinator (made by `moeshard shard`): the trunk, no expert records; "
+            f"generate with --peers or --discover; {len(roots.keys())} Merkle roots "
+            f"({ROOTS_FILE}) to check the nodes' records against"
+        )
+        lines.append(
+            f"sizes      total {fmt_bytes(trunk_bytes)}; trunk {fmt_bytes(trunk_bytes)}; "
+            f"experts on the nodes: {fmt_bytes(len(roots.keys()) * record)} "
+            f"({len(roots.keys())} records of {fmt_bytes(record)}); {active}"
+        )
+    else:
+        if model.role == ROLE_NODE:
+            lines.append(
+                f"directory  a node's shard directory (made by `moeshard shard`): "
+                f"{n_records} of the model's {len(model.expert_keys())} expert records, no trunk"
+            )
+        lines.append(
+            f"sizes      total {fmt_bytes(trunk_bytes + expert_total)}; "
+            f"trunk {fmt_bytes(trunk_bytes)}; "
+            f"experts {fmt_bytes(expert_total)} ({n_records} records of {fmt_bytes(record)}); "
+            f"{active}"
+        )
     ok = True
     if trunk_path.exists():
         status = "not verified"

@@ -8,10 +8,17 @@ A model directory holds:
   experts-NNNNN.gguf     expert shard files: one record per (layer, expert)
   merkle.bin             per-record Merkle roots, for proofs of possession (moe/storage/merkle.py)
 
-A node's shard directory (`moeshard shard`) is the same without trunk.gguf. The model id is the
-sha256 of a content id (the sha256 of the config and of every tensor's and record's checksum)
-and of merkle.bin, so two directories (or a node's shard directory and the coordinator's) agree
-on it only if they hold the same model in the same formats with the same roots.
+`moeshard shard MODEL --out OUT` writes two more kinds, named by the manifest's "role" field:
+  "node"         OUT/node-NN: the same without trunk.gguf, only the records placed on that
+                 node ("shard_of": the source directory, "shard_experts": its record count)
+  "coordinator"  OUT/coordinator: the same without any experts-*.gguf ("expert_files" is empty):
+                 trunk, configs, tokenizer and merkle.bin, all a coordinator whose experts are
+                 on nodes needs ("shard_of": the source directory)
+A manifest without "role" is a full model directory ("model"; node directories written before
+the field existed have "trunk_file": null instead). The model id is the sha256 of a content id
+(the sha256 of the config and of every tensor's and record's checksum) and of merkle.bin, so
+two directories (a full one, a node's, the coordinator's) agree on it only if they hold the
+same model in the same formats with the same roots.
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ FORMAT_VERSION = 2
 MANIFEST = "moeshard.json"
 TRUNK_FILE = "trunk.gguf"
 PLACEHOLDER_ID = "0" * 64  # the model id written first and replaced once the data is hashed
+# the manifest's "role": what a directory holds (see the module docstring)
+ROLE_MODEL, ROLE_NODE, ROLE_COORDINATOR = "model", "node", "coordinator"
+ROLES = (ROLE_MODEL, ROLE_NODE, ROLE_COORDINATOR)
 
 
 CONTENT_PREFIX = b"moeshard-content-v1\n"
@@ -99,4 +109,11 @@ def read_manifest(directory: Path) -> dict:
     for key in ("model_id", "expert_format", "expert_files"):
         if key not in manifest:
             raise StoreError(f"{path}: manifest lacks '{key}'")
+    if not isinstance(manifest["expert_files"], list):
+        raise StoreError(f"{path}: 'expert_files' is not a list of file names")
+    if manifest.get("role", ROLE_MODEL) not in ROLES:
+        raise StoreError(
+            f"{path}: role {manifest['role']!r} is not one of {', '.join(ROLES)} "
+            "(a manifest from a newer build, or damaged)"
+        )
     return manifest
