@@ -170,9 +170,10 @@ class NodeProcess:
         allow: str | None = None,
         insecure: bool = False,
         env: dict | None = None,
+        flags: tuple[str, ...] = (),
     ):
         cmd = [sys.executable, "-X", "faulthandler", "-m", "coordinator.cli", "node", str(path)]
-        cmd += ["--port", str(port)] + ([] if advertise else ["--no-advertise"])
+        cmd += ["--port", str(port)] + ([] if advertise else ["--no-advertise"]) + list(flags)
         cmd += ["--name", name] if name else []
         if insecure:
             cmd += ["--insecure"]

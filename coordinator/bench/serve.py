@@ -260,7 +260,7 @@ def _run_engine_only(args, model, levels: list[int], requests: int, ids: bool) -
         args.discover, remote_config=remote,
     )  # fmt: skip
     chunk = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
-    engine = Engine(rt.transformer, max_batch=top, max_queue=top, **chunk)
+    engine = Engine(rt.transformer, max_batch=top, max_queue=top, verifier=rt.verifier, **chunk)
 
     def one(i: int) -> dict:
         prompt = _prompt(i, ids, args.prompt_tokens)

@@ -280,7 +280,7 @@ def add_audit_options(p) -> None:
         default=AUDIT_RATE,
         metavar="P",
         help="share of a vetted node's calls recomputed here, from Merkle-checked records, "
-        f"and compared bit for bit (default {AUDIT_RATE}; 0: off)",
+        "and compared bit for bit (0: off)",
     )
     g.add_argument(
         "--audit-new",
@@ -288,7 +288,7 @@ def add_audit_options(p) -> None:
         default=VETTING_AUDITS,
         metavar="N",
         help="a node's calls are all recomputed until N audits of it have passed (this run's "
-        f"plus its reputation's; default {VETTING_AUDITS})",
+        "plus its reputation's)",
     )
     g.add_argument(
         "--audit-cache",

@@ -103,7 +103,7 @@ def cmd_serve(args) -> int:
     engine_kwargs["prefill_chunk"] = args.prefill_chunk
     if args.engine_in_process:
         rt = open_runtime(args)
-        engine = Engine(rt.transformer, **engine_kwargs)
+        engine = Engine(rt.transformer, verifier=rt.verifier, **engine_kwargs)
         tokenizer, eos, experts, close = rt.tokenizer, rt.eos_ids, rt.experts, rt.experts.close
     else:
         engine = EngineProcess(open_runtime_in_child, _child_args(args), engine_kwargs)

@@ -218,7 +218,7 @@ def _child_main(conn, opener, opener_args, engine_kwargs) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         rt = opener(opener_args)
-        engine = Engine(rt.transformer, **engine_kwargs)
+        engine = Engine(rt.transformer, verifier=rt.verifier, **engine_kwargs)
     except BaseException as exc:  # the parent reports it and exits
         conn.send(("failed", str(exc) or type(exc).__name__))
         return
