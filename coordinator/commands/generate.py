@@ -80,6 +80,12 @@ def add_generate(sub) -> None:
     add_peer_options(p, required=False)
     p.add_argument("--degrade", action="store_true", help="drop experts no live node holds")
     p.add_argument(
+        "--own-experts",
+        action="store_true",
+        help="compute the experts no live node holds here, from this model directory's own "
+        "records (a full model directory), instead of failing",
+    )
+    p.add_argument(
         "--wire-dtype", choices=("f32", "bf16"), default="f32", help="activations on the wire"
     )
     p.add_argument("--deadline", type=float, default=5.0, help="seconds per node call")
@@ -262,6 +268,7 @@ def _open_runtime(args, model, prompt_tokens: int, context: int):
             deadline_s=args.deadline,
             wire_dtype=args.wire_dtype,
             degrade=args.degrade,
+            own_experts=args.own_experts,
             **audit_settings(args),
             ledger=args.ledger or "",
             reputation=reputation,
