@@ -218,7 +218,8 @@ def _real_liar(bench: _Bench, specs, procs: NodeProcs, plan, args) -> None:
     lie = f"lie=scale:1.000005:{f}"
     print(f"== 3. a real liar ({lie}, p = {p}, no vetting at rate 1)")
     for run in range(args.real_runs):
-        liar = procs.launch(Path(plan["nodes"][0]["dir"]), bench.identity, {ENV: lie})
+        key = ("--key", str(bench.evidence.parent / f"liar-{run}.pem"))  # a stranger's key
+        liar = procs.launch(Path(plan["nodes"][0]["dir"]), bench.identity, {ENV: lie}, key)
         liar_spec = liar.spec()
         transformer, remote = bench.remote([*specs, liar_spec], audit=p, audit_new=0)
         rng = random.Random(100 + run)
@@ -234,12 +235,11 @@ def _real_liar(bench: _Bench, specs, procs: NodeProcs, plan, args) -> None:
             liar.proc.terminate()
             liar.proc.wait()
         caught = "caught" if bad.disqualified else "NOT caught in 600 s"
-        proofs = stats["proofs"]
-        checked = fraud.check(proofs[0], bench.model).describe()[:60] if proofs else "no proof"
+        proofs, honest = stats["proofs"], [c for c in stats["convicted"] if c != bad.node_id]
+        checked = fraud.check(proofs[0], bench.model).describe()[:48] if proofs else "none"
         print(
             f"   run {run + 1}: {caught} after serving {bad.calls} calls (median predicted "
-            f"{median:.0f}); honest convicted {len(stats['convicted']) - bad.disqualified != 0}"
-            f"; fraud proof: {checked}..."
+            f"{median:.0f}); honest nodes convicted {len(honest)}; its fraud proof: {checked}..."
         )
 
 

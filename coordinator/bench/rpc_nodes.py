@@ -79,10 +79,14 @@ class NodeProcs:
         self.log_dir = Path(log_dir)
         self.procs: list[subprocess.Popen] = []
 
-    def launch(self, path: Path, allow: Identity | None, env: dict | None = None) -> Launched:
+    def launch(
+        self, path: Path, allow: Identity | None, env: dict | None = None, flags: tuple = ()
+    ) -> Launched:
         """A node on `path`: TLS serving only `allow`'s key, or plaintext without it; `env`:
-        more environment (`bench audit`'s liar has its failpoints there)."""
+        more environment (`bench audit`'s liar has its failpoints there); `flags`: more
+        options (a `--key` of its own for a second node on one directory)."""
         cmd = [sys.executable, "-m", "coordinator.cli", "node", str(path), "--no-advertise"]
+        cmd += list(flags)
         cmd += ["--insecure"] if allow is None else ["--allow", allow.id]
         log = self.log_dir / f"node-{len(self.procs)}.log"
         with open(log, "wb") as err:
