@@ -99,7 +99,7 @@ def _add_bench(sub) -> None:
         ("disk", disk, "O_DIRECT read GB/s by read size and queue depth"),
         ("stream", stream, "streaming s/token per cache policy vs the disk floor"),
         ("modes", modes, "in-RAM default vs --ram streaming, tok/s side by side"),
-        ("audit", audit_bench, "spot checks: liar detection vs theory, false bans, cost in tok/s"),
+        ("audit", audit_bench, "audits: liar detection vs theory, false convictions, cost"),
         ("compare-llamacpp", compare_llamacpp, "moeshard vs llama.cpp built here, side by side"),
         ("serve", serve, "the API under 1..N concurrent clients: tok/s, first token, expert cost"),
     ]:

@@ -20,12 +20,15 @@ were never picked): those may be shown without ever being taken back for a caugh
 from __future__ import annotations
 
 import bisect
+import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from coordinator.sampling import SamplingOptions, sample
+
+log = logging.getLogger(__name__)
 
 ROLLBACK_STEPS = 8  # steps a recurrent (KDA) state can be rolled back when nodes are audited
 
@@ -164,8 +167,19 @@ class Decoder:
             at = at + 1 if at + 1 < len(seq.history) else None
         if at is None:
             return False
+        while True:  # a recurrent (KDA) state goes back only ROLLBACK_STEPS passes
+            try:
+                seq.cache.truncate(seq.history[at].length)
+                break
+            except ValueError:
+                if at + 1 == len(seq.history):
+                    return False
+                at += 1
+                log.warning(
+                    "a recurrent state keeps %d steps: work before step %d stands, unverified",
+                    ROLLBACK_STEPS, seq.history[at].step,
+                )  # fmt: skip
         start = seq.history[at]
-        seq.cache.truncate(start.length)
         seq.rng.bit_generator.state = start.rng_state
         del seq.tokens[start.tokens :], seq.token_steps[start.tokens :], seq.logits[start.tokens :]
         del seq.history[at:]

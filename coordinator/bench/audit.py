@@ -20,6 +20,10 @@ into the audit cache. Then:
 4. Cost at rate p (vetting skipped): decode tokens/s against no audits on the same nodes
    (alternated rounds, medians); the audit thread's CPU time as a share of the decode time
    (goal: at most 10%); record bytes fetched per token, from a cold audit cache.
+5. Serving: --clients requests at once through the batching engine, which sends a token only
+   once the audits it rests on are done: tokens/s without audits, at rate p and at rate 1 (a
+   new node's vetting), and how long a token waited to be sent (the lag, bounded by the
+   engine's MAX_LAG steps).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from coordinator.remote.experts import RemoteExperts
 from coordinator.remote.policy import AUDIT_RATE
 from coordinator.remote.records import RecordCache
 from coordinator.remote.trust import Trust
+from coordinator.serve.engine import HELD_BUCKETS, Engine
 from moe.convert.placement import shard_model
 from moe.ledger import fraud
 from moe.model.model_dir import ModelDir
@@ -66,6 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--real-runs", type=int, default=3, help="runs with the real liar")
     p.add_argument("--tokens", type=int, default=48, help="tokens per generation")
     p.add_argument("--rounds", type=int, default=5, help="alternated rounds of the cost test")
+    p.add_argument("--clients", type=int, default=8, help="requests at once in the serving test")
     p.add_argument("--audit-cache", metavar="SIZE", help="the coordinator's audit cache")
     p.add_argument("--quick", action="store_true", help="small counts (a smoke run)")
 
@@ -91,6 +97,7 @@ def run(args) -> int:
             _detection(kept, args)
             _real_liar(bench, specs, procs, plan, args)
             _cost(bench, specs, args)
+            _serving(bench, specs, args)
         finally:
             procs.close()
     return 0
@@ -285,3 +292,40 @@ def _cost(bench: _Bench, specs, args) -> None:
         f"{rec['fetched_bytes'] / max(tokens, 1) / 1e3:.1f} KB per token from a cold cache; "
         f"cache hits {rec['hits']}, evictions {rec['evicted']}"
     )
+
+
+def _serving(bench: _Bench, specs, args) -> None:
+    """Section 5: the batching engine with and without audits; the wait audits add."""
+    print(f"== 5. serving {args.clients} requests at once of {args.tokens} tokens")
+    rng = random.Random(5)
+    prompts = [bench.prompt(rng) for _ in range(args.clients)]
+    base = None
+    for name, rate in (("no audit", 0.0), (f"audit {args.audit}", args.audit), ("audit 1", 1.0)):
+        transformer, remote = bench.remote(specs, audit=rate, audit_new=0)
+        verifier = remote.verifier if rate > 0 else None
+        engine = Engine(transformer, max_batch=args.clients, verifier=verifier)
+        try:
+            t0 = time.perf_counter()
+            requests = [engine.submit(p, bench.opts()) for p in prompts]
+            tokens = sum(
+                len([e for e in r.stream(timeout=600) if e.kind == "token"]) for r in requests
+            )
+            elapsed = time.perf_counter() - t0
+            stats = engine.stats
+        finally:
+            engine.close()
+            remote.close()
+        tps = tokens / elapsed
+        base = base or tps
+        line = f"   {name:<11} {tps:8.1f} tok/s {tps / base:6.3f}x"
+        if verifier is not None:
+            _, held_s, count = stats.held.snapshot()
+            steps, _, _ = stats.held_steps.snapshot()
+            most = next((b for b, n in zip(HELD_BUCKETS, steps, strict=False) if n == count), "")
+            most = most if most != "" else f"more than {HELD_BUCKETS[-1]}"
+            line += (
+                f"   a token waited {held_s / max(count, 1) * 1e3:.2f} ms on average to be "
+                f"sent, at most {most} steps; waits for audits {stats.verify_wait_s:.2f} s; "
+                f"rollbacks {stats.rollbacks}"
+            )
+        print(line)

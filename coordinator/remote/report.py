@@ -129,7 +129,7 @@ def format_cluster(report: dict) -> str:
 
 
 def _reputation(row: dict | None) -> str:
-    """'  rep 0.97 audits 120/0 avail 99.8%' (spot checks passed/failed; proofs of possession
+    """'  rep 0.97 audits 120/0 avail 99.8%' (audits passed/failed; proofs of possession
     too if any), '  rep new' for an id with no record, '' without a reputation database."""
     if row is None:
         return ""

@@ -6,8 +6,8 @@ Storj's beta scores with forgetting (whitepaper v3 s. 4.15): an event with outco
     alpha' = lambda * alpha + w+ * (1 + v) / 2        score = alpha / (alpha + beta)
     beta'  = lambda * beta  + w- * (1 - v) / 2
 
-so evidence n events old weighs lambda**n. Per node id: an audit score (spot checks, proofs of
-possession), an availability score (calls and probes answered) and an EWMA of round trips;
+so evidence n events old weighs lambda**n. Per node id: an audit score (audits of its replies,
+proofs of possession), an availability score (calls and probes answered) and an EWMA of round trips;
 score = audit score * availability. The parameters and why: docs/security.md, "Reputation".
 
 Cheap on the hot path: events update an in-memory delta per node; `flush` (every few seconds
@@ -67,7 +67,7 @@ class Record:
     up_alpha: float = PRIOR
     up_beta: float = PRIOR
     latency_ms: float | None = None
-    audits_passed: int = 0  # spot checks
+    audits_passed: int = 0  # its replies recomputed by a coordinator
     audits_failed: int = 0
     possession_passed: int = 0  # proofs of possession
     possession_failed: int = 0
@@ -77,7 +77,7 @@ class Record:
     audit_score = property(lambda r: r.audit_alpha / (r.audit_alpha + r.audit_beta))
     availability = property(lambda r: r.up_alpha / (r.up_alpha + r.up_beta))
     score = property(lambda r: r.audit_score * r.availability)
-    audits_seen = property(lambda r: r.audits_passed + r.audits_failed)  # spot checks
+    audits_seen = property(lambda r: r.audits_passed + r.audits_failed)  # audits of its replies
     failed = property(lambda r: r.audits_failed + r.possession_failed)  # audits and proofs
     disqualified = property(lambda r: r.failed > 0 and r.audit_score < AUDIT_DQ)
     suspect = property(lambda r: r.failed > 0 and r.audit_score < AUDIT_SUSPECT)
@@ -148,7 +148,7 @@ class Reputation:
         self._last_flush = time.monotonic()
 
     def record_audit(self, node_id: str, passed: bool) -> None:
-        """A spot check of the node's reply: passed, or it differed from another holder's."""
+        """An audit of the node's reply: the coordinator's recomputation gave its bits, or not."""
         self._audit(node_id, passed, ("audits_failed", "audits_passed"))
 
     def record_possession(self, node_id: str, passed: bool) -> None:
@@ -183,7 +183,7 @@ class Reputation:
         return self.record(node_id).score
 
     def audits_seen(self, node_id: str) -> int:
-        """Spot checks so far (proofs of possession do not vet a node's compute)."""
+        """Audits of its replies so far (proofs of possession do not vet its compute)."""
         return self.record(node_id).audits_seen
 
     def is_disqualified(self, node_id: str) -> bool:

@@ -672,6 +672,13 @@ def prometheus_text(state: ServerState) -> str:
     lines += s.request_time.prometheus(
         "moeshard_request_duration_seconds", "from a request's arrival to its end, whatever why"
     )
+    if getattr(s, "held", None) is not None and s.held.snapshot()[2]:  # nodes, audited
+        lines += s.held.prometheus(
+            "moeshard_token_audit_wait_seconds",
+            "from a token being made to its being sent: the audits it rests on settling",
+        )
+        metric("moeshard_rollbacks_total", "counter", "sequences undone: a node caught lying",
+               s.rollbacks)  # fmt: skip
     stats = state.experts.stats() if state.experts is not None else {}
     hits, misses = stats.get("hits"), stats.get("misses")
     if hits is not None and misses is not None and hits + misses:

@@ -104,7 +104,8 @@ class Request:
 class _Running:
     request: Request
     seq: Sequence
-    events: list[Event] = field(default_factory=list)  # per token made and not yet sent
+    events: list[tuple[Event, float]] = field(default_factory=list)  # (event, when made) per
+    # token made and not yet sent
     finish: str = ""  # why it is done (its last tokens may still wait to be sent)
 
 
@@ -121,8 +122,9 @@ class EngineStats:
     busy_s: float = 0.0
     rollbacks: int = 0  # sequences undone and run again because a node was caught lying
     verify_wait_s: float = 0.0  # time steps waited for audits (the lag bound)
-    # steps a token waited between being made and being sent (audits settling it)
+    # what a token waited between being made and being sent (audits settling it): steps, s
     held_steps: Histogram = field(default_factory=lambda: Histogram(HELD_BUCKETS))
+    held: Histogram = field(default_factory=lambda: Histogram(TOKEN_BUCKETS))
     # seconds from submit to the first token; between a request's successive tokens; from
     # submit to the end (every request that ends, whatever why)
     first_token: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS))
@@ -290,7 +292,7 @@ class Engine:
         """A token was made for `r`: its event (sent once settled), and whether it ends."""
         seq, request = r.seq, r.request
         token, logits = seq.tokens[-1], seq.last_logits
-        r.events.append(self._token_event(request, token, logits))
+        r.events.append((self._token_event(request, token, logits), time.perf_counter()))
         if token in request.opts.eos_ids:
             r.finish = "eos"
         elif len(seq.tokens) >= request.opts.max_tokens:
@@ -302,8 +304,9 @@ class Engine:
         for r in self._running:
             seq = r.seq
             ready = max(self.decoder.settled(seq) - seq.shown, 0)
-            for event in r.events[:ready]:
+            for event, made in r.events[:ready]:
                 self._emit(r.request, event)
+                self.stats.held.observe(time.perf_counter() - made)
                 self.stats.held_steps.observe(self.decoder.step_no - 1 - seq.token_steps[seq.shown])
                 seq.shown += 1
             del r.events[:ready]
