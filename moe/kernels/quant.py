@@ -38,7 +38,7 @@ import numba
 import numpy as np
 from gguf import GGMLQuantizationType, quants
 
-from moe.kernels import dots, entry, idots
+from moe.kernels import dots, entry, fixedmath, idots
 
 FORMATS = ("f32", "bf16", "q8_0", "q4_0", "mxfp4")
 BLOCK_FORMATS = ("q8_0", "q4_0", "mxfp4")  # 32-column blocks, a scale each
@@ -86,13 +86,14 @@ def _glu(glu: Glu) -> tuple[int, float, float]:
 
 
 def glu_reference(g: np.ndarray, u: np.ndarray, glu: Glu = SWIGLU) -> np.ndarray:
-    """The gated unit in float64 (numpy), as the kernels compute it before rounding."""
+    """The gated unit in float64 (numpy), as the kernels compute it before rounding: the same
+    operations as `entry._glu_mul`, with `fixedmath`'s exp and tanh, so the same bits."""
     g, u = np.asarray(g, dtype=np.float64), np.asarray(u, dtype=np.float64)
-    with np.errstate(over="ignore"):  # exp(-g) -> inf for very negative g: silu -> -0
-        if glu.kind == 1:
-            b, lb = glu.beta, glu.linear_beta
-            return b * np.tanh(g / b) / (1.0 + np.exp(-g)) * (lb * np.tanh(u / lb))
-        return g / (1.0 + np.exp(-g)) * u
+    exp, tanh = fixedmath.exp_array, fixedmath.tanh_array
+    if glu.kind == 1:
+        b, lb = glu.beta, glu.linear_beta
+        return b * tanh(g / b) / (1.0 + exp(-g)) * (lb * tanh(u / lb))
+    return g / (1.0 + exp(-g)) * u
 
 
 _F32 = np.dtype(np.float32)
