@@ -171,6 +171,12 @@ def test_gated_unit_kernel_equals_reference_bit_for_bit(glu):
     with np.errstate(all="ignore"):  # the non-finite gates
         want = quant.glu_reference(g, u, glu).astype(np.float32)  # [64, 2048]
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    g3, u3 = g.reshape(8, 8, 2048), u.reshape(8, 8, 2048)[::-1]  # [8, 8, 2048]: any shape
+    g3.setflags(write=False)  # a read-only gate, a non-contiguous up
+    trunk = quant.gated_unit(g3, u3, glu)  # what the trunk's FFNs call
+    with np.errstate(all="ignore"):
+        want3 = quant.glu_reference(g3, u3, glu).astype(np.float32)
+    assert trunk.shape == g3.shape and np.array_equal(trunk.view(np.uint32), want3.view(np.uint32))
 
 
 @pytest.mark.parametrize("glu", [quant.SWIGLU, quant.situ(4.0, 25.0)])
