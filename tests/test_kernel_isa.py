@@ -1,42 +1,65 @@
-"""The integer q4_0/q8_0 dot products give the same bits whichever instructions compute them.
+"""The kernels give the same bits whatever CPU level they are compiled for.
 
-`moe.kernels.idots` compiles its exact integer step with AVX2's vpmaddubsw/vpmaddwd where the
-CPU has them and with plain LLVM vector code elsewhere.  This machine runs the AVX2 form in
-the test process and the portable form in a child forced with MOESHARD_KERNEL_ISA=generic (and
-its own numba cache, since numba's cache does not know about that switch); both must give
-equal bits for every batch size, odd block counts, a partial row group and non-finite activations.
+A coordinator recomputes a node's expert output with its own kernels and requires equal bits,
+so nothing in an expert's arithmetic may depend on the CPU (docs/kernels.md, "Across CPUs").
+This process compiles for this machine (native: AVX2 or AVX-512, with FMA); child processes,
+each with its own empty numba cache (numba's cache is keyed by CPU, but not by
+MOESHARD_KERNEL_ISA), compile for
+
+* ``generic``: LLVM's generic x86-64 CPU;
+* ``sse2``: baseline x86-64 with SSE and SSE2 only (no FMA, no AVX);
+* ``portable-int``: this CPU, with `moe.kernels.idots`' portable integer step
+  (MOESHARD_KERNEL_ISA=generic) instead of AVX2's vpmaddubsw/vpmaddwd (the other two children
+  use the portable form as well: their CPUs have no AVX2).
+
+Each child computes every case below and must give this process's bits: `idots.int_rows` for
+every format, batch size, odd block counts, a partial row group and a non-finite activation;
+the expert FFN (`expert_ffn`, `experts_ffn_b1`, `experts_ffn_b1_sum`, `experts_ffn_rows`) of
+every weight format with SwiGLU and with Kimi K3's SiTU; and the gated unit's exp and tanh
+(`moe.kernels.fixedmath`) on values over their whole range.  Each child also reads the machine
+code it compiled for `entry._glu_mul`: no FMA instruction, no call to libm's exp or tanh (or
+to SVML).  The children run at the same time; compiling the kernels is most of their time.
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from test_fixedmath import numba_exp, numba_tanh, values
 
-from moe.kernels import idots, quant
+from moe.kernels import entry, idots, quant
 from moe.kernels.entry import _matrix_views
 
 SHAPES = [(5, 96), (9, 2080), (13, 256)]  # (rows, cols): odd and even block counts
 BATCHES = (1, 2, 3)
+FFN_SHAPES = [(96, 160), (64, 32)]  # (hidden, inter)
+GLUS = {"swiglu": quant.SWIGLU, "situ": quant.situ(4.0, 25.0)}
+LEVELS = {
+    "generic": {"NUMBA_CPU_NAME": "generic"},
+    "sse2": {"NUMBA_CPU_NAME": "x86-64", "NUMBA_CPU_FEATURES": "+sse,+sse2"},
+    "portable-int": {"MOESHARD_KERNEL_ISA": "generic"},
+}
 
 CHILD = """
 import json, sys
 import numpy as np
-from moe.kernels import idots
 sys.path.insert(0, {tests!r})
-from test_kernel_isa import int_rows_all
+from moe.kernels import idots
+from test_kernel_isa import all_outputs, glu_machine_code_problems
 assert idots.ISA == "generic", idots.ISA
-out = {{key: y.view(np.uint32).tolist() for key, y in int_rows_all().items()}}
-json.dump(out, sys.stdout)
+np.savez({out!r}, **all_outputs())
+json.dump(glu_machine_code_problems(), sys.stdout)
 """
 
 
 def int_rows_all() -> dict[str, np.ndarray]:
     """`idots.int_rows` on fixed weights and activations, for every format, shape and batch."""
     results = {}
-    for fmt in ("q4_0", "q8_0", "mxfp4"):
+    for fmt in quant.BLOCK_FORMATS:
         for rows, cols in SHAPES:
             rng = np.random.default_rng(rows * cols)
             w = rng.standard_normal((rows, cols)).astype(np.float32)  # [rows, cols]
@@ -51,27 +74,161 @@ def int_rows_all() -> dict[str, np.ndarray]:
                 idots.quantize_activations(x, xq, xd, xc)
                 out = np.empty((b, rows), dtype=np.float32)  # [b, rows]
                 idots.int_rows(quant._FMT_CODE[fmt], wq, ws, xq, xd, xc, out, 0, rows)
-                results[f"{fmt} {rows}x{cols} b{b}"] = out
+                results[f"int_rows {fmt} {rows}x{cols} b{b}"] = out
+    return results | every_scale()
+
+
+def every_scale() -> dict[str, np.ndarray]:
+    """One block per row, a row for every possible block scale: all 65536 float16 values
+    (q8_0; widened by vcvtph2ps, or by integer operations on a CPU without F16C, nan payloads
+    included) and all 256 E8M0 bytes (mxfp4)."""
+    results = {}
+    rng = np.random.default_rng(3)
+    for fmt, n_scales, scale_bytes, code_bytes in (("q8_0", 65536, 2, 32), ("mxfp4", 256, 1, 16)):
+        raw = rng.integers(0, 256, (n_scales, scale_bytes + code_bytes), dtype=np.uint8)
+        scales = np.arange(n_scales, dtype=np.uint16 if scale_bytes == 2 else np.uint8)
+        raw[:, :scale_bytes] = scales.view(np.uint8).reshape(n_scales, scale_bytes)
+        data = quant._readonly(quant.pack_ggml(raw, fmt, n_scales, 32))
+        _, row_bytes, scale_off = quant._matrix_layout(fmt, n_scales, 32)
+        wq, ws = _matrix_views(quant._FMT_CODE[fmt], data, n_scales, 32, row_bytes, scale_off)
+        x = rng.standard_normal((2, 32)).astype(np.float32)  # [2, 32]
+        xq, xd, xc = idots.activation_buffers(2, 32)
+        idots.quantize_activations(x, xq, xd, xc)
+        out = np.empty((2, n_scales), dtype=np.float32)  # [2, n_scales]
+        idots.int_rows(quant._FMT_CODE[fmt], wq, ws, xq, xd, xc, out, 0, n_scales)
+        results[f"int_rows {fmt} every scale"] = out
     return results
 
 
-@pytest.mark.skipif(idots.ISA != "avx2", reason="this CPU has no AVX2: only one form to test")
-def test_portable_form_equals_avx2_bit_for_bit(tmp_path):
-    here = {key: y.view(np.uint32) for key, y in int_rows_all().items()}
-    env = dict(os.environ, MOESHARD_KERNEL_ISA="generic", NUMBA_CACHE_DIR=str(tmp_path))
+def expert_records(fmt: str, hidden: int, inter: int, seed: int, n: int) -> list[np.ndarray]:
+    """n expert records whose gate and up rows are scaled over 3.5 decades, so the gated unit
+    sees gates from about 0.1 to several hundred (exp's overflow, tanh's saturation)."""
+    rng = np.random.default_rng(seed)
+    recs = []
+    for _ in range(n):
+        gate, up = (
+            rng.standard_normal((inter, hidden)).astype(np.float32)
+            * (10.0 ** rng.uniform(-2, 1.5, (inter, 1))).astype(np.float32)
+            for _ in range(2)
+        )  # [inter, hidden] each
+        down = rng.standard_normal((hidden, inter)).astype(np.float32) * np.float32(0.05)
+        recs.append(quant.pack_expert(gate, up, down, fmt))
+    return recs
+
+
+def expert_all() -> dict[str, np.ndarray]:
+    """The expert FFN kernels on fixed records and rows, every format and gated unit."""
+    results = {}
+    for fmt in quant.FORMATS:
+        for hidden, inter in FFN_SHAPES:
+            recs = expert_records(fmt, hidden, inter, seed=hidden + inter, n=3)
+            arena, offsets = np.concatenate(recs), np.arange(3) * recs[0].size
+            rng = np.random.default_rng(hidden)
+            x = rng.standard_normal((5, hidden)).astype(np.float32) * 2  # [5, hidden]
+            x[4, 7] = np.inf  # a non-finite row
+            w = np.array([0.5, 0.3, 0.2], dtype=np.float32)  # [3]
+            for name, glu in GLUS.items():
+                key = f"{fmt} {hidden}x{inter} {name}"
+                results[f"ffn {key} b1"] = quant.expert_ffn(recs[0], fmt, hidden, inter, x[:1], glu)
+                results[f"ffn {key} b5"] = quant.expert_ffn(recs[1], fmt, hidden, inter, x, glu)
+                b1 = quant.experts_ffn_b1(arena, offsets, fmt, hidden, inter, x[:3], glu)
+                total = quant.experts_ffn_b1_sum(arena, offsets, fmt, hidden, inter, x[:1], w, glu)
+                rows = quant.experts_ffn_rows(
+                    arena, offsets, fmt, hidden, inter, x, [0, 2, 2, 5], glu
+                )
+                results[f"b1 {key}"], results[f"b1_sum {key}"] = b1, total  # total: float64
+                results[f"rows {key}"] = rows
+    return results
+
+
+def elementary_all() -> dict[str, np.ndarray]:
+    """`fixedmath.exp`/`tanh` compiled into numba loops, and the gated unit itself."""
+    x = values(20_000, seed=11)  # float64 [~100k]
+    rng = np.random.default_rng(12)
+    g = (rng.standard_normal((16, 4096)) * 10.0 ** rng.uniform(-1, 2.5, (16, 1))).astype(np.float32)
+    u = (rng.standard_normal((16, 4096)) * 10.0 ** rng.uniform(-1, 2.5, (16, 1))).astype(np.float32)
+    results = {"exp": numba_exp(x), "tanh": numba_tanh(x)}
+    for name, glu in GLUS.items():
+        results[f"glu {name}"] = entry._glu_mul(g, u, quant._glu(glu))  # [16, 4096]
+    return results
+
+
+def all_outputs() -> dict[str, np.ndarray]:
+    return int_rows_all() | expert_all() | elementary_all()
+
+
+FMA = re.compile(r"\bv?f(n?m(add|sub)|maddsub|msubadd)\w*", re.IGNORECASE)
+LIBM = re.compile(r"\b(exp|expf|tanh|tanhf|__\w*exp\w*|__\w*tanh\w*|__svml\w*)\b")
+
+
+def glu_machine_code_problems() -> list[str]:
+    """What `entry._glu_mul`'s compiled code should not hold: FMA instructions, calls to
+    libm's or SVML's exp and tanh, LLVM's exp/fma intrinsics and fast-math flags.  Only in a
+    process that compiled it (numba does not keep the code of what it loads from its cache)."""
+    g = np.ones((2, 40), dtype=np.float32)
+    entry._glu_mul(g, g, quant._glu(quant.SWIGLU))
+    problems = []
+    ir_bad = r"@llvm\.(exp|tanh|fma|fmuladd)\.|@(exp|tanh)\(|\b(fast|contract|reassoc|afn)\b"
+    for sig in entry._glu_mul.signatures:
+        asm, ir = entry._glu_mul.inspect_asm(sig), entry._glu_mul.inspect_llvm(sig)
+        if not re.search(r"div[sp]d", asm):
+            problems.append("no machine code to inspect")
+        problems += [f"instruction {m.group(0)}" for m in FMA.finditer(asm)]
+        problems += [f"calls {m.group(0)}" for m in LIBM.finditer(asm)]
+        problems += [f"IR {m.group(0)}" for m in re.finditer(ir_bad, ir)]
+    return problems
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.fixture(scope="module")
+def children(tmp_path_factory):
+    """{level: (outputs, machine-code problems)} from one child per level, run concurrently."""
     tests = os.path.dirname(os.path.abspath(__file__))
-    child = subprocess.run(
-        [sys.executable, "-c", CHILD.format(tests=tests)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert child.returncode == 0, child.stderr
-    there = json.loads(child.stdout)
+    running = {}
+    for level, env in LEVELS.items():
+        root = tmp_path_factory.mktemp(level)
+        out = str(root / "out.npz")
+        child_env = dict(os.environ, NUMBA_CACHE_DIR=str(root / "numba"), **env)
+        for key in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", "MOESHARD_KERNEL_ISA"):
+            if key not in env:
+                child_env.pop(key, None)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD.format(tests=tests, out=out)],
+            env=child_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        running[level] = (proc, out)
+    done = {}
+    for level, (proc, out) in running.items():
+        stdout, stderr = proc.communicate(timeout=900)
+        assert proc.returncode == 0, f"{level}: {stderr}"
+        with np.load(out) as saved:
+            done[level] = ({key: saved[key] for key in saved.files}, json.loads(stdout))
+    return done
+
+
+@pytest.fixture(scope="module")
+def here():
+    return all_outputs()
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_every_case_gives_equal_bits_on_another_cpu_level(level, children, here):
+    there, _ = children[level]
     assert sorted(there) == sorted(here)
-    for key, bits in here.items():
-        assert np.array_equal(np.asarray(there[key], dtype=np.uint32), bits), key
+    differ = [key for key, y in here.items() if not same_bits(there[key], y)]
+    assert not differ, f"{level}: {len(differ)} of {len(here)} differ: {differ[:8]}"
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_gated_unit_compiles_without_fma_or_libm(level, children):
+    _, problems = children[level]
+    assert not problems, f"{level}: {problems[:8]}"
 
 
 def test_forced_isa_must_be_known(tmp_path):

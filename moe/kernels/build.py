@@ -1,14 +1,19 @@
 """What a node's arithmetic depends on, so a verifier knows when to expect equal bits.
 
-Two nodes give bit-identical replies for the same request when they run the same kernel source
-with the same numba and numpy (`kernel_build`). The q4_0/q8_0 kernels use no fast-math and no
-FMA, with explicit 8-lane sums, so their bits do not depend on the CPU either (checked against
-generic and SSE2-only builds, docs/kernels.md; the integer path's AVX2 and portable forms are
-compared in tests/test_kernel_isa.py).  Every node computes with 8-bit activations (the
-default of `quant.use_activations`; the f32 mode is for `moeshard quality` and local runs
-only).  The f32/bf16 kernels' float64 sums are still
-vectorised per CPU, and silu calls the C library's exp, so `cpu_level` is reported too and a
-verifier expects equal bits only when both match. A node reports both in its Info.
+The expert kernels' bits are fixed by `ARITHMETIC`: two nodes computing the same arithmetic
+give bit-identical replies for the same request, on any CPU level (AVX-512, AVX2, baseline
+x86-64) and for any weight format.  No kernel has a fast-math flag, every sum runs in an order
+the source fixes, the q4_0/q8_0/mxfp4 block sums are exact integers, each FMA is IEEE's one
+rounding wherever it is computed, float16 scales widen exactly with or without F16C, and the
+gated unit's exp and tanh are `moe.kernels.fixedmath`'s fixed sequences of IEEE operations,
+not libm's (tests/test_kernel_isa.py compiles the kernels for generic, SSE2-only and native
+CPUs and requires equal bits; docs/kernels.md).  Every node computes with 8-bit activations
+(the default of `quant.use_activations`; the f32 mode is for `moeshard quality` and local runs
+only).  Nothing in the arithmetic is left to the compiler or the C library, so kernel builds
+of one arithmetic (`kernel_build`: the source and the numba and numpy versions) should agree as
+well; that is not tested across numba versions here.  A node reports `kernel_build` and
+`cpu_level` in its Info beside the arithmetic, for diagnosis.  The kernels assume the default
+floating-point environment (no flush-to-zero or denormals-are-zero).
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ import numpy as np
 #   3: as 2, bf16 rows' lanes taking even and odd columns (`moe.kernels.fdots`)
 #   4: q4_0/q8_0 rows in interleaved groups of eight, one exact integer sum per block and one
 #      float32 accumulator per row (`moe.kernels.idots`)
-ARITHMETIC = 4
+#   5: as 4, the gated unit's exp and tanh computed by moeshard's own fixed-operation float64
+#      code (`moe.kernels.fixedmath`), not libm
+ARITHMETIC = 5
 
-SOURCES = ("dots.py", "idots.py", "fdots.py", "tiles.py", "entry.py", "quant.py")
+SOURCES = ("dots.py", "idots.py", "fdots.py", "tiles.py", "fixedmath.py", "entry.py", "quant.py")
 
 
 @functools.cache

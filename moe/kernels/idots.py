@@ -76,6 +76,13 @@ from moe.kernels.dots import (
 )
 
 
+def _target_features() -> set[str]:
+    """The features of the CPU numba compiles for ("+avx2", "+f16c", ...)."""
+    if config.CPU_NAME and config.CPU_NAME != "host":  # NUMBA_CPU_NAME: a portable build
+        return set((config.CPU_FEATURES or "").split(","))
+    return set(llvm.get_host_cpu_features().flatten().split(","))
+
+
 def _target_isa() -> str:
     """ "avx2" when the CPU numba compiles for has AVX2, else "generic"."""
     forced = os.environ.get("MOESHARD_KERNEL_ISA", "")
@@ -83,12 +90,12 @@ def _target_isa() -> str:
         if forced not in ("avx2", "generic"):
             raise ValueError(f"MOESHARD_KERNEL_ISA={forced!r}: expected avx2 or generic")
         return forced
-    if config.CPU_NAME and config.CPU_NAME != "host":  # NUMBA_CPU_NAME: a portable build
-        return "avx2" if "+avx2" in (config.CPU_FEATURES or "") else "generic"
-    return "avx2" if "+avx2" in llvm.get_host_cpu_features().flatten().split(",") else "generic"
+    return "avx2" if "+avx2" in _target_features() else "generic"
 
 
 ISA = _target_isa()
+# float16 scales with vcvtph2ps, or integer operations where the CPU has no F16C (`_f16_lanes`)
+F16C = "+f16c" in _target_features()
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _V32I8 = ir.VectorType(_I8, 32)
@@ -258,6 +265,34 @@ def _mx_sums(builder, loads, xs):
     return out
 
 
+def _f16_lanes(builder, ptr):
+    """Eight float16 scales at ptr -> <8 x float>, exact.  With F16C, LLVM's fpext
+    (vcvtph2ps); without, LLVM would call compiler-rt's __extendhfsf2, which numba cannot link
+    (compiling the kernels for such a CPU aborted), so integer operations give the same bits:
+    finite values as the integer significand m times 2^(e - 25) (both exact in float32), inf
+    and nan from their bits (nan quieted, as vcvtph2ps does), then the sign."""
+    if F16C:
+        return builder.fpext(_load(builder, ptr, _V8H), _V8F)
+    h = builder.zext(_load(builder, ptr, ir.VectorType(ir.IntType(16), LANES)), _V8I32)
+
+    def c(v):
+        return ir.Constant(_V8I32, [v] * LANES)
+
+    e, mant = builder.and_(builder.lshr(h, c(10)), c(0x1F)), builder.and_(h, c(0x3FF))
+    normal = builder.icmp_unsigned("!=", e, c(0))
+    m = builder.select(normal, builder.or_(mant, c(0x400)), mant)
+    scale = builder.shl(builder.add(builder.select(normal, e, c(1)), c(127 - 25)), c(23))
+    finite = builder.fmul(builder.sitofp(m, _V8F), builder.bitcast(scale, _V8F))
+    special = builder.or_(c(0x7F800000), builder.shl(mant, c(13)))  # inf, or nan's payload
+    quiet = builder.icmp_unsigned("!=", mant, c(0))
+    special = builder.select(quiet, builder.or_(special, c(0x00400000)), special)
+    bits = builder.select(
+        builder.icmp_unsigned("==", e, c(0x1F)), special, builder.bitcast(finite, _V8I32)
+    )
+    sign = builder.shl(builder.and_(h, c(0x8000)), c(16))
+    return builder.bitcast(builder.or_(bits, sign), _V8F)
+
+
 def _e8m0_half_lanes(builder, ptr):
     """Eight E8M0 scale bytes at ptr -> <8 x float> of 2^(e - 128) (`dots.e8m0_half`)."""
     e = builder.zext(_load(builder, ptr, ir.VectorType(_I8, LANES)), _V8I32)
@@ -348,7 +383,7 @@ def _group_block_kernel(kind: str):
             if kind == "mxfp4":
                 dw = _e8m0_half_lanes(builder, scale_ptr)  # exact
             else:
-                dw = builder.fpext(_load(builder, scale_ptr, _V8H), _V8F)  # exact
+                dw = _f16_lanes(builder, scale_ptr)  # exact
             k4 = builder.mul(ki, const(4))
             out = []
             for u in range(m):

@@ -38,7 +38,7 @@ import numba
 import numpy as np
 from gguf import GGMLQuantizationType, quants
 
-from moe.kernels import dots, entry, idots
+from moe.kernels import dots, entry, fixedmath, idots
 
 FORMATS = ("f32", "bf16", "q8_0", "q4_0", "mxfp4")
 BLOCK_FORMATS = ("q8_0", "q4_0", "mxfp4")  # 32-column blocks, a scale each
@@ -86,13 +86,28 @@ def _glu(glu: Glu) -> tuple[int, float, float]:
 
 
 def glu_reference(g: np.ndarray, u: np.ndarray, glu: Glu = SWIGLU) -> np.ndarray:
-    """The gated unit in float64 (numpy), as the kernels compute it before rounding."""
+    """The gated unit in float64 (numpy), as the kernels compute it before rounding: the same
+    operations as `entry._glu_mul`, with `fixedmath`'s exp and tanh, so the same bits."""
     g, u = np.asarray(g, dtype=np.float64), np.asarray(u, dtype=np.float64)
-    with np.errstate(over="ignore"):  # exp(-g) -> inf for very negative g: silu -> -0
-        if glu.kind == 1:
-            b, lb = glu.beta, glu.linear_beta
-            return b * np.tanh(g / b) / (1.0 + np.exp(-g)) * (lb * np.tanh(u / lb))
-        return g / (1.0 + np.exp(-g)) * u
+    exp, tanh = fixedmath.exp_array, fixedmath.tanh_array
+    if glu.kind == 1:
+        b, lb = glu.beta, glu.linear_beta
+        return b * tanh(g / b) / (1.0 + exp(-g)) * (lb * tanh(u / lb))
+    return g / (1.0 + exp(-g)) * u
+
+
+def gated_unit(g: np.ndarray, u: np.ndarray, glu: Glu = SWIGLU) -> np.ndarray:
+    """The gated unit of gate and up float32 [..., n] -> float32 [..., n], computed by the
+    expert kernels' code (`entry._glu_mul`): the bits of `glu_reference(g, u, glu)` rounded to
+    float32, for the trunk's FFNs (K3's shared expert).  [1, 2048] and [16, 2048] SiTU: 12 and
+    140 us, against 136 and 4325 us for the twin (about 60 array operations) and 20 and 231 us
+    for the same formula with numpy's libm-like exp and tanh, as the trunk computed it before."""
+    g, u = (np.ascontiguousarray(a, dtype=np.float32) for a in (g, u))
+    if g.shape != u.shape or g.ndim == 0:
+        raise ValueError(f"gate {g.shape} and up {u.shape} must have one shape, not a scalar's")
+    g, u = (a if a.flags.writeable else a.copy() for a in (g, u))  # one compiled signature
+    flat = (-1, g.shape[-1])
+    return entry._glu_mul(g.reshape(flat), u.reshape(flat), _glu(glu)).reshape(g.shape)
 
 
 _F32 = np.dtype(np.float32)
@@ -589,6 +604,7 @@ def warmup() -> float:
     entry.matmul_kernel(code, int8, rec[:n_gu], inter, hidden, rb_gu, s_gu, lut, x)
     entry.matmul_serial_kernel(code, int8, rec[:n_gu], inter, hidden, rb_gu, s_gu, lut, x)
     glu = _glu(SWIGLU)
+    gated_unit(np.zeros((1, 8), dtype=np.float32), np.zeros((1, 8), dtype=np.float32))
     entry.expert_ffn_kernel(code, int8, rec, hidden, inter, layout, lut, x, glu)  # starts the pool
     offsets = _readonly(np.zeros(2, dtype=np.int64))
     entry.experts_b1_kernel(code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x, glu)

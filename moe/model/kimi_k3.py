@@ -282,8 +282,8 @@ def skip_reason(name: str) -> str | None:
 
 
 def situ(x: np.ndarray, beta: float, linear_beta: float, up: np.ndarray) -> np.ndarray:
-    """SiTU-GLU of gate x and up, float32 (computed in float64 as the expert kernels do)."""
-    return quant.glu_reference(x, up, quant.situ(beta, linear_beta)).astype(np.float32)
+    """SiTU-GLU of gate x and up, float32 (with the expert kernels' code: the same bits)."""
+    return quant.gated_unit(x, up, quant.situ(beta, linear_beta))
 
 
 def attention_residual(
