@@ -2,8 +2,8 @@
 
 When a node's reply is in (and before it is used) `submit` decides, secretly
 (`random.SystemRandom`), whether to audit it, with probability `policy.rate_for` times the
-budget's factor: nothing about the call itself enters the choice. An audit runs in the
-auditor's thread, off the token path:
+budget's factor: nothing about the call itself enters the choice. An audit runs in one of
+the auditor's threads (WORKERS), off the token path:
 
 1. the records the call used come from the `RecordCache`: the coordinator's own model
    directory, its audit cache, or a node holding them, every byte checked against the
@@ -53,7 +53,9 @@ from moe.wire import moeshard_pb2 as pb
 log = logging.getLogger(__name__)
 
 DRAIN_S = 60.0  # longest wait for the audits in flight when a generation ends
-RECORD_WAIT_S = 30.0  # how long the audited node has to hand over a record only it holds
+RECORD_WAIT_S = 10.0  # how long the audited node has to hand over a record only it holds
+WORKERS = 2  # audits at once: one stalled by a slow holder does not hold up the others
+HOLDER_BACKOFF_S = 60.0  # a holder that failed to hand over a record is not asked for this long
 # the audited node answered, and refused: no honest node says this of a record it just used
 REFUSALS = {
     "NOT_FOUND", "DATA_LOSS", "PERMISSION_DENIED", "UNAUTHENTICATED", "INVALID_ARGUMENT",
@@ -113,7 +115,8 @@ class Auditor:
         self.reputation, self.accounts, self.evidence = reputation, accounts, evidence
         self.rng = random.SystemRandom()  # secret: a node cannot predict which calls are audited
         self.lock = threading.Lock()
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit")
+        self.pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="audit")
+        self.holder_backoff: dict[str, float] = {}  # node id -> monotonic time it may be asked
         self.pending: dict[int, int] = {}  # case id -> its step, for the audits not yet done
         self.stats = AuditStats()
         self.distrusted: set[str] = set()  # node ids disqualified by this auditor
@@ -259,7 +262,10 @@ class Auditor:
 
     def _recompute(self, layer, hidden, ids, weights, obtain) -> np.ndarray:
         s = self.records.shards
-        waves = partial(self.records.waves, layer, obtain=obtain)
+        # each worker's waves take at most its share of the cache's slots
+        waves = partial(
+            self.records.waves, layer, obtain=obtain, most=self.records.slots // WORKERS
+        )
         return recompute_partial_sum(waves, s.fmt, s.hidden, s.inter, s.glu, hidden, ids, weights)
 
     def _obtain(self, case: Case, key: Key, out: np.ndarray) -> int:
@@ -274,6 +280,8 @@ class Auditor:
             if p.holds(*key) and p.node_id != case.peer.node_id and p.node_id not in self.distrusted
         ]
         self.rng.shuffle(others)
+        now = time.monotonic()  # holders that failed lately last: a staller costs one deadline
+        others.sort(key=lambda p: self.holder_backoff.get(p.node_id, 0.0) > now)
         for peer in others:
             try:
                 return self._fetch(peer, key, root, out)
@@ -282,6 +290,9 @@ class Auditor:
                     self._possession_failed(peer, key, exc.why)
                 else:
                     log.info("record %s from %s: %s", key, peer.label, exc.why)
+                    self.holder_backoff[peer.node_id] = time.monotonic() + HOLDER_BACKOFF_S
+                    if self.reputation:
+                        self.reputation.record_call(peer.node_id, False)
         return self._fetch_from_audited(case.peer, key, root, out)
 
     def _fetch_from_audited(self, peer: Peer, key: Key, root: bytes, out: np.ndarray) -> int:

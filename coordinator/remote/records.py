@@ -10,15 +10,16 @@ comes from the first of:
   checked against the record's Merkle root in merkle.bin, which the model id covers).
 
 `waves(layer, experts, obtain)` hands the records to `moe.experts.compute.recompute_partial_sum`
-a few at a time (as many as the arena has slots), each wave's slots pinned while it runs, so a
-call routed to more experts than fit still recomputes, in several waves. One auditor thread
-uses the cache; the lock keeps the counters and a `stats` reader consistent.
+a few at a time (as many as the caller's share of the slots), each wave's slots pinned while
+it runs, so a call routed to more experts than fit still recomputes, in several waves. Auditor
+threads use the cache at once: the lock guards its slots and counters, and each takes waves
+of at most its share of the slots, so pinned records never fill the arena.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -61,7 +62,8 @@ class RecordCache:
         self.arena = aligned_buffer(self.slots * self.slot_bytes)  # committed as slots fill
         self.slot_of: OrderedDict[Key, int] = OrderedDict()  # least recently used first
         self.free = list(range(self.slots - 1, -1, -1))
-        self.pinned: set[int] = set()
+        self.pinned: Counter = Counter()  # slot -> the waves using it now
+        self.loading: dict[Key, threading.Event] = {}  # records a thread is loading now
         self.lock = threading.Lock()
         self.stats = CacheStats()
 
@@ -75,44 +77,52 @@ class RecordCache:
         return self.arena[start : start + self.record_nbytes]
 
     def waves(
-        self, layer: int, experts: list[int], obtain: Callable[[Key, np.ndarray], int]
+        self,
+        layer: int,
+        experts: list[int],
+        obtain: Callable[[Key, np.ndarray], int],
+        most: int = 0,
     ) -> Iterator[tuple[np.ndarray, dict[int, int]]]:
-        """(arena, {expert: offset}) groups covering `experts`, each at most `slots` records,
-        resident ones first. `obtain(key, out)` fills `out` (uint8 [record_nbytes]) with a
-        verified record and returns the bytes it fetched (0 for none); whatever it raises
-        ends the waves (the slot it was filling is freed)."""
-        todo = list(experts)
+        """(arena, {expert: offset}) groups covering `experts`, each at most `most` records
+        (0: `slots`; callers running at once take a share each, so their pins never fill the
+        arena), resident ones first. `obtain(key, out)` fills `out` (uint8 [record_nbytes])
+        with a verified record and returns the bytes it fetched (0 for none); whatever it
+        raises ends the waves (the slot it was filling is freed)."""
+        most = max(1, min(most or self.slots, self.slots))
+        with self.lock:  # resident first: they cost nothing
+            todo = sorted(experts, key=lambda e: (layer, e) not in self.slot_of)
         while todo:
-            wave, todo = self._wave(layer, todo, obtain)
+            wave: dict[int, int] = {}  # expert -> its pinned slot
             try:
-                yield self.arena, {e: self.slot_of[(layer, e)] * self.slot_bytes for e in wave}
+                for e in todo[:most]:
+                    wave[e] = self._pin((layer, e), obtain)
+                yield self.arena, {e: slot * self.slot_bytes for e, slot in sorted(wave.items())}
             finally:
                 with self.lock:
-                    self.pinned.difference_update(self.slot_of[(layer, e)] for e in wave)
+                    for slot in wave.values():
+                        self.pinned[slot] -= 1
+                        if not self.pinned[slot]:
+                            del self.pinned[slot]
+            todo = todo[most:]
 
-    def _wave(self, layer: int, todo: list[int], obtain) -> tuple[list[int], list[int]]:
-        """Pin up to `slots` records of `todo` (resident first, then loaded); (wave, rest)."""
-        with self.lock:
-            resident = [e for e in todo if (layer, e) in self.slot_of][: self.slots]
-            for e in resident:
-                self.slot_of.move_to_end((layer, e))
-                self.pinned.add(self.slot_of[(layer, e)])
-            self.stats.hits += len(resident)
-        wave = list(resident)
-        for e in todo:
-            if len(wave) == self.slots:
-                break
-            if e not in wave:
-                self._load((layer, e), obtain)
-                wave.append(e)
-        rest = [e for e in todo if e not in wave]
-        return sorted(wave), rest
-
-    def _load(self, key: Key, obtain) -> None:
-        """Fill a free (or the least recently used unpinned) slot with `key`, pinned."""
-        with self.lock:
-            slot = self._take_slot()
-            self.pinned.add(slot)
+    def _pin(self, key: Key, obtain) -> int:
+        """The slot holding `key`, pinned: resident, loaded by another thread (waited for), or
+        loaded here into a free (or the least recently used unpinned) slot."""
+        while True:
+            with self.lock:
+                if key in self.slot_of:
+                    slot = self.slot_of[key]
+                    self.slot_of.move_to_end(key)
+                    self.pinned[slot] += 1
+                    self.stats.hits += 1
+                    return slot
+                loading = self.loading.get(key)
+                if loading is None:
+                    loading = self.loading[key] = threading.Event()
+                    slot = self._take_slot()
+                    self.pinned[slot] += 1
+                    break
+            loading.wait()  # another thread loads it: then it is resident (or failed: retry)
         out = self.arena[slot * self.slot_bytes : slot * self.slot_bytes + self.record_nbytes]
         try:
             if key in self.shards.locations:
@@ -122,16 +132,23 @@ class RecordCache:
                 fetched = obtain(key, out)
         except BaseException:
             with self.lock:
-                self.pinned.discard(slot)
+                self.pinned[slot] -= 1
+                if not self.pinned[slot]:
+                    del self.pinned[slot]
                 self.free.append(slot)
+                del self.loading[key]
+            loading.set()
             raise
         with self.lock:
             self.slot_of[key] = slot
+            del self.loading[key]
             if fetched:
                 self.stats.fetched += 1
                 self.stats.fetched_bytes += fetched
             else:
                 self.stats.local += 1
+        loading.set()
+        return slot
 
     def _take_slot(self) -> int:
         if self.free:
@@ -141,7 +158,7 @@ class RecordCache:
                 del self.slot_of[key]
                 self.stats.evicted += 1
                 return slot
-        raise RuntimeError("audit cache: every slot is pinned (a wave larger than the arena)")
+        raise RuntimeError("audit cache: every slot is pinned (waves larger than the arena)")
 
     def snapshot(self) -> dict:
         with self.lock:
