@@ -140,6 +140,7 @@ class Auditor:
     def undo(self, step: int) -> None:
         """Steps from `step` on were undone (a rollback): their calls no longer matter."""
         with self.lock:
+            self.verified.difference_update(u[2] for u in self.uses if u[1] >= step)
             self.uses = [u for u in self.uses if u[1] < step]
 
     def rollback_step(self) -> int | None:
@@ -149,10 +150,13 @@ class Auditor:
             return step
 
     def settled_step(self) -> int:
-        """The last step whose every picked call has been audited (passed, or convicted:
-        then `rollback_step` says so): its tokens may be shown."""
+        """The last step whose every picked call has been audited and passed: its tokens may
+        be shown. Never a step at or after one a conviction marked for recomputation and the
+        decoder has not yet undone (the audit may end between its look at `rollback_step` and
+        its look here)."""
         with self.lock:
-            return min(self.pending.values(), default=self.step + 1) - 1
+            settled = min(self.pending.values(), default=self.step + 1) - 1
+            return settled if self._rollback is None else min(settled, self._rollback - 1)
 
     def forget_before(self, step: int) -> None:
         """Steps before `step` will never be undone (their tokens were sent): keep no record
@@ -184,10 +188,14 @@ class Auditor:
             time.sleep(0.002)
 
     def wait_settled(self, step: int, timeout: float = DRAIN_S) -> None:
-        """Block until `settled_step() >= step` (or `timeout`): the serving engine's bound on
-        how far its sent tokens may trail its computed ones."""
+        """Block until `settled_step() >= step`, a rollback is due (the caller must undo
+        first: nothing after it settles) or `timeout`: the serving engine's bound on how far
+        its sent tokens may trail its computed ones."""
         deadline = time.monotonic() + timeout
         while self.settled_step() < step and time.monotonic() < deadline:
+            with self.lock:
+                if self._rollback is not None:
+                    return
             time.sleep(0.001)
 
     # -- picking ------------------------------------------------------------------------------
