@@ -41,7 +41,7 @@ from moe.wire import codec
 from moe.wire import moeshard_pb2 as pb
 
 VERSION = 1
-MAX_FILE_BYTES = 4 << 30  # larger files are refused unread
+MAX_FILE_BYTES = 1 << 30  # larger files are refused unread (K3: at most 16 records of 17.5 MB)
 SUFFIX = ".fraud"
 
 
