@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from coordinator.bench.rpc_nodes import NodeProcs, client_key
 from coordinator.generate import SamplingOptions, generate
 from coordinator.remote.audit import Auditor, same_bits
@@ -65,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--lie-rate", type=float, default=0.01, help="share f of its calls the liar lies on"
     )
     p.add_argument("--calls", type=int, default=10_000, help="calls per simulated run")
-    p.add_argument("--trials", type=int, default=1000, help="simulated runs")
+    p.add_argument("--trials", type=int, default=10_000, help="simulated runs")
     p.add_argument("--honest-calls", type=int, default=100_000, help="honest audits to run (real)")
     p.add_argument("--real-lie-rate", type=float, default=0.05, help="f of the real liar")
     p.add_argument("--real-runs", type=int, default=3, help="runs with the real liar")
@@ -78,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     if args.quick:
-        args.trials, args.honest_calls, args.real_runs, args.rounds = 200, 500, 1, 2
+        args.trials, args.honest_calls, args.real_runs, args.rounds = 500, 500, 1, 2
     ModelDir(args.model).require_experts(
         "bench audit starts its nodes from the records: use the full model directory"
     )
@@ -201,14 +203,21 @@ def _detection(kept: list, args) -> None:
         print(f"   {lie.name():<18}" + "".join(f"{s:>10.4f}" for s in shares))
     picker.close()
     want = 1 - (1 - p * f) ** 10_000
-    print(f"   [goal: >= 0.99 within 10000 calls at f = 1%, p = 5%; the formula gives {want:.4f}]")
+    noise = 2 * math.sqrt(want * (1 - want) / args.trials)  # two standard errors of a share
+    print(
+        f"   [goal: >= 0.99 within 10000 calls at f = 1%, p = 5%; the formula gives {want:.4f},"
+        f" and {args.trials} runs measure a share to +-{noise:.4f}]"
+    )
 
 
 def _one_run(picker: Auditor, lie: Lie, kept: list, f: float, calls: int, rng) -> int | None:
-    """The call at which the liar is caught (1-based), or None within `calls`."""
-    for n in range(1, calls + 1):
-        picked = picker._picked("liar")  # the real, secret choice (not told about lies)
-        if rng.random() >= f or not picked:
+    """The call at which the liar is caught (1-based), or None within `calls`. Which calls it
+    lies on is drawn first (numpy, seeded); each of those is then picked or not by the real,
+    secret choice, which knows nothing of lies (the calls it tells the truth on would be
+    picked just as often, and pass): the same distribution as asking on every call."""
+    lies = np.flatnonzero(np.random.default_rng(rng.getrandbits(64)).random(calls) < f) + 1
+    for n in lies.tolist():
+        if not picker._picked("liar"):
             continue
         out_dtype, reply, want = kept[rng.randrange(len(kept))]
         honest = codec.decode(reply, "reply", (reply.dtype,)).astype("float64")  # [T, H]
