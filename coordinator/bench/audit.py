@@ -75,6 +75,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=5, help="alternated rounds of the cost test")
     p.add_argument("--clients", type=int, default=8, help="requests at once in the serving test")
     p.add_argument("--audit-cache", metavar="SIZE", help="the coordinator's audit cache")
+    p.add_argument(
+        "--audit-bytes",
+        metavar="SIZE",
+        help="sections 4 and 5: cap on the record bytes audits fetch per token (scales p down)",
+    )
+    p.add_argument(
+        "--sections", default="1,2,3,4,5", help="which sections to run (2 needs 1's sample)"
+    )
     p.add_argument("--quick", action="store_true", help="small counts (a smoke run)")
 
 
@@ -85,6 +93,7 @@ def run(args) -> int:
         "bench audit starts its nodes from the records: use the full model directory"
     )
     cache = parse_size(args.audit_cache) if args.audit_cache else 0
+    args.audit_bytes = parse_size(args.audit_bytes) if args.audit_bytes else 0
     with tempfile.TemporaryDirectory(prefix="moeshard-bench-audit-") as tmp:
         tmp = Path(tmp)
         plan = shard_model(args.model, args.nodes, min(2, args.nodes), tmp / "shards")
@@ -95,11 +104,16 @@ def run(args) -> int:
         try:
             specs = [procs.launch(Path(n["dir"]), me).spec() for n in plan["nodes"]]
             print(_header(coordinator, specs, bench))
-            kept = _honest(bench, specs)
-            _detection(kept, args)
-            _real_liar(bench, specs, procs, plan, args)
-            _cost(bench, specs, args)
-            _serving(bench, specs, args)
+            sections = {int(x) for x in args.sections.split(",")}
+            kept = _honest(bench, specs) if sections & {1, 2} else []
+            if 2 in sections:
+                _detection(kept, args)
+            if 3 in sections:
+                _real_liar(bench, specs, procs, plan, args)
+            if 4 in sections:
+                _cost(bench, specs, args)
+            if 5 in sections:
+                _serving(bench, specs, args)
         finally:
             procs.close()
     return 0
@@ -264,8 +278,9 @@ def _cost(bench: _Bench, specs, args) -> None:
     audit thread's CPU share of the decode time; record bytes fetched per token."""
     print(f"== 4. cost of auditing at p = {args.audit} ({args.rounds} alternated rounds)")
     runs = {}
+    cap = {"audit_bytes_per_token": args.audit_bytes}
     for name, rate in (("no audit", 0.0), (f"audit {args.audit}", args.audit)):
-        transformer, remote = bench.remote(specs, audit=rate, audit_new=0)
+        transformer, remote = bench.remote(specs, audit=rate, audit_new=0, **cap)
         runs[name] = (remote, transformer, [], [])
     prompt = bench.prompt(random.Random(3))
     audited = runs[f"audit {args.audit}"][0].verifier
@@ -299,7 +314,8 @@ def _cost(bench: _Bench, specs, args) -> None:
     print(
         f"   records fetched: {rec['fetched']} ({rec['fetched_bytes'] / 1e6:.1f} MB) = "
         f"{rec['fetched_bytes'] / max(tokens, 1) / 1e3:.1f} KB per token from a cold cache; "
-        f"cache hits {rec['hits']}, evictions {rec['evicted']}"
+        f"cache hits {rec['hits']}, evictions {rec['evicted']}; the byte cap's factor on p "
+        f"{stats['budget_factor']:.3f}"
     )
 
 
@@ -309,8 +325,9 @@ def _serving(bench: _Bench, specs, args) -> None:
     rng = random.Random(5)
     prompts = [bench.prompt(rng) for _ in range(args.clients)]
     base = None
+    cap = {"audit_bytes_per_token": args.audit_bytes}
     for name, rate in (("no audit", 0.0), (f"audit {args.audit}", args.audit), ("audit 1", 1.0)):
-        transformer, remote = bench.remote(specs, audit=rate, audit_new=0)
+        transformer, remote = bench.remote(specs, audit=rate, audit_new=0, **cap)
         verifier = remote.verifier if rate > 0 else None
         engine = Engine(transformer, max_batch=args.clients, verifier=verifier)
         try:
