@@ -14,7 +14,9 @@ used a lie, `rollback` undoes every sequence back to that step, so the steps run
 honest work. A caller that has already shown a sequence's tokens to someone (`Sequence.shown`)
 asks for no retraction: that sequence goes back no further than its first unshown token.
 `settled` says how many of a sequence's tokens rest only on calls whose audits are done (or
-were never picked): those may be shown without ever being taken back for a caught lie.
+were never picked): those may be shown without ever being taken back for a caught lie. A
+caller keeps within MAX_LAG steps of the last settled step (`Verifier.wait_settled`), so a lie
+caught by an audit is never further back than a recurrent (KDA) state can be rolled back.
 """
 
 from __future__ import annotations
@@ -27,10 +29,19 @@ from typing import Protocol
 import numpy as np
 
 from coordinator.sampling import SamplingOptions, sample
+from moe.errors import MoeshardError
 
 log = logging.getLogger(__name__)
 
 ROLLBACK_STEPS = 8  # steps a recurrent (KDA) state can be rolled back when nodes are audited
+MAX_LAG = ROLLBACK_STEPS - 1  # steps the decoder may run ahead of the last settled one
+
+
+class LieTooFarBack(MoeshardError):
+    """A lie was caught in a step a sequence's state can no longer go back to: the sequence
+    rests on it and cannot go on honestly. Exit 3 (the nodes cannot give an honest run)."""
+
+    exit_code = 3
 
 
 class Verifier(Protocol):
@@ -60,8 +71,9 @@ class Verifier(Protocol):
     def drain(self) -> None:
         """Wait for the checks still in flight."""
 
-    def wait_settled(self, step: int) -> None:
-        """Wait until `settled_step() >= step`."""
+    def wait_settled(self, step: int, timeout: float = ..., stall: bool = True) -> bool:
+        """Wait until `settled_step() >= step` or a rollback is due (AuditStall after
+        `timeout`, or False with `stall` False)."""
 
 
 @dataclass
@@ -148,38 +160,43 @@ class Decoder:
             self.verifier.tokens(len(made))
         return made
 
-    def rollback(self, sequences: list[Sequence], retract: bool) -> list[Sequence]:
+    def rollback(
+        self, sequences: list[Sequence], retract: bool
+    ) -> tuple[list[Sequence], list[Sequence]]:
         """Undo what a caught lie touched: every sequence goes back to its first forward pass
-        at or after the step the verifier names (with `retract` False, no further back than
-        its first unshown token). Returns the sequences undone; their `pending` is what to
-        feed again."""
+        at or after the step the verifier names; with `retract` False, or with a recurrent
+        state (which keeps only ROLLBACK_STEPS passes), no further back than its first
+        unshown token. Returns (the sequences undone: their `pending` is what to feed again,
+        the sequences that cannot go back far enough: they rest on the lie and must end)."""
         back = self.verifier.rollback_step() if self.verifier is not None else None
         if back is None:
-            return []
-        undone = [seq for seq in sequences if self._undo(seq, back, retract)]
+            return [], []
+        undone, lost = [], []
+        for seq in sequences:
+            outcome = self._undo(seq, back, retract)
+            if outcome is not None:
+                (undone if outcome else lost).append(seq)
         self.verifier.undo(back)
-        return undone
+        return undone, lost
 
     @staticmethod
-    def _undo(seq: Sequence, back: int, retract: bool) -> bool:
+    def _undo(seq: Sequence, back: int, retract: bool) -> bool | None:
+        """True: undone to the pass at or after `back`; None: nothing of it to undo; False:
+        its cache cannot go back there (a recurrent state's copies are gone)."""
+        floor = 0 if retract and not hasattr(seq.cache, "keep_rollback") else seq.shown
         at = next((i for i, s in enumerate(seq.history) if s.step >= back), None)
-        while at is not None and not retract and seq.history[at].tokens < seq.shown:
+        while at is not None and seq.history[at].tokens < floor:
             at = at + 1 if at + 1 < len(seq.history) else None
         if at is None:
-            return False
-        while True:  # a recurrent (KDA) state goes back only ROLLBACK_STEPS passes
-            try:
-                seq.cache.truncate(seq.history[at].length)
-                break
-            except ValueError:
-                if at + 1 == len(seq.history):
-                    return False
-                at += 1
-                log.warning(
-                    "a recurrent state keeps %d steps: work before step %d stands, unverified",
-                    ROLLBACK_STEPS, seq.history[at].step,
-                )  # fmt: skip
+            return None
         start = seq.history[at]
+        try:
+            seq.cache.truncate(start.length)
+        except ValueError:  # more than ROLLBACK_STEPS passes back: it ends, its tokens cut
+            log.warning("a lie caught at step %d is further back than its state keeps", back)
+            del seq.tokens[start.tokens :], seq.token_steps[start.tokens :]
+            del seq.logits[start.tokens :]
+            return False
         seq.rng.bit_generator.state = start.rng_state
         del seq.tokens[start.tokens :], seq.token_steps[start.tokens :], seq.logits[start.tokens :]
         del seq.history[at:]

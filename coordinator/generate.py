@@ -13,15 +13,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordinator.decode import ROLLBACK_STEPS, Decoder, Verifier
+from coordinator.decode import MAX_LAG, ROLLBACK_STEPS, Decoder, LieTooFarBack, Verifier
 from coordinator.profile import DecodeProfile, format_profile
 from coordinator.sampling import SamplingOptions
 from moe.errors import MoeshardError
 from moe.storage.traces import DECODE, PREFILL
 
 __all__ = [
-    "ROLLBACK_STEPS", "DecodeProfile", "GenerationResult", "SamplingOptions", "Terminated",
-    "Verifier", "format_profile", "generate", "terminate_on_sigterm",
+    "MAX_LAG", "ROLLBACK_STEPS", "DecodeProfile", "GenerationResult", "LieTooFarBack",
+    "SamplingOptions", "Terminated", "Verifier", "format_profile", "generate",
+    "terminate_on_sigterm",
 ]  # fmt: skip
 
 
@@ -158,10 +159,14 @@ class _Loop:
             if self.on_forward:
                 self.on_forward(seq.cache.length, DECODE if seq.tokens else PREFILL)
             prefill = not seq.tokens
+            if verifier:  # at most MAX_LAG steps ahead of their audits
+                verifier.wait_settled(self.decoder.step_no - MAX_LAG)
             t0 = time.perf_counter()
             if profile:
                 profile.forward_started()
             self.decoder.step([(seq, seq.pending)])
+            if verifier:  # what a recurrent state's rollback may not go back past
+                seq.shown = max(seq.shown, self.decoder.settled(seq))
             if profile:
                 profile.forward_done()
             if prefill:
@@ -183,8 +188,17 @@ class _Loop:
                 return
 
     def check_rollback(self) -> bool:
-        """Undo what a caught lie touched (timings too); True if something was."""
-        if not self.decoder.rollback([self.seq], retract=True):
+        """Undo what a caught lie touched (timings too); True if something was.
+        LieTooFarBack (its tokens cut before the lie) if the state cannot go back to it."""
+        undone, lost = self.decoder.rollback([self.seq], retract=True)
+        if lost:
+            del self.result.decode_s[max(len(self.seq.tokens) - 1, 0) :]
+            raise LieTooFarBack(
+                "a node's lie was caught further back than this model's recurrent state can be "
+                f"rolled back ({ROLLBACK_STEPS} steps): the {len(self.seq.tokens)} tokens before "
+                "it are kept"
+            )
+        if not undone:
             return False
         kept = len(self.seq.history)  # forward passes kept: the prefill, then decode steps
         del self.result.decode_s[max(kept - 1, 0) :]

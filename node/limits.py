@@ -384,18 +384,18 @@ class Guard:
         wait = self.limits.queue_wait_s
         return self.work.hold(wait if deadline_s is None else max(0.0, min(wait, deadline_s)))
 
-    def read(self, requests: Iterator):
+    def read(self, requests: Iterator, timeout_s: float | None = None):
         """The next message of a call, or None at its end (or when the client cancelled);
-        Refused (DEADLINE_EXCEEDED) when none comes within idle_timeout_s: the caller aborts
-        the call, which ends the helper's read."""
+        Refused (DEADLINE_EXCEEDED) when none comes within `timeout_s` (default
+        idle_timeout_s): the caller aborts the call, which ends the helper's read."""
+        wait = self.limits.idle_timeout_s if timeout_s is None else timeout_s
         pending = self.readers.submit(next, requests, None)
         try:
-            return pending.result(self.limits.idle_timeout_s)
+            return pending.result(wait)
         except FutureTimeout:
             raise Refused(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"no message for {self.limits.idle_timeout_s:g} s: idle call ended "
-                f"(--idle-timeout)",
+                f"no message for {wait:g} s: idle call ended (--idle-timeout)",
             ) from None
         except grpc.RpcError:  # cancelled by the client
             return None

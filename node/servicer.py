@@ -44,6 +44,7 @@ from node.records import Records, chunks
 
 log = logging.getLogger(__name__)
 SERVICE = "moeshard.v1.ExpertNode"
+RECORD_REQUEST_S = 2.0  # a Record stream's request must come this soon after it opens
 NOT_FORWARD = ("duplicate", "forged_block", "forged_record")  # failpoints that leave replies be
 
 
@@ -261,14 +262,18 @@ class ExpertNodeServicer:
 
     def Record(self, requests, context):
         """One record's bytes in chunks. Authorized and admitted (--max-records,
-        --per-client-records) before the request is read, the request read under the idle
-        timeout; the record's bytes are charged to the client's byte rate before the disk is
-        read. Each chunk must be taken by the client within the idle timeout, or the stream is
+        --per-client-records) before the request is read, the request read within
+        RECORD_REQUEST_S (a caller that opens the stream and sends nothing holds a record
+        slot no longer than that: the slots are what a coordinator's audits need); the
+        record's bytes are charged to the client's byte rate before the disk is read. Each
+        chunk must be taken by the client within the idle timeout, or the stream is
         cancelled (a client that stops reading would hold the thread and the record)."""
         with self._refusals(context):
             client = self._caller(context)
             with self.guard.admit(client, "record"):
-                request = self.guard.read(requests)
+                request = self.guard.read(
+                    requests, min(RECORD_REQUEST_S, self.limits.idle_timeout_s)
+                )
                 if request is None:
                     raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
                 self.guard.charge(client)

@@ -102,10 +102,11 @@ def test_the_cache_evicts_the_least_recently_used_and_frees_a_failed_slot(model)
 
 
 def test_two_auditors_at_once_share_a_record_and_never_fill_the_arena(model):
-    """Both threads want record 5 and four others; the one that loads it first serves the
-    other; each takes at most half the slots at a time, so neither waits for a free one."""
+    """Both threads want records 3 and 5 and three others; the one that loads one first serves
+    the other (the cache holds all eight, so nothing is evicted and loaded again); each takes
+    at most a quarter of the slots at a time, so neither waits for a free one."""
     shards = model.shard_set
-    cache = RecordCache(_no_records(model), 0)
+    cache = RecordCache(_no_records(model), 8 * 4096)
     layer = model.config.moe_layers[0]
     loads: list[tuple] = []
     gate = threading.Barrier(2)
@@ -120,7 +121,7 @@ def test_two_auditors_at_once_share_a_record_and_never_fill_the_arena(model):
     def auditor(name, experts):
         gate.wait()
         got = []
-        for arena, offsets in cache.waves(layer, experts, obtain, cache.slots // 2):
+        for arena, offsets in cache.waves(layer, experts, obtain, cache.slots // 4):
             for e, at in offsets.items():  # the bytes it was given are the record
                 assert np.array_equal(arena[at : at + shards.record_nbytes], shards.read(layer, e))
                 got.append(e)

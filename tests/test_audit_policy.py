@@ -87,17 +87,17 @@ def test_a_rollback_keeps_shown_tokens_unless_it_may_retract(demo):
     first = list(seq.tokens)
     steps = list(seq.token_steps)
     verifier.back = steps[3]
-    assert decoder.rollback([seq], retract=True) == [seq]
+    assert decoder.rollback([seq], retract=True) == ([seq], [])
     assert seq.tokens == first[:3] and verifier.undone == [steps[3]]
     _run(decoder, seq, 5)
     assert seq.tokens == first  # the sampler's state was restored with the cache
     seq.shown = 6
     verifier.back = steps[3]
-    assert decoder.rollback([seq], retract=False) == [seq]
+    assert decoder.rollback([seq], retract=False) == ([seq], [])
     assert seq.tokens == first[:6]  # no retraction: back to the first unshown token only
     seq.shown = len(seq.tokens)
     verifier.back = steps[3]
-    assert decoder.rollback([seq], retract=False) == []  # everything is shown: nothing undone
+    assert decoder.rollback([seq], retract=False) == ([], [])  # all shown: nothing undone
 
 
 def test_settled_tokens_and_what_can_be_forgotten(demo):

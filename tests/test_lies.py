@@ -142,7 +142,8 @@ def test_failpoint_specs_parse_and_bad_ones_are_refused():
 def test_a_liar_caught_while_banned_is_still_named(caplog):
     """A node convicted while it is banned (down: say its stream is read at close after a
     failed call) is named as disqualified in the log, once, as one caught while up is: the
-    testbed finds its caught liars by that line."""
+    testbed finds its caught liars by that line. Its key pinned at another address goes with
+    it."""
     import logging
     import threading
     import types
@@ -150,8 +151,12 @@ def test_a_liar_caught_while_banned_is_still_named(caplog):
     from coordinator.remote.peers import Peer, PeerSet
     from coordinator.remote.transport import PeerSpec
 
-    peers = types.SimpleNamespace(lock=threading.Lock(), disqualified={})  # PeerSet's state
     peer = Peer(PeerSpec("127.0.0.1:1"), node_id="ab" * 32, name="tb-liar")
+    twin = Peer(PeerSpec("127.0.0.1:2"), node_id="ab" * 32, name="tb-liar", up=True)
+    other = Peer(PeerSpec("127.0.0.1:3"), node_id="cd" * 32, name="honest", up=True)
+    peers = types.SimpleNamespace(  # PeerSet's state
+        lock=threading.Lock(), disqualified={}, peers=[peer, twin, other]
+    )
     assert not peer.up
     with caplog.at_level(logging.WARNING, logger="coordinator.remote.peers"):
         PeerSet.disqualify(peers, peer, "1 reply(ies) to no request (a duplicate?)")
@@ -159,6 +164,8 @@ def test_a_liar_caught_while_banned_is_still_named(caplog):
     named = [r.getMessage() for r in caplog.records if "disqualified" in r.getMessage()]
     assert len(named) == 1 and peer.label in named[0] and "down" in named[0], named
     assert peer.disqualified and peer.node_id in peers.disqualified
+    # the same key at another address is the same liar; another key is not touched
+    assert twin.disqualified and not twin.up and other.up and not other.disqualified
 
 
 def test_the_audit_line_says_what_was_recomputed_and_where_the_records_came_from():

@@ -23,9 +23,16 @@ the auditor's threads (WORKERS), off the token path:
 Nobody else judges: no node recomputes another's call, no holder votes. The audited node
 takes part only when a record the audit needs is held by nobody else: it is asked for it
 after its reply is in, so the request can only tell it about a lie already committed. A node
-that will not hand over a record it claims (refused, or unreachable for RECORD_WAIT_S) is
-convicted as if the recomputation had failed; a holder whose bytes fail the Merkle root is
-disqualified for failing possession.
+that refuses a record it claims (NOT_FOUND, DATA_LOSS, forged bytes) is convicted as if the
+recomputation had failed; one that stays busy or unreachable for RECORD_WAIT_S is not (a
+stranger can keep an honest node busy) but its work cannot be verified: it is dropped for the
+run and its unverified work recomputed, with no failed audit on its record. A holder whose
+bytes fail the Merkle root is disqualified for failing possession.
+
+Picked calls wait in one queue per node, served round robin by WORKERS threads, so a node
+that is slow to hand over records delays its own audits, not the others'; and a node with
+MAX_BACKLOG audits not yet done gets no more work until they are (`wait_backlog`), so a slow
+node slows only the work that must go to it.
 """
 
 from __future__ import annotations
@@ -34,14 +41,14 @@ import logging
 import random
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
 
+from coordinator.remote.config import RemoteError
 from coordinator.remote.fetch import FetchError, default_deadline_s, fetch_record
 from coordinator.remote.peers import Peer, PeerSet
 from coordinator.remote.policy import AuditBudget, rate_for
@@ -52,9 +59,10 @@ from moe.wire import moeshard_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-DRAIN_S = 60.0  # longest wait for the audits in flight when a generation ends
+STALL_S = 600.0  # longest wait for audits (drain, settled steps, a backlog): then AuditStall
 RECORD_WAIT_S = 10.0  # how long the audited node has to hand over a record only it holds
 WORKERS = 2  # audits at once: one stalled by a slow holder does not hold up the others
+MAX_BACKLOG = 16  # audits of one node not yet done before it gets no more work
 HOLDER_BACKOFF_S = 60.0  # a holder that failed to hand over a record is not asked for this long
 # the audited node answered, and refused: no honest node says this of a record it just used
 REFUSALS = {
@@ -64,7 +72,17 @@ REFUSALS = {
 
 
 class Withheld(Exception):
-    """The audited node would not hand over a record its reply used."""
+    """The audited node refused a record its reply used (evidence: it claims to hold it)."""
+
+
+class Unverifiable(Exception):
+    """The audited node, the only holder, stayed busy or unreachable: no verdict possible."""
+
+
+class AuditStall(RemoteError):
+    """Audits did not finish in STALL_S: the text cannot be called verified. Exit 3."""
+
+    exit_code = 3
 
 
 @dataclass
@@ -84,7 +102,8 @@ class AuditStats:
     picked: int = 0  # calls picked for an audit
     passed: int = 0  # recomputed: the same bits
     failed: int = 0  # recomputed: other bits (the node convicted)
-    withheld: int = 0  # a record the audited node would not hand over (convicted)
+    withheld: int = 0  # a record the audited node refused (convicted)
+    unverifiable: int = 0  # the audited node stayed busy or away (dropped for the run)
     convicted: list[str] = field(default_factory=list)  # node ids caught lying
     proofs: list[str] = field(default_factory=list)  # fraud-proof files written
     cpu_s: float = 0.0  # the audit thread's CPU time (fetching, hashing, recomputing)
@@ -115,7 +134,11 @@ class Auditor:
         self.reputation, self.accounts, self.evidence = reputation, accounts, evidence
         self.rng = random.SystemRandom()  # secret: a node cannot predict which calls are audited
         self.lock = threading.Lock()
-        self.pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="audit")
+        self.changed = threading.Condition(self.lock)  # a case queued or done; closing
+        self.queues: dict[str, deque[Case]] = {}  # node id -> its picked cases waiting
+        self.turn: deque[str] = deque()  # node ids with cases waiting, in round-robin order
+        self.backlog: Counter = Counter()  # node id -> its picked cases not done yet
+        self.closed = False
         self.holder_backoff: dict[str, float] = {}  # node id -> monotonic time it may be asked
         self.pending: dict[int, int] = {}  # case id -> its step, for the audits not yet done
         self.stats = AuditStats()
@@ -129,6 +152,12 @@ class Auditor:
         self._fetched_seen = 0  # the cache's fetched bytes at the last `tokens` call
         # `bench audit` keeps (case, the recomputed tensor, whether it matched)
         self.observe: Callable[[Case, pb.Tensor, bool], None] | None = None
+        self.workers = [
+            threading.Thread(target=self._work, name=f"audit-{i}", daemon=True)
+            for i in range(WORKERS)
+        ]
+        for worker in self.workers:
+            worker.start()
 
     # -- the decode loop's Verifier -----------------------------------------------------------
 
@@ -175,28 +204,43 @@ class Auditor:
             self.budget.token((fetched - self._fetched_seen) / max(n, 1))
         self._fetched_seen = fetched
 
-    def drain(self, timeout: float = DRAIN_S) -> None:
-        """Wait for the audits in flight (at most `timeout` s)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            with self.lock:
-                if not self.pending:
-                    return
-            if time.monotonic() > deadline:
-                log.error("%d audits still running after %.0f s", len(self.pending), timeout)
-                return
-            time.sleep(0.002)
+    def drain(self, timeout: float = STALL_S) -> None:
+        """Wait for every audit picked so far; AuditStall after `timeout` s."""
+        self._wait_for(lambda: not self.pending, timeout, "the audits of this generation")
 
-    def wait_settled(self, step: int, timeout: float = DRAIN_S) -> None:
-        """Block until `settled_step() >= step`, a rollback is due (the caller must undo
-        first: nothing after it settles) or `timeout`: the serving engine's bound on how far
-        its sent tokens may trail its computed ones."""
-        deadline = time.monotonic() + timeout
-        while self.settled_step() < step and time.monotonic() < deadline:
-            with self.lock:
-                if self._rollback is not None:
-                    return
-            time.sleep(0.001)
+    def wait_settled(self, step: int, timeout: float = STALL_S, stall: bool = True) -> bool:
+        """Block until `settled_step() >= step` or a rollback is due (the caller must undo
+        first: nothing after it settles): the decoder's bound on how far its tokens may run
+        ahead of their audits. After `timeout` s: AuditStall, or False with `stall` False."""
+
+        def done() -> bool:
+            settled = min(self.pending.values(), default=self.step + 1) - 1
+            return settled >= step or self._rollback is not None
+
+        return self._wait_for(done, timeout, f"the audits of step {step}", stall)
+
+    def wait_backlog(self, node_id: str, timeout: float = STALL_S) -> None:
+        """Block while `node_id` has MAX_BACKLOG audits not done (it gets no more work)."""
+        self._wait_for(
+            lambda: self.backlog[node_id] < MAX_BACKLOG, timeout, f"node {node_id}'s audits"
+        )
+
+    def backlogged(self, node_id: str) -> bool:
+        with self.lock:
+            return self.backlog[node_id] >= MAX_BACKLOG
+
+    def _wait_for(
+        self, condition: Callable[[], bool], timeout: float, what: str, stall: bool = True
+    ) -> bool:
+        with self.changed:
+            if self.changed.wait_for(condition, timeout):
+                return True
+            if not stall:
+                return False
+            raise AuditStall(
+                f"waited {timeout:.0f} s for {what} ({len(self.pending)} unfinished): "
+                "the work that rests on them cannot be called verified"
+            )
 
     # -- picking ------------------------------------------------------------------------------
 
@@ -215,8 +259,12 @@ class Auditor:
                 return True
             self.stats.picked += 1
             self.pending[case.id] = case.step
-        future = self.pool.submit(self._audit, case)
-        future.add_done_callback(partial(self._done, case))
+            self.backlog[peer.node_id] += 1
+            if peer.node_id not in self.queues:
+                self.queues[peer.node_id] = deque()
+                self.turn.append(peer.node_id)
+            self.queues[peer.node_id].append(case)
+            self.changed.notify()
         return True
 
     def _picked(self, node_id: str) -> bool:
@@ -227,11 +275,32 @@ class Auditor:
         rate = rate_for(self.rate, self.vetting, completed, suspect) * self.budget.factor
         return rate > 0 and self.rng.random() < rate
 
-    def _done(self, case: Case, future: Future) -> None:
-        if future.exception() is not None:  # a bug, not a verdict: the case stays unverified
-            log.error("audit of %s failed: %r", case.peer.label, future.exception())
-        with self.lock:
-            self.pending.pop(case.id, None)
+    def _work(self) -> None:
+        """An audit thread: the next node's oldest case, round robin over the nodes."""
+        while True:
+            with self.changed:
+                self.changed.wait_for(lambda: self.turn or self.closed)
+                if self.closed:
+                    return
+                node = self.turn.popleft()
+                queue = self.queues[node]
+                case = queue.popleft()
+                if queue:
+                    self.turn.append(node)
+                else:
+                    del self.queues[node]
+            try:
+                self._audit(case)
+            except Exception as exc:  # a bug, not a verdict: the work is dropped, not judged
+                log.exception("audit of %s failed", case.peer.label)
+                self._unverifiable(case, f"its audit could not be run ({exc!r})")
+            finally:
+                with self.changed:
+                    self.pending.pop(case.id, None)
+                    self.backlog[node] -= 1
+                    if not self.backlog[node]:
+                        del self.backlog[node]
+                    self.changed.notify_all()
 
     # -- auditing -----------------------------------------------------------------------------
 
@@ -255,6 +324,9 @@ class Auditor:
             with self.lock:
                 self.stats.withheld += 1
             self._convict(case.peer, case, str(exc))
+            return
+        except Unverifiable as exc:
+            self._unverifiable(case, str(exc))
             return
         want = codec.encode(expected, request.out_dtype or request.hidden.dtype)
         if self.observe is not None:
@@ -304,18 +376,24 @@ class Auditor:
         return self._fetch_from_audited(case.peer, key, root, out)
 
     def _fetch_from_audited(self, peer: Peer, key: Key, root: bytes, out: np.ndarray) -> int:
-        """The audited node, the only holder left, has RECORD_WAIT_S to hand it over."""
-        deadline, delay = time.monotonic() + RECORD_WAIT_S, 0.2
+        """The audited node, the only holder left, has RECORD_WAIT_S to hand it over: a
+        refusal is Withheld (convicted), a node busy or away so long Unverifiable; a hand-over
+        that needed more than one try costs it availability."""
+        deadline, delay, tries = time.monotonic() + RECORD_WAIT_S, 0.2, 0
         where = f"expert {key[1]} of layer {key[0]}"
         while True:
+            tries += 1
             try:
-                return self._fetch(peer, key, root, out)
+                got = self._fetch(peer, key, root, out)
+                if tries > 1 and self.reputation:
+                    self.reputation.record_call(peer.node_id, False)
+                return got
             except FetchError as exc:
                 if exc.evidence or exc.code in REFUSALS:
                     raise Withheld(f"it would not hand over {where}: {exc.why}") from None
                 if time.monotonic() + delay > deadline:
-                    raise Withheld(
-                        f"it did not hand over {where} within {RECORD_WAIT_S:.0f} s: {exc.why}"
+                    raise Unverifiable(
+                        f"it did not hand over {where} within {RECORD_WAIT_S:.0f} s ({exc.why})"
                     ) from None
             time.sleep(delay)
             delay = min(2 * delay, 5.0)
@@ -346,6 +424,15 @@ class Auditor:
             self.reputation.record_audit(case.peer.node_id, True)
         if self.accounts:
             self.accounts.audit(case.peer.node_id, True, "", case.request.layer)
+
+    def _unverifiable(self, case: Case, why: str) -> None:
+        """No verdict on `case`: its node's unverified work is recomputed and the node not
+        used again in this run, but nothing is held against it (a stranger may have kept an
+        honest node busy): no failed audit, no ledger entry, one availability failure."""
+        with self.lock:
+            self.stats.unverifiable += 1
+        if self.distrust(case.peer, f"its work cannot be verified: {why}") and self.reputation:
+            self.reputation.record_call(case.peer.node_id, False)
 
     def convict(self, peer: Peer, why: str) -> None:
         """`peer` sent something no honest node sends (checked by the caller): disqualify it
@@ -404,7 +491,13 @@ class Auditor:
         return out
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the audit threads (an audit running finishes; the queued ones are dropped:
+        `drain` first for a verdict on everything picked)."""
+        with self.changed:
+            self.closed = True
+            self.changed.notify_all()
+        for worker in self.workers:
+            worker.join(timeout=RECORD_WAIT_S + 5)
 
 
 def same_bits(want: pb.Tensor, got: pb.Tensor) -> bool:

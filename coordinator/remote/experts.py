@@ -145,6 +145,8 @@ class RemoteExperts(ExpertsBase):
             if not cands:
                 missing.append(expert)
                 continue
+            # a node with MAX_BACKLOG audits not done gets work only if nobody else can
+            cands = [p for p in cands if not self.trust.backlogged(p.node_id)] or cands
 
             def score(p: Peer) -> tuple[float, int]:
                 # When this node would finish its share of the layer if it also took `expert`
@@ -178,6 +180,8 @@ class RemoteExperts(ExpertsBase):
             by_peer: dict[str, tuple[Peer, list[int]]] = {}
             for expert, peer in chosen.items():
                 by_peer.setdefault(peer.addr, (peer, []))[1].append(expert)
+            for peer, _ in by_peer.values():  # the only holders left: their audits first
+                self.trust.wait_backlog(peer.node_id)
             calls = [
                 call
                 for peer, mine in by_peer.values()

@@ -244,11 +244,14 @@ class PeerSet:
         with self.lock:
             first = peer.node_id not in self.disqualified
             self.disqualified[peer.node_id] = reason
-            peer.disqualified = reason
-            was_up, peer.up = peer.up, False
-            if peer.stream is not None:
-                peer.stream.close()
-                peer.stream = None
+            was_up = peer.up
+            # every address its key answers at (one key pinned at two addresses is one node)
+            twins = [p for p in self.peers if p.node_id == peer.node_id and p is not peer]
+            for p in [peer, *twins]:
+                p.disqualified, p.up = reason, False
+                if p.stream is not None:
+                    p.stream.close()
+                    p.stream = None
         if first:  # (also when it was banned at the time: a liar caught late is still named)
             down = "" if was_up else " (it was down at the time)"
             log.warning("node %s disqualified%s: %s", peer.label, down, reason)

@@ -112,6 +112,15 @@ class Trust:
     def convict(self, peer: Peer, why: str) -> None:
         self.auditor.convict(peer, why)
 
+    def backlogged(self, node_id: str) -> bool:
+        """Whether `node_id` has so many audits not done that it should get no more work."""
+        return self.auditor is not None and self.auditor.backlogged(node_id)
+
+    def wait_backlog(self, node_id: str) -> None:
+        """Wait until `node_id` may get more work (AuditStall if its audits never end)."""
+        if self.auditor is not None:
+            self.auditor.wait_backlog(node_id)
+
     def check(self, reply, request, rows: int) -> np.ndarray | str:
         """The reply's partial sum [rows, H], or why it is not one a node may send: the reply
         to another request (a duplicate or a lost one on the stream), a tensor of another

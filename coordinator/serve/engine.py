@@ -38,13 +38,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from coordinator.decode import ROLLBACK_STEPS, Decoder, Sequence, Verifier
+from coordinator.decode import MAX_LAG, Decoder, Sequence, Verifier
 from coordinator.sampling import SamplingOptions, log_softmax
 from coordinator.serve.histogram import REQUEST_BUCKETS, TOKEN_BUCKETS, Histogram
 
 log = logging.getLogger(__name__)
 
-MAX_LAG = ROLLBACK_STEPS - 1  # steps the engine may run ahead of the last settled one
 HELD_BUCKETS = (0, 1, 2, 4, 8, 16)  # steps a token waits to be settled
 
 
@@ -268,12 +267,15 @@ class Engine:
             for r in [r for r, _ in scheduled if r.seq in made]:
                 self._made(r)
         elif self.verifier is not None:  # only finished sequences waiting for their audits
-            self.verifier.wait_settled(self.decoder.step_no - 1, timeout=0.05)
-        undone = self.decoder.rollback([r.seq for r in self._running], retract=False)
+            self.verifier.wait_settled(self.decoder.step_no - 1, timeout=0.05, stall=False)
+        undone, lost = self.decoder.rollback([r.seq for r in self._running], retract=False)
         for r in [r for r in self._running if r.seq in undone]:
             del r.events[len(r.seq.tokens) - r.seq.shown :]
             r.finish = ""  # it runs again from where it was undone
             self.stats.rollbacks += 1
+        for r in [r for r in self._running if r.seq in lost]:  # never, within the lag bound
+            self._end(r.request, "error", "a node lied further back than can be undone")
+            self._running.remove(r)
         self._send_settled()
         self.decoder.forget([r.seq for r in self._running], retract=False)
         if not self._running and hasattr(self.model, "forget_caches"):

@@ -42,6 +42,7 @@ from moe.wire import moeshard_pb2 as pb
 
 VERSION = 1
 MAX_FILE_BYTES = 1 << 30  # larger files are refused unread (K3: at most 16 records of 17.5 MB)
+REQUEST_BYTES = 128 << 20  # what a proof's request, reply and receipt may take beside records
 SUFFIX = ".fraud"
 
 
@@ -106,11 +107,13 @@ def write_proof(directory: Path, proof: pb.FraudProof) -> Path:
     return directory / name
 
 
-def read_proof(path: str | Path) -> pb.FraudProof:
+def read_proof(path: str | Path, limit: int = MAX_FILE_BYTES) -> pb.FraudProof:
+    """The proof in `path`, parsed; FraudError if it is larger than `limit` bytes (refused
+    unread), unreadable or not a proof of this version."""
     path = Path(path)
     try:
         size = path.stat().st_size
-        if size > MAX_FILE_BYTES:
+        if size > limit:
             raise FraudError(f"{path}: {size} bytes, more than a fraud proof may have")
         data = path.read_bytes()
     except OSError as exc:
@@ -128,7 +131,9 @@ def read_proof(path: str | Path) -> pb.FraudProof:
 def check(path: str | Path, model) -> Verdict:
     """The verdict of the proof at `path` against `model` (an opened ModelDir: its id, expert
     geometry and Merkle roots); FraudError naming what does not hold."""
-    proof = read_proof(path)
+    # a row routes to at most top-k records; the request and reply get REQUEST_BYTES
+    limit = min(MAX_FILE_BYTES, model.config.top_k * model.shard_set.record_nbytes + REQUEST_BYTES)
+    proof = read_proof(path, limit)
     where = f"{path}"
     if proof.model_id != model.model_id:
         raise FraudError(f"{where}: about model {proof.model_id[:16]}, not {model.model_id[:16]}")
@@ -144,26 +149,25 @@ def check(path: str | Path, model) -> Verdict:
             f"computes {ARITHMETIC}: check it with a version that computes the node's"
         )
     shards = model.shard_set
-    try:
-        hidden = codec.decode(request.hidden, "hidden", (codec.F32, codec.BF16))  # [T, H]
-        rows, width = hidden.shape
-        ids = codec.decode(request.ids, "ids", (codec.I32,), (rows, None))  # [T, k]
-        weights = codec.decode(request.weights, "weights", (codec.F32,), ids.shape)  # [T, k]
-        out_dtype = request.out_dtype or request.hidden.dtype
-        codec.decode(proof.reply, "reply", (out_dtype,), (rows, shards.hidden))
+    out_dtype = request.out_dtype or request.hidden.dtype
+    if out_dtype not in (codec.F64, codec.F32, codec.BF16):
+        raise FraudError(f"{where}: a reply dtype ({out_dtype}) no node is asked for")
+    if len(request.hidden.shape) != 2 or not 0 <= proof.row < request.hidden.shape[0]:
+        raise FraudError(f"{where}: row {proof.row} of a request of shape {request.hidden.shape}")
+    r = proof.row
+    try:  # only row r is decoded: a hostile file cannot make this widen all of its bytes
+        hidden = _row(request.hidden, r, (codec.F32, codec.BF16), shards.hidden)  # [1, H]
+        ids = _row(request.ids, r, (codec.I32,), None)  # [1, k]
+        weights = _row(request.weights, r, (codec.F32,), ids.shape[1])  # [1, k]
+        got = _row(proof.reply, r, (out_dtype,), shards.hidden)  # [1, H]
     except codec.CodecError as exc:
         raise FraudError(f"{where}: {exc}") from None
-    if width != shards.hidden or not 0 <= proof.row < rows:
-        raise FraudError(f"{where}: row {proof.row} of a [{rows}, {width}] request")
-    r = proof.row
-    arena, offsets = _records(proof, model, request.layer, ids[r], where)
+    arena, offsets = _records(proof, model, request.layer, ids[0], where)
     expected = recompute_partial_sum(
         lambda experts: [(arena, {e: offsets[e] for e in experts})],
-        shards.fmt, shards.hidden, shards.inter, shards.glu,
-        hidden[r : r + 1], ids[r : r + 1], weights[r : r + 1],
+        shards.fmt, shards.hidden, shards.inter, shards.glu, hidden, ids, weights,
     )  # fmt: skip  # [1, H] float64
     want = codec.decode(codec.encode(expected, out_dtype), "row", (out_dtype,))  # [1, H]
-    got = codec.decode(proof.reply, "reply", (out_dtype,))[r : r + 1]  # [1, H]
     differ = np.nonzero(want.view(np.uint8).reshape(-1) != got.view(np.uint8).reshape(-1))[0]
     if not differ.size:
         raise FraudError(f"{where}: row {r} of the signed reply is what the model gives: no fraud")
@@ -173,6 +177,22 @@ def check(path: str | Path, model) -> Verdict:
         key_id(proof.node_key), int(request.layer), r, differing, int(want.size),
         float(got[0, col]), float(want[0, col]),
     )  # fmt: skip
+
+
+def _row(tensor: pb.Tensor, r: int, dtypes: tuple, width: int | None) -> np.ndarray:
+    """Row r of a 2-D tensor, [1, width], decoded alone after its shape, dtype and length are
+    checked (CodecError if they are not those of a [rows, width] tensor of one of `dtypes`)."""
+    if len(tensor.shape) != 2 or tensor.dtype not in dtypes or tensor.dtype not in codec.ITEMSIZE:
+        raise codec.CodecError(f"a tensor of shape {list(tensor.shape)}, dtype {tensor.dtype}")
+    rows, cols = tensor.shape
+    size = codec.ITEMSIZE[tensor.dtype]
+    if width is not None and cols != width or not 0 <= r < rows or cols < 1:
+        raise codec.CodecError(f"shape {list(tensor.shape)}: no row {r} of width {width}")
+    if len(tensor.data) != rows * cols * size:
+        raise codec.CodecError(f"{len(tensor.data)} bytes for shape {list(tensor.shape)}")
+    row = pb.Tensor(data=tensor.data[r * cols * size : (r + 1) * cols * size], shape=[1, cols])
+    row.dtype = tensor.dtype
+    return codec.decode(row, "row", dtypes, (1, cols))
 
 
 def _bits(x: np.ndarray) -> np.ndarray:
