@@ -12,7 +12,10 @@ A node keeps serving well-behaved clients whatever a few others do:
 - records: at most `max_records` Record streams are open at once, `per_client_records` of them
   per client (counted apart from its calls and streams), and a client's record bytes go
   through a token bucket of `record_rate` bytes per second: a coordinator's audits get their
-  records, a stranger cannot use the node as a download mirror at disk speed;
+  records, a stranger cannot use the node as a download mirror at disk speed. As many again
+  are kept for the clients this node computed for in the last RESERVED_S (the coordinators
+  whose audits need its records), so strangers who fill the open pool with streams that send
+  nothing cannot keep an honest node from handing over a record it just computed with;
 - rate: a client's calls (every stream message counts) and rows go through token buckets;
 - idle: a call whose next message does not come within `idle_timeout_s` ends with
   DEADLINE_EXCEEDED. grpc's request iterator has no timeout, so messages are read in helper
@@ -30,6 +33,7 @@ A node keeps serving well-behaved clients whatever a few others do:
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections import deque
@@ -55,6 +59,7 @@ BURST_S = 1.0  # a client's token buckets hold this many seconds of its rate
 # second; the row rate must not refuse that (the compute gate, not the rate, bounds the work)
 ROWS_RATE_FACTOR = 16
 MAX_CLIENTS = 4096  # client records kept before the idle ones are dropped
+RESERVED_S = 120.0  # a client this node computed for this lately may use the reserved records
 # Record bytes per second per client. A coordinator that recomputes sampled Forward calls
 # fetches a few records per second: Kimi K3's MXFP4 records are 17.5 MB, so 64 MiB/s lets
 # ~3.8 of them a second through (and the 1 s burst, BURST_S, three at once). Reading a whole
@@ -141,8 +146,9 @@ class Limits:
     def messages_held(self) -> int:
         """Request sizes in memory at worst: a message per unary call and stream (Forward or
         Record) being read or waiting, and the working copies of the requests in compute. (A
-        Record stream also holds its record: `max_records` records at worst.)"""
-        return self.max_calls + self.max_streams + self.max_records + WORK_COPIES * self.max_active
+        Record stream also holds its record: 2 x `max_records` records at worst.)"""
+        records = 2 * self.max_records  # the open pool and the reserved one
+        return self.max_calls + self.max_streams + records + WORK_COPIES * self.max_active
 
     def request_memory(self) -> int:
         """Bytes requests may hold at once, at worst."""
@@ -153,7 +159,7 @@ class Limits:
         return (
             self.max_calls
             + self.max_streams
-            + self.max_records
+            + 2 * self.max_records  # the open pool and the reserved one
             + self.max_watches
             + self.spare_workers
         )
@@ -244,6 +250,7 @@ class Client:
     def __init__(self, limits: Limits):
         self.open = 0  # unary calls and ForwardStreams
         self.records = 0  # Record streams
+        self.worked_at = -math.inf  # monotonic time of the last Forward computed for it
         self.calls = TokenBucket(limits.rate, limits.rate * BURST_S)
         rows_capacity = max(limits.rate_rows * BURST_S, float(limits.max_rows))
         self.rows = TokenBucket(limits.rate_rows, rows_capacity)
@@ -269,16 +276,18 @@ class Guard:
         self.clients: dict[str, Client] = {}
         self.sweep_at = MAX_CLIENTS  # drop idle client records when there are this many
         # unary calls, ForwardStreams and Record streams: open now, and the most open at once
-        self.open = {"call": 0, "stream": 0, "record": 0}
+        self.open = {"call": 0, "stream": 0, "record": 0, "reserved": 0}
         self.caps = {
             "call": limits.max_calls,
             "stream": limits.max_streams,
             "record": limits.max_records,
+            "reserved": limits.max_records,  # Record streams of clients it computed for lately
         }
         self.work = Gate(limits.max_active, limits.max_queue)
         # every admitted call and stream has at most one read outstanding: reads never queue
         self.readers = ThreadPoolExecutor(
-            limits.max_calls + limits.max_streams + limits.max_records, thread_name_prefix="read"
+            limits.max_calls + limits.max_streams + 2 * limits.max_records,
+            thread_name_prefix="read",
         )
         self.stalls = Watchdog()  # streams whose client stops taking their replies
 
@@ -289,20 +298,24 @@ class Guard:
         """Count a unary call (`kind` "call"), a ForwardStream ("stream") or a Record stream
         ("record") of `client` as open for the block; Refused (RESOURCE_EXHAUSTED) over the
         node's or the client's cap."""
-        cap = self.caps[kind]
         with self.lock:
             record = self._client(client)
             self._check_client_cap(client, record, kind)
-            if self.open[kind] >= cap:
+            pool = kind
+            if kind == "record" and self.open["record"] >= self.caps["record"]:
+                if time.monotonic() - record.worked_at < RESERVED_S:  # a client it serves
+                    pool = "reserved"
+            cap = self.caps[pool]
+            if self.open[pool] >= cap:
                 raise Refused(
                     grpc.StatusCode.RESOURCE_EXHAUSTED, f"node busy: {cap} {kind}s open already"
                 )
-            self._count(record, kind, +1)
+            self._count(record, pool, +1)
         try:
             yield
         finally:
             with self.lock:
-                self._count(record, kind, -1)
+                self._count(record, pool, -1)
 
     def _check_client_cap(self, client: str, record: Client, kind: str) -> None:
         if kind == "record" and record.records >= self.limits.per_client_records:
@@ -320,7 +333,7 @@ class Guard:
 
     def _count(self, record: Client, kind: str, step: int) -> None:
         """Open (+1) or close (-1) a call of `kind` (under self.lock)."""
-        if kind == "record":
+        if kind in ("record", "reserved"):
             record.records += step
         else:
             record.open += step
@@ -332,6 +345,8 @@ class Guard:
         now = time.monotonic()
         with self.lock:
             record = self._client(client)
+            if rows:
+                record.worked_at = now  # (refused or not: it asked for work)
             if record.calls.refill(now) < 1:
                 raise Refused(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,

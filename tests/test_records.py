@@ -25,6 +25,7 @@ from moe.identity import keys
 from moe.identity.tls import client_tls
 from moe.model.model_dir import ModelDir
 from moe.storage import merkle
+from moe.wire import codec
 from moe.wire import moeshard_pb2 as pb
 from moe.wire import moeshard_pb2_grpc as pb_grpc
 from node import failpoints
@@ -321,9 +322,45 @@ def test_record_streams_are_capped_and_an_abandoned_one_is_cleaned_up(small_node
             assert code == grpc.StatusCode.CANCELLED and received < RECORD_NBYTES
         for stub in (a[1], b[1], c[1]):  # the node keeps serving, every client
             assert np.array_equal(fetch(stub, model, (1, 2)), model.shard_set.read(1, 2))
-        assert guard.open == {"call": 0, "stream": 0, "record": 0}
+        assert guard.open == {"call": 0, "stream": 0, "record": 0, "reserved": 0}
     finally:
         for channel, _ in (a, b, c):
+            channel.close()
+
+
+def forward_once(stub, model) -> None:
+    """One honest Forward call of one row: the node has now computed for this client."""
+    hidden = np.zeros((1, model.shard_set.hidden), dtype=np.float32)  # [1, H]
+    request = pb.ForwardRequest(
+        model_id=model.model_id,
+        request_id=1,
+        layer=1,
+        hidden=codec.encode(hidden, codec.F32),
+        ids=codec.encode(np.array([[0]], dtype=np.int32), codec.I32),
+        weights=codec.encode(np.ones((1, 1), dtype=np.float32), codec.F32),
+    )
+    assert stub.Forward(request, timeout=10).request_id == 1
+
+
+def test_record_slots_are_kept_for_the_clients_the_node_computes_for(small_node, model):
+    """Strangers who computed nothing here fill the open pool with streams they stop reading;
+    a client the node just computed for still gets its record (the pool kept for such
+    clients), while another stranger is refused."""
+    node, addr = small_node
+    guard = node.servicer.guard
+    a, b, c, d = (own_stub(addr, stalling=True) for _ in range(4))
+    try:
+        stalled = [open_record(a[1], model), open_record(b[1], model)]
+        assert guard.open["record"] == 2
+        err = refused(lambda: fetch(d[1], model, (1, 1)))
+        assert err.code == "RESOURCE_EXHAUSTED" and "2 records open already" in err.why
+        forward_once(c[1], model)
+        assert np.array_equal(fetch(c[1], model, (1, 1)), model.shard_set.read(1, 1))
+        assert guard.open["record"] == 2 and guard.open["reserved"] == 0
+        for call in stalled:
+            call.cancel()
+    finally:
+        for channel, _ in (a, b, c, d):
             channel.close()
 
 

@@ -26,7 +26,9 @@ after its reply is in, so the request can only tell it about a lie already commi
 that refuses a record it claims (NOT_FOUND, DATA_LOSS, forged bytes) is convicted as if the
 recomputation had failed; one that stays busy or unreachable for RECORD_WAIT_S is not (a
 stranger can keep an honest node busy) but its work cannot be verified: it is dropped for the
-run and its unverified work recomputed, with no failed audit on its record. A holder whose
+run and its unverified work recomputed, with no failed audit on its record. So is one that
+hands records over only when asked again, SLOW_LIMIT times: stalling every audit is a way
+to slow the coordinator, not to be checked less. A holder whose
 bytes fail the Merkle root is disqualified for failing possession.
 
 Picked calls wait in one queue per node, served round robin by WORKERS threads, so a node
@@ -64,6 +66,7 @@ RECORD_WAIT_S = 10.0  # how long the audited node has to hand over a record only
 WORKERS = 2  # audits at once: one stalled by a slow holder does not hold up the others
 MAX_BACKLOG = 16  # audits of one node not yet done before it gets no more work
 HOLDER_BACKOFF_S = 60.0  # a holder that failed to hand over a record is not asked for this long
+SLOW_LIMIT = 3  # hand-overs by an audited node that needed asking again before it is dropped
 # the audited node answered, and refused: no honest node says this of a record it just used
 REFUSALS = {
     "NOT_FOUND", "DATA_LOSS", "PERMISSION_DENIED", "UNAUTHENTICATED", "INVALID_ARGUMENT",
@@ -140,6 +143,7 @@ class Auditor:
         self.backlog: Counter = Counter()  # node id -> its picked cases not done yet
         self.closed = False
         self.holder_backoff: dict[str, float] = {}  # node id -> monotonic time it may be asked
+        self.slow: Counter = Counter()  # node id -> its hand-overs that needed asking again
         self.pending: dict[int, int] = {}  # case id -> its step, for the audits not yet done
         self.stats = AuditStats()
         self.distrusted: set[str] = set()  # node ids disqualified by this auditor
@@ -333,6 +337,9 @@ class Auditor:
             self.observe(case, want, same_bits(want, case.reply.out))
         if same_bits(want, case.reply.out):
             self._passed(case)
+            if self.slow[case.peer.node_id] >= SLOW_LIMIT:  # it stalls every audit it can
+                why = f"it handed over records only when asked again, {SLOW_LIMIT} times"
+                self._unverifiable(case, why)
             return
         with self.lock:
             self.stats.failed += 1
@@ -385,8 +392,11 @@ class Auditor:
             tries += 1
             try:
                 got = self._fetch(peer, key, root, out)
-                if tries > 1 and self.reputation:
-                    self.reputation.record_call(peer.node_id, False)
+                if tries > 1:
+                    with self.lock:
+                        self.slow[peer.node_id] += 1
+                    if self.reputation:
+                        self.reputation.record_call(peer.node_id, False)
                 return got
             except FetchError as exc:
                 if exc.evidence or exc.code in REFUSALS:
