@@ -3,9 +3,11 @@
 Each module has `add_<command>(subparsers)` functions that register a subcommand with its
 `cmd_<command>(args) -> exit code` handler. Exit codes: 0 ok, 1 internal error (or a failed
 health check, or a node failing `audit`), 2 bad input (any `MoeshardError`, printed as one
-line; also a ledger that does not verify), 3 the cluster does not cover the model (`cluster`:
-some expert has no live node; `generate`: a layer no live node can compute, the tokens so far
-still printed), or a node cannot be audited (`audit`), 130 interrupted (SIGINT), 143
+line; also a ledger that does not verify, or a fraud proof that proves nothing), 3 the cluster
+does not cover the model (`cluster`: some expert has no live node; `generate`: a layer no live
+node can compute, audits that did not finish, or a caught lie further back than a recurrent
+state can be undone, the tokens so far still printed), or a node cannot be audited (`audit`),
+130 interrupted (SIGINT), 143
 terminated (SIGTERM; `generate` prints the tokens so far in both cases).
 """
 
