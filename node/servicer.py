@@ -216,6 +216,8 @@ class ExpertNodeServicer:
             name=ident.name,
             max_rows=self.limits.max_rows,
             max_request_bytes=self.limits.max_request_bytes,
+            record_rate=int(self.limits.record_rate),
+            per_client_records=self.limits.per_client_records,
             kernel_build=kernel_build(),
             cpu_level=cpu_level(),
             arithmetic=ARITHMETIC,

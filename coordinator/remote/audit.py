@@ -45,6 +45,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -66,7 +67,9 @@ RECORD_WAIT_S = 10.0  # how long the audited node has to hand over a record only
 WORKERS = 2  # audits at once: one stalled by a slow holder does not hold up the others
 MAX_BACKLOG = 16  # audits of one node not yet done before it gets no more work
 HOLDER_BACKOFF_S = 60.0  # a holder that failed to hand over a record is not asked for this long
-SLOW_LIMIT = 3  # hand-overs by an audited node that needed asking again before it is dropped
+SLOW_LIMIT = 3  # slow hand-overs by an audited node before it is dropped
+SLOW_S = 2.0  # a hand-over that needed asking again and took longer than this is slow
+PACE = 0.8  # share of a node's stated record rate the audits use (its clock is not ours)
 # the audited node answered, and refused: no honest node says this of a record it just used
 REFUSALS = {
     "NOT_FOUND", "DATA_LOSS", "PERMISSION_DENIED", "UNAUTHENTICATED", "INVALID_ARGUMENT",
@@ -143,7 +146,8 @@ class Auditor:
         self.backlog: Counter = Counter()  # node id -> its picked cases not done yet
         self.closed = False
         self.holder_backoff: dict[str, float] = {}  # node id -> monotonic time it may be asked
-        self.slow: Counter = Counter()  # node id -> its hand-overs that needed asking again
+        self.slow: Counter = Counter()  # node id -> its slow hand-overs
+        self.paces: dict[str, _Pace] = {}  # node id -> its record rate and streams, as stated
         self.pending: dict[int, int] = {}  # case id -> its step, for the audits not yet done
         self.stats = AuditStats()
         self.distrusted: set[str] = set()  # node ids disqualified by this auditor
@@ -386,13 +390,14 @@ class Auditor:
         """The audited node, the only holder left, has RECORD_WAIT_S to hand it over: a
         refusal is Withheld (convicted), a node busy or away so long Unverifiable; a hand-over
         that needed more than one try costs it availability."""
-        deadline, delay, tries = time.monotonic() + RECORD_WAIT_S, 0.2, 0
+        t0 = time.monotonic()
+        deadline, delay, tries = t0 + RECORD_WAIT_S, 0.2, 0
         where = f"expert {key[1]} of layer {key[0]}"
         while True:
             tries += 1
             try:
                 got = self._fetch(peer, key, root, out)
-                if tries > 1:
+                if tries > 1 and time.monotonic() - t0 > SLOW_S:
                     with self.lock:
                         self.slow[peer.node_id] += 1
                     if self.reputation:
@@ -409,13 +414,20 @@ class Auditor:
             delay = min(2 * delay, 5.0)
 
     def _fetch(self, peer: Peer, key: Key, root: bytes, out: np.ndarray) -> int:
+        """One fetch, within the record rate and streams the node states for one client, so
+        an honest node never has to refuse these audits for going over its own limits."""
         if peer.stub is None:
             raise FetchError("not connected", code="UNAVAILABLE")
-        timeout = default_deadline_s(self.records.record_nbytes, peer.overhead_ms / 1e3)
-        return fetch_record(
-            peer.stub, self.peers.model_id, key[0], key[1], root,
-            self.records.record_nbytes, out, timeout,
-        )  # fmt: skip
+        nbytes = self.records.record_nbytes
+        with self.lock:
+            pace = self.paces.get(peer.node_id)
+            if pace is None:
+                pace = self.paces[peer.node_id] = _Pace(peer.record_rate, peer.record_streams)
+        timeout = default_deadline_s(nbytes, peer.overhead_ms / 1e3)
+        with pace.turn(nbytes):
+            return fetch_record(
+                peer.stub, self.peers.model_id, key[0], key[1], root, nbytes, out, timeout
+            )
 
     def _possession_failed(self, peer: Peer, key: Key, why: str) -> None:
         reason = f"handed over expert {key[1]} of layer {key[0]} not as the model has it: {why}"
@@ -508,6 +520,34 @@ class Auditor:
             self.changed.notify_all()
         for worker in self.workers:
             worker.join(timeout=RECORD_WAIT_S + 5)
+
+
+class _Pace:
+    """The audits' share of one node's record limits: at most `streams` fetches at once and
+    PACE x `rate` bytes a second (a bucket of one second's worth; a record larger than it
+    goes once the bucket is full, leaving it in debt, as the node counts). 0: not stated."""
+
+    def __init__(self, rate: float, streams: int):
+        self.rate = PACE * rate
+        self.capacity = self.tokens = self.rate
+        self.stamp = time.monotonic()
+        self.slots = threading.Semaphore(max(streams, 1) if streams else WORKERS)
+        self.lock = threading.Lock()
+
+    @contextmanager
+    def turn(self, nbytes: int):
+        with self.slots:
+            while self.rate > 0:
+                with self.lock:
+                    now = time.monotonic()
+                    self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+                    self.stamp = now
+                    short = min(nbytes, self.capacity) - self.tokens
+                    if short <= 0:
+                        self.tokens -= nbytes
+                        break
+                time.sleep(short / self.rate)
+            yield
 
 
 def same_bits(want: pb.Tensor, got: pb.Tensor) -> bool:

@@ -45,6 +45,8 @@ class Peer:
     name: str = ""  # the node's display name (from Info)
     max_rows: int = 0  # rows one Forward may carry (from Info; 0: no limit stated)
     max_request_bytes: int = 0  # bytes one request may have (from Info; 0: no limit stated)
+    record_rate: int = 0  # record bytes a second it lets one client fetch (Info; 0: not stated)
+    record_streams: int = 0  # record streams it lets one client open at once (Info; 0: idem)
     kernels: str = ""  # "kernel build/cpu level" (from Info): equal ones give equal bits
     held: set = field(default_factory=set)  # (layer, expert) the node serves
     ewma_ms: float = 1.0  # smoothed round trip of a Forward call
@@ -207,6 +209,7 @@ class PeerSet:
         with self.lock:
             peer.node_id, peer.name, peer.held = info.node_id, info.name, held
             peer.max_rows, peer.max_request_bytes = info.max_rows, info.max_request_bytes
+            peer.record_rate, peer.record_streams = info.record_rate, info.per_client_records
             peer.kernels = f"{info.kernel_build}/{info.cpu_level}"
             peer.public_key = info.public_key
             peer.weight = rank_weight(rep.score(info.node_id)) if rep is not None else 1.0
