@@ -60,6 +60,7 @@ BURST_S = 1.0  # a client's token buckets hold this many seconds of its rate
 ROWS_RATE_FACTOR = 16
 MAX_CLIENTS = 4096  # client records kept before the idle ones are dropped
 RESERVED_S = 120.0  # a client this node computed for this lately may use the reserved records
+CREDIT_CAP = 2 << 30  # record bytes of credit a client may hold (see `Guard.credit_records`)
 # Record bytes per second per client. A coordinator that recomputes sampled Forward calls
 # fetches a few records per second: Kimi K3's MXFP4 records are 17.5 MB, so 64 MiB/s lets
 # ~3.8 of them a second through (and the 1 s burst, BURST_S, three at once). Reading a whole
@@ -233,8 +234,9 @@ class TokenBucket:
         self.tokens, self.stamp = capacity, time.monotonic()
 
     def refill(self, now: float) -> float:
-        self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
+        # (`now` may predate the bucket: a caller reads the clock before making a new one)
+        self.tokens = min(self.capacity, self.tokens + max(now - self.stamp, 0.0) * self.rate)
+        self.stamp = max(now, self.stamp)
         return self.tokens
 
     def take(self, n: float, now: float) -> bool:
@@ -251,6 +253,7 @@ class Client:
         self.open = 0  # unary calls and ForwardStreams
         self.records = 0  # Record streams
         self.worked_at = -math.inf  # monotonic time of the last Forward computed for it
+        self.record_credit = 0  # record bytes it may fetch beyond its rate: what it had computed
         self.calls = TokenBucket(limits.rate, limits.rate * BURST_S)
         rows_capacity = max(limits.rate_rows * BURST_S, float(limits.max_rows))
         self.rows = TokenBucket(limits.rate_rows, rows_capacity)
@@ -361,14 +364,29 @@ class Guard:
                 )
             record.calls.take(1, now)
 
+    def credit_records(self, client: str, nbytes: int) -> None:
+        """This node just computed with `nbytes` of records for `client`: it may fetch as many
+        bytes of records beyond its rate (up to CREDIT_CAP). A coordinator that audits its
+        calls fetches at most the records they used, at its audit rate, so an honest
+        coordinator's audits are never refused for the rate, however large the records;
+        whoever wants records without having the node compute gets the rate alone."""
+        with self.lock:
+            record = self._client(client)
+            record.record_credit = min(CREDIT_CAP, record.record_credit + nbytes)
+
     def charge_bytes(self, client: str, nbytes: int) -> None:
-        """A record of `nbytes` bytes for `client`; Refused when its record-byte bucket holds
-        less than that (or, for a record larger than the bucket, is not full). The bucket may
-        go below zero: a record larger than one second of the rate is paid for by the wait
-        after it. A refused record takes nothing."""
+        """A record of `nbytes` bytes for `client`: from its credit when that holds it, else
+        from its record-byte bucket; Refused when the bucket holds less than that (or, for a
+        record larger than the bucket, is not full). The bucket may go below zero: a record
+        larger than one second of the rate is paid for by the wait after it. A refused record
+        takes nothing."""
         now = time.monotonic()
         with self.lock:
-            bucket = self._client(client).record_bytes
+            record = self._client(client)
+            if record.record_credit >= nbytes:
+                record.record_credit -= nbytes
+                return
+            bucket = record.record_bytes
             if bucket.refill(now) < min(nbytes, bucket.capacity):
                 wait_s = (min(nbytes, bucket.capacity) - bucket.tokens) / bucket.rate
                 raise Refused(

@@ -228,7 +228,9 @@ class ExpertNodeServicer:
 
     def Forward(self, request, context):
         with self.guard.computing(context.time_remaining()):
-            return self._forward(request)
+            reply = self._forward(request)
+        self._credit(self._caller(context), reply)
+        return reply
 
     def ForwardStream(self, requests, context):
         """Each message is a Forward, charged and queued for compute like a unary one; the
@@ -240,10 +242,16 @@ class ExpertNodeServicer:
                     self.guard.charge(client, self._claimed_rows(request))
                     with self.guard.computing():
                         reply = self._forward(request)
+                    self._credit(client, reply)
                     yield reply
                     if self.lie is not None and self.lie.mode == "duplicate":
                         if self.lie.fires(self.lie_rng):
                             yield reply  # a failpoint: one request, two replies
+
+    def _credit(self, client: str, reply: pb.ForwardReply) -> None:
+        """The records this reply was computed with may be fetched by its client beyond its
+        record rate (`Guard.credit_records`): what an audit of it needs."""
+        self.guard.credit_records(client, reply.experts_computed * self.record_nbytes)
 
     def Prefetch(self, request, context):
         self._check_model(request.model_id)

@@ -537,3 +537,24 @@ def test_a_node_that_trickles_bytes_is_cut_off_at_the_deadline():
         wait_until(node.ended.is_set, 5, what="the trickling stream to end")
     finally:
         node.close()
+
+
+def test_a_client_may_fetch_the_records_the_node_computed_with_for_it_beyond_its_rate():
+    """Record credit (`Guard.credit_records`): the bytes of the records a node's replies to a
+    client used may be fetched by that client on top of its record rate, as a coordinator's
+    audits need them; another client, which had nothing computed, has its rate alone."""
+    from node.limits import Guard, Refused
+
+    mib = 1 << 20
+    guard = Guard(Limits(record_rate=4 * mib).resolve(1 << 30, 4096, 2))
+    guard.charge_bytes("auditor", 4 * mib)  # the bucket's one second, spent
+    with pytest.raises(Refused, match="--record-rate-mb"):
+        guard.charge_bytes("auditor", mib)
+    guard.credit_records("auditor", 3 * mib)  # three records of 1 MiB computed for it
+    for _ in range(3):
+        guard.charge_bytes("auditor", mib)
+    with pytest.raises(Refused):
+        guard.charge_bytes("auditor", mib)  # the credit is spent, the bucket still empty
+    guard.charge_bytes("stranger", 4 * mib)
+    with pytest.raises(Refused):
+        guard.charge_bytes("stranger", mib)

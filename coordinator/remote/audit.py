@@ -59,6 +59,7 @@ from coordinator.remote.records import Key, RecordCache
 from moe.experts.compute import recompute_partial_sum
 from moe.wire import codec
 from moe.wire import moeshard_pb2 as pb
+from node.limits import CREDIT_CAP
 
 log = logging.getLogger(__name__)
 
@@ -413,16 +414,25 @@ class Auditor:
             time.sleep(delay)
             delay = min(2 * delay, 5.0)
 
+    def earn(self, peer: Peer, experts: int) -> None:
+        """`peer` computed a reply with `experts` records for us: the credit it gives us."""
+        if self.records is not None:
+            self._pace(peer).earn(experts * self.records.record_nbytes)
+
+    def _pace(self, peer: Peer) -> _Pace:
+        with self.lock:
+            pace = self.paces.get(peer.node_id)
+            if pace is None:
+                pace = self.paces[peer.node_id] = _Pace(peer.record_rate, peer.record_streams)
+            return pace
+
     def _fetch(self, peer: Peer, key: Key, root: bytes, out: np.ndarray) -> int:
         """One fetch, within the record rate and streams the node states for one client, so
         an honest node never has to refuse these audits for going over its own limits."""
         if peer.stub is None:
             raise FetchError("not connected", code="UNAVAILABLE")
         nbytes = self.records.record_nbytes
-        with self.lock:
-            pace = self.paces.get(peer.node_id)
-            if pace is None:
-                pace = self.paces[peer.node_id] = _Pace(peer.record_rate, peer.record_streams)
+        pace = self._pace(peer)
         timeout = default_deadline_s(nbytes, peer.overhead_ms / 1e3)
         with pace.turn(nbytes):
             return fetch_record(
@@ -523,21 +533,32 @@ class Auditor:
 
 
 class _Pace:
-    """The audits' share of one node's record limits: at most `streams` fetches at once and
-    PACE x `rate` bytes a second (a bucket of one second's worth; a record larger than it
-    goes once the bucket is full, leaving it in debt, as the node counts). 0: not stated."""
+    """The audits' share of one node's record limits, as the node counts them for this client:
+    at most `streams` fetches at once, each paid from the credit its computing earned (the
+    records its replies used, `earn`) or else from PACE x `rate` bytes a second (a bucket of
+    one second's worth; a record larger than it goes once the bucket is full, leaving it in
+    debt). A rate of 0 is not stated: no pacing."""
 
     def __init__(self, rate: float, streams: int):
         self.rate = PACE * rate
         self.capacity = self.tokens = self.rate
+        self.credit = 0
         self.stamp = time.monotonic()
         self.slots = threading.Semaphore(max(streams, 1) if streams else WORKERS)
         self.lock = threading.Lock()
 
+    def earn(self, nbytes: int) -> None:
+        with self.lock:
+            self.credit = min(CREDIT_CAP, self.credit + nbytes)
+
     @contextmanager
     def turn(self, nbytes: int):
         with self.slots:
-            while self.rate > 0:
+            with self.lock:
+                paid = self.credit >= nbytes
+                if paid:
+                    self.credit -= nbytes
+            while self.rate > 0 and not paid:
                 with self.lock:
                     now = time.monotonic()
                     self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)

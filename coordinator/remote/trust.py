@@ -92,6 +92,7 @@ class Trust:
         (it convicts its sender, or its sender was convicted while it was in flight)."""
         if self.reputation is not None:
             self.reputation.record_call(peer.node_id, True, rtt_s * 1e3)
+        self.auditor.earn(peer, reply.experts_computed)  # as the node credits us for it
         part = self.check(reply, request, rows)
         if isinstance(part, str):
             # No honest node sends this: disqualify this node (not the one that gets its
