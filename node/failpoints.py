@@ -11,6 +11,8 @@ once at start. A Forward reply is altered with probability RATE (default 1):
   duplicate     the reply sent twice on a stream
   forged_block  (possession challenges, not Forward) one byte of each block proof flipped
   forged_record (Record, not Forward) one byte of the record flipped in the chunks sent
+  late_proof:S  (possession challenges, not Forward) each answer held back S seconds, as a node
+                fetching the bytes from elsewhere would be late
   crash:N       not a lie: the process exits (status 1, no reply) on its (N+1)-th Forward
                 call, as a node dying in the middle of a generation
 The testbed and the tests use it to check that the coordinator catches each kind of lie.
@@ -31,7 +33,7 @@ log = logging.getLogger(__name__)
 
 MODES = (
     "zero", "scale", "noise", "nan", "ulp", "wrong_expert", "duplicate", "forged_block",
-    "forged_record", "crash",
+    "forged_record", "late_proof", "crash",
 )  # fmt: skip
 ENV = "MOESHARD_FAILPOINTS"
 
@@ -84,7 +86,7 @@ def parse(text: str | None) -> Lie | None:
         numbers = [float(p) for p in parts[1:]]
     except ValueError:
         raise ValueError(f"{ENV}: {text!r}: not numbers after the mode") from None
-    takes_arg = mode in ("scale", "noise", "crash")
+    takes_arg = mode in ("scale", "noise", "crash", "late_proof")
     if takes_arg and not numbers:
         raise ValueError(f"{ENV}: lie {mode} needs a number ({mode}:F)")
     arg = numbers[0] if takes_arg else 0.0

@@ -45,7 +45,12 @@ from node.records import Records, chunks
 log = logging.getLogger(__name__)
 SERVICE = "moeshard.v1.ExpertNode"
 RECORD_REQUEST_S = 2.0  # a Record stream's request must come this soon after it opens
-NOT_FORWARD = ("duplicate", "forged_block", "forged_record")  # failpoints that leave replies be
+NOT_FORWARD = (
+    "duplicate",
+    "forged_block",
+    "forged_record",
+    "late_proof",
+)  # failpoints that leave replies be
 
 
 class RequestError(Exception):
@@ -268,6 +273,8 @@ class ExpertNodeServicer:
     def Challenge(self, request, context):
         """Proof of possession: the challenged blocks with their Merkle paths, signed."""
         forge = self.lie is not None and self.lie.mode == "forged_block"  # tests only
+        if self.lie is not None and self.lie.mode == "late_proof":  # tests only
+            time.sleep(self.lie.arg)
         return self.prover.answer(request, context.time_remaining(), forge=forge)
 
     def Record(self, requests, context):

@@ -27,6 +27,7 @@ from helpers import (
 )
 
 from coordinator import generate as decode
+from coordinator.remote import patrol as patrol_module
 from coordinator.remote import possession
 from coordinator.remote.transport import PeerSpec, dial
 from moe.convert.placement import shard_model
@@ -404,3 +405,33 @@ def test_the_patrol_disqualifies_a_node_that_cannot_prove_and_keeps_honest_ones(
             remote.close()
     finally:
         liar.stop()
+
+
+def test_a_late_answer_is_asked_again_and_the_third_disqualifies(
+    cluster_model, cluster, cluster_reference
+):
+    """A node whose proofs come past the deadline (failpoint late_proof) is not disqualified for
+    one late answer (an honest node can be paused at that moment) but is challenged again soon;
+    its LATE_LIMIT-th late answer disqualifies it, and the tokens stay one machine's."""
+    slow = NodeProcess(cluster_model, advertise=False, env={failpoints.ENV: "lie=late_proof:0.6"})
+    slow.wait_ready()
+    try:
+        roots = ModelDir(cluster_model).possession_roots()
+        specs = [n.spec for n in cluster] + [slow.spec]
+        transformer, remote = remote_runtime(
+            cluster_model, specs, roots=roots, challenge_first_s=0.3, challenge_interval_s=60
+        )
+        try:
+            bad = next(p for p in remote.peers.peers if p.node_id == slow.node_id)
+            opts = decode.SamplingOptions(max_tokens=TOKENS)
+            result = decode.generate(transformer, PROMPT, opts, verifier=remote.verifier)
+            patrol = remote.trust.patrol.stats
+            wait_until(lambda: bad.disqualified, timeout=30, what="the late node disqualified")
+            # the first answers were late and asked again sooner than the 60 s interval
+            assert patrol.late == patrol_module.LATE_LIMIT and patrol.failed == 1, patrol
+            assert "possession" in bad.disqualified and "late" in bad.disqualified
+            assert result.tokens == cluster_reference.tokens
+        finally:
+            remote.close()
+    finally:
+        slow.stop()

@@ -3,11 +3,13 @@ the experts it claims (`coordinator.remote.possession`, docs/security.md), soon 
 admitted and then every `interval_s` (jittered, so nodes cannot tell when), in a thread of its
 own off the token path.
 
-A node that answers wrongly or late is disqualified for good, its failure goes to the
-reputation database and the ledger, and any step that used its unaudited work is recomputed
-(`Auditor.distrust`). A node that is down, busy, or reports the record as rotted (DATA_LOSS: an
-honest node with a bad disk marks it bad and stops serving it) is not accused: the call path's
-bans and the next challenge deal with it.
+A node that answers wrongly is disqualified for good, its failure goes to the reputation
+database and the ledger, and any step that used its unaudited work is recomputed
+(`Auditor.distrust`). A late answer is not proof on its own (an honest node can be paused,
+swapping or flooded at that moment): the node is challenged again soon, and the third late
+answer in a run is taken as a failure (LATE_LIMIT). A node that is down, busy, or reports the
+record as rotted (DATA_LOSS: an honest node with a bad disk marks it bad and stops serving it)
+is not accused: the call path's bans and the next challenge deal with it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from coordinator.remote.possession import challenge
 log = logging.getLogger(__name__)
 
 NOT_EVIDENCE = ("UNAVAILABLE", "RESOURCE_EXHAUSTED", "DATA_LOSS", "CANCELLED", "UNKNOWN")
+LATE = ("DEADLINE_EXCEEDED", "answered in")  # the answer missed its deadline
+LATE_LIMIT = 3  # late answers in a run before a node counts as failing to show possession
 TICK_S = 0.25
 
 
@@ -33,6 +37,7 @@ class PatrolStats:
     passed: int = 0
     failed: int = 0
     skipped: int = 0  # the node was down or busy: no verdict
+    late: int = 0  # answers past the deadline (LATE_LIMIT of them are a failure)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -52,6 +57,7 @@ class PossessionPatrol:
         self.interval_s, self.first_s, self.blocks = interval_s, first_s, blocks
         self.rng = random.SystemRandom()
         self.due: dict[str, float] = {}  # node id -> monotonic time of its next challenge
+        self.late: dict[str, int] = {}  # node id -> late answers in this run
         self.stats = PatrolStats()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="possession", daemon=True)
@@ -81,6 +87,15 @@ class PossessionPatrol:
             self.stats.skipped += 1
             log.info("possession challenge of %s: no verdict (%s)", peer.label, result.why)
             return
+        if result.why.startswith(LATE):
+            self.stats.late += 1
+            late = self.late[peer.node_id] = self.late.get(peer.node_id, 0) + 1
+            if late < LATE_LIMIT:
+                # soon again, once it is up: a node without the bytes gets no breathing space
+                self.due[peer.node_id] = time.monotonic() + self.rng.uniform(0, self.first_s)
+                log.info("possession challenge of %s: late (%s)", peer.label, result.why)
+                return
+            result.why = f"late {late} times in this run, the last: {result.why}"
         self.stats.failed += 1
         self._record(peer, False, result.why)
         self.auditor.distrust(peer, f"failed a possession challenge: {result.why}")
