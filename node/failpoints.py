@@ -11,6 +11,8 @@ once at start. A Forward reply is altered with probability RATE (default 1):
   duplicate     the reply sent twice on a stream
   forged_block  (possession challenges, not Forward) one byte of each block proof flipped
   forged_record (Record, not Forward) one byte of the record flipped in the chunks sent
+  busy          not a lie: the Forward is refused RESOURCE_EXHAUSTED "node busy", as a node
+                flooded by others would (at RATE: `busy:0.2`)
   late_proof:S  (possession challenges, not Forward) each answer held back S seconds, as a node
                 fetching the bytes from elsewhere would be late
   crash:N       not a lie: the process exits (status 1, no reply) on its (N+1)-th Forward
@@ -33,7 +35,7 @@ log = logging.getLogger(__name__)
 
 MODES = (
     "zero", "scale", "noise", "nan", "ulp", "wrong_expert", "duplicate", "forged_block",
-    "forged_record", "late_proof", "crash",
+    "forged_record", "late_proof", "busy", "crash",
 )  # fmt: skip
 ENV = "MOESHARD_FAILPOINTS"
 

@@ -4,11 +4,19 @@ A node keeps serving well-behaved clients whatever a few others do:
 
 - size: grpc itself refuses a message over `max_request_bytes` before decoding it; a Forward
   has at most `max_rows` rows;
-- work: `max_active` Forward requests are decoded and computed at once, `max_queue` more wait
-  their turn (in arrival order, at most `queue_wait_s`); beyond that a request is refused at once
-  with RESOURCE_EXHAUSTED "node busy";
+- work: `max_active` Forward requests are decoded and computed at once (of which one fewer may
+  be over CHUNK_ROWS rows, so a small request always finds a place), `max_queue` more wait
+  their turn (at most `queue_wait_s`), let in by fair tags per client (`node.fairness`); when
+  the queue is full the largest client's newest waiter gives way to a smaller client, else the
+  newcomer is refused with RESOURCE_EXHAUSTED "node busy". Compute itself goes in turns of at
+  most CHUNK_ROWS rows, also by fair tags, so one client's large request delays another's small
+  one by a chunk, not by the whole request;
 - calls: at most `max_calls` unary calls and `max_streams` ForwardStreams are open at once, and a
-  client (its key's id; its address under --insecure) has at most `per_client` of them together;
+  client (its key's id; its address under --insecure) has at most `per_client` of them together.
+  When a pool is full, a call or stream that has waited for its next message for EVICT_IDLE_S
+  or more is ended (RESOURCE_EXHAUSTED "evicted") to make room, the longest idle of the client
+  holding the most (by address, then key: `node.fairness`), if that client holds more than the
+  newcomer would; a stranger cannot keep others out with streams that send nothing;
 - records: at most `max_records` Record streams are open at once, `per_client_records` of them
   per client (counted apart from its calls and streams), and a client's record bytes go
   through a token bucket of `record_rate` bytes per second: a coordinator's audits get their
@@ -36,22 +44,23 @@ import itertools
 import math
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 
 from moe.errors import MoeshardError
 from moe.units import fmt_bytes
 from moe.wire.constants import MAX_MESSAGE_BYTES, MAX_ROWS
+from node.fairness import Busy, FairGate, Flow, flow_of, largest_flow
 
 MiB = 1 << 20
 MIN_REQUEST_BYTES = 8 * MiB  # derived request limit: floor (1024 f32 rows of a 2048-wide model)
 MAX_REQUEST_BYTES = 64 * MiB  # ... and ceiling (a quarter of grpc's 256 MiB message limit)
+REPLY_SIZES = 2  # a reply not yet taken holds up to this many request sizes (f64 out of f32 in)
 WORK_COPIES = 8  # a request in compute holds about this many copies of its message's size:
 # decoded activations, float64 partial sums, the backend's gathers and outputs, the reply
 BURST_S = 1.0  # a client's token buckets hold this many seconds of its rate
@@ -67,6 +76,9 @@ CREDIT_CAP = 2 << 30  # record bytes of credit a client may hold (see `Guard.cre
 # 1.5 TB model that way takes one client ~6.5 hours: 1/30 to 1/100 of an NVMe's 2-7 GB/s, so a
 # stranger cannot turn the node's disk and network into a mirror that starves its Forwards.
 RECORD_RATE = 64 * MiB
+CHUNK_ROWS = 128  # rows of one compute turn (see the module docstring)
+EVICT_IDLE_S = 0.5  # a call waiting this long for its next message may be ended for a newcomer
+EVICT_POLL_S = 0.05  # how often a waiting read looks whether its call was evicted
 
 
 class Refused(Exception):
@@ -145,11 +157,16 @@ class Limits:
                 raise MoeshardError(f"{name} {value:g}: must be {within}")
 
     def messages_held(self) -> int:
-        """Request sizes in memory at worst: a message per unary call and stream (Forward or
-        Record) being read or waiting, and the working copies of the requests in compute. (A
-        Record stream also holds its record: 2 x `max_records` records at worst.)"""
+        """Request sizes in memory at worst: per unary call and stream (Forward or Record) a
+        message being read or waiting and its reply not yet taken by the client (a float64
+        partial sum is twice its float32 request: REPLY_SIZES), and the working copies of
+        the requests in compute. (A Record stream also holds its record: 2 x `max_records`
+        records at worst.)"""
         records = 2 * self.max_records  # the open pool and the reserved one
-        return self.max_calls + self.max_streams + records + WORK_COPIES * self.max_active
+        per_call = 1 + REPLY_SIZES
+        return (
+            (self.max_calls + self.max_streams) * per_call + records + WORK_COPIES * self.max_active
+        )
 
     def request_memory(self) -> int:
         """Bytes requests may hold at once, at worst."""
@@ -172,58 +189,10 @@ class Limits:
             f"{self.max_streams} streams, {self.per_client} per client; {self.max_records} "
             f"record streams, {self.per_client_records} per client; per client {self.rate:g} "
             f"calls/s, {self.rate_rows:g} rows/s and {fmt_bytes(self.record_rate)}/s of records; "
-            f"idle timeout "
-            f"{self.idle_timeout_s:g} s; {self.workers()} threads; requests hold at most "
+            f"idle timeout {self.idle_timeout_s:g} s; {self.workers()} threads; "
+            f"requests and replies hold at most "
             f"{self.request_memory() / MiB:.0f} MiB"
         )
-
-
-class Gate:
-    """At most `active` holders at once; up to `queue` more wait in arrival order."""
-
-    def __init__(self, active: int, queue: int):
-        self.lock = threading.Lock()
-        self.free, self.queue = active, queue
-        self.waiting: deque[threading.Event] = deque()
-
-    @contextmanager
-    def hold(self, wait_s: float):
-        """Hold a slot for the block; Refused at once when the queue is full, or after
-        `wait_s` without a slot."""
-        self._enter(wait_s)
-        try:
-            yield
-        finally:
-            self._leave()
-
-    def _enter(self, wait_s: float) -> None:
-        with self.lock:
-            if self.free and not self.waiting:
-                self.free -= 1
-                return
-            if len(self.waiting) >= self.queue:
-                raise Refused(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"node busy: {len(self.waiting)} requests already wait for compute",
-                )
-            turn = threading.Event()
-            self.waiting.append(turn)
-        if turn.wait(wait_s):
-            return
-        with self.lock:
-            if turn.is_set():  # handed a slot just as the wait ended
-                return
-            self.waiting.remove(turn)
-        raise Refused(
-            grpc.StatusCode.RESOURCE_EXHAUSTED, f"node busy: no compute slot within {wait_s:.3g} s"
-        )
-
-    def _leave(self) -> None:
-        with self.lock:
-            if self.waiting:
-                self.waiting.popleft().set()  # the slot passes straight to the next in line
-            else:
-                self.free += 1
 
 
 class TokenBucket:
@@ -268,6 +237,19 @@ class Client:
         )
 
 
+@dataclass(eq=False)
+class Open:
+    """One admitted call or stream: whose, in which pool, and whether it waits for a message."""
+
+    flow: Flow
+    pool: str  # "call", "stream", "record" or "reserved"
+    seq: int
+    reading_since: float = math.inf  # monotonic time it began waiting on its client (inf: not):
+    # for its next message, or for it to take a reply
+    evicted: threading.Event = field(default_factory=threading.Event)
+    cancel: Callable[[], object] | None = None  # ends the call while a reply waits (`sending`)
+
+
 class Guard:
     """The limits of one node, shared by all its calls. Thread-safe."""
 
@@ -286,7 +268,12 @@ class Guard:
             "record": limits.max_records,
             "reserved": limits.max_records,  # Record streams of clients it computed for lately
         }
-        self.work = Gate(limits.max_active, limits.max_queue)
+        big = max(1, limits.max_active - 1)  # one place kept for requests of <= CHUNK_ROWS
+        self.work = FairGate(limits.max_active, limits.max_queue, big, what="compute")
+        self.turns = FairGate(1, limits.max_active, what="compute turn")  # all of work's holders
+        self.opens: set[Open] = set()
+        self.seq = itertools.count()
+        self.evictions = 0
         # every admitted call and stream has at most one read outstanding: reads never queue
         self.readers = ThreadPoolExecutor(
             limits.max_calls + limits.max_streams + 2 * limits.max_records,
@@ -297,10 +284,12 @@ class Guard:
     # -- admission ------------------------------------------------------------------------
 
     @contextmanager
-    def admit(self, client: str, kind: str):
+    def admit(self, client: str, kind: str, peer: str = ""):
         """Count a unary call (`kind` "call"), a ForwardStream ("stream") or a Record stream
-        ("record") of `client` as open for the block; Refused (RESOURCE_EXHAUSTED) over the
-        node's or the client's cap."""
+        ("record") of `client` (its grpc peer string `peer`) as open for the block, which
+        gets its `Open`; Refused (RESOURCE_EXHAUSTED) over the client's cap, or over the
+        node's when no idle call of a larger client can be ended for it."""
+        flow = flow_of(client, peer)
         with self.lock:
             record = self._client(client)
             self._check_client_cap(client, record, kind)
@@ -310,15 +299,43 @@ class Guard:
                     pool = "reserved"
             cap = self.caps[pool]
             if self.open[pool] >= cap:
-                raise Refused(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED, f"node busy: {cap} {kind}s open already"
-                )
+                self._evict_for(flow, pool, cap, kind)
             self._count(record, pool, +1)
+            handle = Open(flow, pool, next(self.seq))
+            self.opens.add(handle)
         try:
-            yield
+            yield handle
         finally:
             with self.lock:
-                self._count(record, pool, -1)
+                if handle in self.opens:  # (an evicted one was counted out when evicted)
+                    self.opens.discard(handle)
+                    self._count(record, pool, -1)
+
+    def _evict_for(self, newcomer: Flow, pool: str, cap: int, kind: str) -> None:
+        """The pool is full (under self.lock): end the longest-idle call of the client holding
+        the most of it, if it holds more than `newcomer` would and one of its calls has
+        waited EVICT_IDLE_S for a message; else Refused."""
+        now = time.monotonic()
+        held = [o for o in self.opens if o.pool == pool]
+        top = largest_flow([o.flow for o in held], newcomer)
+        idle = [
+            o for o in held if o.flow == top and now - o.reading_since >= EVICT_IDLE_S
+        ]  # fmt: skip
+        if not idle:
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"node busy: {cap} {kind}s open already"
+            )
+        victim = min(idle, key=lambda o: o.reading_since)
+        self.opens.discard(victim)
+        victim_client = self.clients.get(victim.flow.key)
+        if victim_client is not None:
+            self._count(victim_client, pool, -1)
+        else:
+            self.open[pool] -= 1
+        self.evictions += 1
+        victim.evicted.set()
+        if victim.cancel is not None:  # waiting for its client to take a reply: end it
+            victim.cancel()
 
     def _check_client_cap(self, client: str, record: Client, kind: str) -> None:
         if kind == "record" and record.records >= self.limits.per_client_records:
@@ -342,15 +359,16 @@ class Guard:
             record.open += step
         self.open[kind] += step
 
-    def charge(self, client: str, rows: int = 0) -> None:
-        """One call (or stream message) of `rows` rows; Refused when the client is over its
-        rate. A refused call takes no tokens."""
+    def charge(self, client: str, rows: int = 0, calls: int = 1) -> None:
+        """`calls` calls (or stream messages) of `rows` rows; Refused when the client is over
+        its rate. A refused call takes no tokens. (A Forward is charged twice: its call
+        before it is parsed, its rows after.)"""
         now = time.monotonic()
         with self.lock:
             record = self._client(client)
             if rows:
                 record.worked_at = now  # (refused or not: it asked for work)
-            if record.calls.refill(now) < 1:
+            if calls and record.calls.refill(now) < calls:
                 raise Refused(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"client {_show(client)} is over its rate of {self.limits.rate:g} calls/s "
@@ -362,7 +380,7 @@ class Guard:
                     f"client {_show(client)} is over its rate of {self.limits.rate_rows:g} "
                     f"rows/s (--rate-rows)",
                 )
-            record.calls.take(1, now)
+            record.calls.take(calls, now)
 
     def credit_records(self, client: str, nbytes: int) -> None:
         """This node just computed with `nbytes` of records for `client`: it may fetch as many
@@ -411,33 +429,71 @@ class Guard:
 
     # -- work and reads -------------------------------------------------------------------
 
-    def computing(self, deadline_s: float | None = None):
-        """A slot of Forward work for the block (context manager); Refused "node busy" when
-        none frees up within queue_wait_s (or the call's remaining time)."""
+    def computing(self, flow: Flow, rows: int, deadline_s: float | None = None):
+        """A place among the requests decoded and computed at once, for the block (context
+        manager), by fair tags; Refused "node busy" when none frees up within queue_wait_s
+        (or the call's remaining time), or when dropped from a full queue."""
         wait = self.limits.queue_wait_s
-        return self.work.hold(wait if deadline_s is None else max(0.0, min(wait, deadline_s)))
+        wait = wait if deadline_s is None else max(0.0, min(wait, deadline_s))
+        return _refusing(self.work.hold(flow, max(rows, 1), wait, big=rows > CHUNK_ROWS))
 
-    def read(self, requests: Iterator, timeout_s: float | None = None):
+    def turn(self, flow: Flow, rows: int):
+        """One turn of compute (at most CHUNK_ROWS rows) for the block, by fair tags."""
+        return _refusing(self.turns.hold(flow, max(rows, 1), self.limits.queue_wait_s))
+
+    def read(self, requests: Iterator, timeout_s: float | None = None, handle: Open | None = None):
         """The next message of a call, or None at its end (or when the client cancelled);
         Refused (DEADLINE_EXCEEDED) when none comes within `timeout_s` (default
-        idle_timeout_s): the caller aborts the call, which ends the helper's read."""
+        idle_timeout_s), Refused (RESOURCE_EXHAUSTED) when `handle` is evicted meanwhile for
+        a newcomer: the caller aborts the call, which ends the helper's read."""
         wait = self.limits.idle_timeout_s if timeout_s is None else timeout_s
         pending = self.readers.submit(next, requests, None)
+        if handle is not None:
+            with self.lock:
+                handle.reading_since = time.monotonic()
         try:
-            return pending.result(wait)
-        except FutureTimeout:
-            raise Refused(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"no message for {wait:g} s: idle call ended (--idle-timeout)",
-            ) from None
+            deadline = time.monotonic() + wait
+            while not pending.done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Refused(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"no message for {wait:g} s: idle call ended (--idle-timeout)",
+                    )
+                if handle is not None and handle.evicted.is_set():
+                    raise Refused(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        "evicted: this idle call was ended to make room for another client's",
+                    )
+                try:
+                    return pending.result(min(left, EVICT_POLL_S if handle else left))
+                except FutureTimeout:
+                    continue
+            return pending.result()
         except grpc.RpcError:  # cancelled by the client
             return None
+        finally:
+            if handle is not None:
+                with self.lock:
+                    handle.reading_since = math.inf
 
-    def sending(self, cancel: Callable[[], object]):
+    @contextmanager
+    def sending(self, cancel: Callable[[], object], handle: Open | None = None):
         """Around handing one streamed reply to grpc (context manager): `cancel` (the call's
         context.cancel) is called if the block has not ended within idle_timeout_s, that is
-        when the client has stopped taking replies and flow control holds the send."""
-        return self.stalls.watch(self.limits.idle_timeout_s, cancel)
+        when the client has stopped taking replies and flow control holds the send. Such a
+        stream reads no more requests meanwhile (paused), and after EVICT_IDLE_S it counts as
+        idle: it may be ended for a newcomer (`handle`'s cancel)."""
+        if handle is not None:
+            with self.lock:
+                handle.reading_since, handle.cancel = time.monotonic(), cancel
+        try:
+            with self.stalls.watch(self.limits.idle_timeout_s, cancel):
+                yield
+        finally:
+            if handle is not None:
+                with self.lock:
+                    handle.reading_since, handle.cancel = math.inf, None
 
     def close(self) -> None:
         self.readers.shutdown(wait=False, cancel_futures=True)
@@ -493,6 +549,16 @@ class Watchdog:
         with self.cond:
             self.closed = True
             self.cond.notify()
+
+
+@contextmanager
+def _refusing(hold):
+    """`hold` (a FairGate place) with its Busy raised as Refused."""
+    try:
+        with hold:
+            yield
+    except Busy as exc:
+        raise Refused(Busy.code, str(exc)) from None
 
 
 def _show(client: str) -> str:

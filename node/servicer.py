@@ -16,12 +16,14 @@ import os
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from moe.errors import StoreError
 from moe.experts.backend import ExpertsBackend
@@ -37,19 +39,22 @@ from moe.wire import moeshard_pb2 as pb
 from moe.wire.constants import MAX_ACTIVATION, MAX_SLOTS, WIRE_VERSION
 from node import failpoints
 from node.access import AccessDenied, AccessPolicy
+from node.fairness import Flow, flow_of
 from node.holdings import unavailable
-from node.limits import Guard, Limits, Refused
+from node.limits import CHUNK_ROWS, Guard, Limits, Refused
 from node.possession import Prover
 from node.records import Records, chunks
 
 log = logging.getLogger(__name__)
 SERVICE = "moeshard.v1.ExpertNode"
 RECORD_REQUEST_S = 2.0  # a Record stream's request must come this soon after it opens
+BULK_NICE = 10  # the bulk thread's nice value above the node's (see `ExpertNodeServicer.bulk`)
 NOT_FORWARD = (
     "duplicate",
     "forged_block",
     "forged_record",
     "late_proof",
+    "busy",
 )  # failpoints that leave replies be
 
 
@@ -82,6 +87,14 @@ def _holdings(keys) -> list[pb.LayerExperts]:
     return [pb.LayerExperts(layer=lay, experts=sorted(ex)) for lay, ex in sorted(by_layer.items())]
 
 
+def lower_priority(nice: int) -> None:
+    """Give the calling thread (Linux: a thread has a nice value of its own) `nice` more."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (OSError, AttributeError):  # not Linux, or not allowed: same priority, still fair
+        pass
+
+
 class ExpertNodeServicer:
     """Admit -> validate -> experts backend -> check -> reply. Thread-safe; compute is serialised
     by a lock. `register` puts it on a grpc server."""
@@ -108,6 +121,9 @@ class ExpertNodeServicer:
         self.limits = limits
         self.guard = Guard(limits)
         self.compute_lock = threading.Lock()
+        # large requests compute on a thread of lower CPU priority: on a busy node the threads
+        # that receive, check and answer other clients' small requests go first
+        self.bulk = ThreadPoolExecutor(1, "bulk", initializer=lower_priority, initargs=(BULK_NICE,))
         self.state_lock = threading.Lock()
         self.inflight = 0
         self.served = 0
@@ -143,14 +159,16 @@ class ExpertNodeServicer:
 
         handlers = {
             "Info": unary(self.Info, pb.InfoRequest, pb.NodeInfo),
-            "Forward": unary(self.Forward, pb.ForwardRequest, pb.ForwardReply),
+            # Forwards come as bytes, parsed only once they have a place in the compute queue:
+            # a flood of large requests costs the node no parsing beyond its fair share
+            "Forward": grpc.stream_unary_rpc_method_handler(
+                self._unary(self.Forward), None, pb.ForwardReply.SerializeToString
+            ),
             "Prefetch": unary(self.Prefetch, pb.PrefetchRequest, pb.PrefetchReply),
             "Settle": unary(self.Settle, pb.Settlement, pb.SettleReply),
             "Challenge": unary(self.Challenge, pb.ChallengeRequest, pb.ChallengeReply),
             "ForwardStream": grpc.stream_stream_rpc_method_handler(
-                self.ForwardStream,
-                pb.ForwardRequest.FromString,
-                pb.ForwardReply.SerializeToString,
+                self.ForwardStream, None, pb.ForwardReply.SerializeToString
             ),
             "Record": grpc.stream_stream_rpc_method_handler(
                 self.Record, pb.RecordRequest.FromString, pb.RecordChunk.SerializeToString
@@ -161,6 +179,7 @@ class ExpertNodeServicer:
 
     def close(self) -> None:
         self.guard.close()
+        self.bulk.shutdown(wait=False)
         if self.ledger is not None:
             self.ledger.close()
 
@@ -186,11 +205,14 @@ class ExpertNodeServicer:
         def call(requests, context):
             with self._refusals(context):
                 client = self._caller(context)
-                with self.guard.admit(client, "call"):
-                    request = self.guard.read(requests)
+                with self.guard.admit(client, "call", context.peer()) as handle:
+                    request = self.guard.read(requests, handle=handle)
                     if request is None:
                         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
-                    self.guard.charge(client, self._claimed_rows(request))
+                    if isinstance(request, bytes):  # a Forward: charged once parsed
+                        self.guard.charge(client)
+                    else:
+                        self.guard.charge(client, self._claimed_rows(request))
                     return method(request, context)
 
         return call
@@ -231,24 +253,46 @@ class ExpertNodeServicer:
             sign_info(self.key, info, request.nonce)
         return info
 
-    def Forward(self, request, context):
-        with self.guard.computing(context.time_remaining()):
-            reply = self._forward(request)
-        self._credit(self._caller(context), reply)
+    def Forward(self, raw: bytes, context):
+        client = self._caller(context)
+        flow = flow_of(client, context.peer())
+        with self.guard.computing(flow, self._wire_rows(raw), context.time_remaining()):
+            request = self._parse_forward(client, raw)
+            reply = self._forward(request, flow)
+        self._credit(client, reply)
         return reply
+
+    def _wire_rows(self, raw: bytes) -> int:
+        """About the rows a Forward message of these bytes carries (before parsing it)."""
+        return max(1, len(raw) // (4 * self.identity.hidden_size))
+
+    def _parse_forward(self, client: str, raw: bytes) -> pb.ForwardRequest:
+        """The ForwardRequest in `raw`, its rows checked and charged to `client`."""
+        if self.lie is not None and self.lie.mode == "busy" and self.lie.fires(self.lie_rng):
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, "node busy (failpoint)")  # tests
+        try:
+            request = pb.ForwardRequest.FromString(raw)
+        except DecodeError as exc:
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"not a ForwardRequest: {exc}"
+            ) from None
+        self.guard.charge(client, self._claimed_rows(request), calls=0)
+        return request
 
     def ForwardStream(self, requests, context):
         """Each message is a Forward, charged and queued for compute like a unary one; the
         stream ends when the client closes it or sends nothing for the idle timeout."""
         with self._refusals(context):
             client = self._caller(context)
-            with self.guard.admit(client, "stream"):
-                while (request := self.guard.read(requests)) is not None:
-                    self.guard.charge(client, self._claimed_rows(request))
-                    with self.guard.computing():
-                        reply = self._forward(request)
+            with self.guard.admit(client, "stream", context.peer()) as handle:
+                while (raw := self.guard.read(requests, handle=handle)) is not None:
+                    self.guard.charge(client)
+                    with self.guard.computing(handle.flow, self._wire_rows(raw)):
+                        request = self._parse_forward(client, raw)
+                        reply = self._forward(request, handle.flow)
                     self._credit(client, reply)
-                    yield reply
+                    with self.guard.sending(lambda: self._stalled(client, context), handle):
+                        yield reply
                     if self.lie is not None and self.lie.mode == "duplicate":
                         if self.lie.fires(self.lie_rng):
                             yield reply  # a failpoint: one request, two replies
@@ -287,9 +331,9 @@ class ExpertNodeServicer:
         cancelled (a client that stops reading would hold the thread and the record)."""
         with self._refusals(context):
             client = self._caller(context)
-            with self.guard.admit(client, "record"):
+            with self.guard.admit(client, "record", context.peer()) as handle:
                 request = self.guard.read(
-                    requests, min(RECORD_REQUEST_S, self.limits.idle_timeout_s)
+                    requests, min(RECORD_REQUEST_S, self.limits.idle_timeout_s), handle
                 )
                 if request is None:
                     raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
@@ -304,8 +348,9 @@ class ExpertNodeServicer:
 
     @staticmethod
     def _stalled(client: str, context) -> None:
-        """The watchdog's end of a stream whose client stopped reading it."""
-        log.info("client %s stopped reading a Record stream: cancelled", client or context.peer())
+        """The end of a stream whose client stopped reading it (the watchdog's), or was
+        evicted while its reply waited."""
+        log.warning("client %s does not take its replies: stream ended", client or context.peer())
         context.cancel()
 
     # -- receipts and settlements (issue 15) -------------------------------------------------
@@ -441,7 +486,7 @@ class ExpertNodeServicer:
                     raise RequestError(*refused)
         return layer, hidden, ids, weights, out_dtype
 
-    def _forward(self, request) -> pb.ForwardReply:
+    def _forward(self, request, flow: Flow) -> pb.ForwardReply:
         layer, hidden, ids, weights, out_dtype = self._parse(request)
         # the unrounded partial sum [T, H], computed as whoever checks it recomputes it
         live = (ids >= 0).any(axis=1)  # [T]
@@ -449,7 +494,7 @@ class ExpertNodeServicer:
         with self.state_lock:
             self.inflight += 1
         try:
-            out = partial_sum(partial(self._compute, layer), hidden, ids, weights)  # [T, H]
+            out = partial_sum(partial(self._compute, layer, flow), hidden, ids, weights)  # [T, H]
         finally:
             with self.state_lock:
                 self.inflight -= 1
@@ -499,16 +544,30 @@ class ExpertNodeServicer:
                 f"large (|hidden| up to {float(np.abs(hidden).max()):.3g})",
             )
 
-    def _compute(self, layer, hidden, ids, weights) -> np.ndarray:
+    def _compute(self, layer, flow: Flow, hidden, ids, weights) -> np.ndarray:
+        """The partial sums of hidden [T, H], in turns of at most CHUNK_ROWS rows each, taken
+        by fair tags against other clients' turns (a row's bits do not depend on its batch)."""
+        out = np.empty(hidden.shape, dtype=np.float64)  # [T, H]
+        bulk = len(hidden) > CHUNK_ROWS  # computed by the low-priority bulk thread
         try:
-            with self.compute_lock:
-                return self.backend(layer, hidden, ids, weights, dtype=np.float64)  # [T, H]
+            for start in range(0, len(hidden), CHUNK_ROWS):
+                rows = slice(start, start + CHUNK_ROWS)
+                args = (layer, hidden[rows], ids[rows], weights[rows])
+                with self.guard.turn(flow, len(args[1])), self.compute_lock:
+                    if bulk:
+                        out[rows] = self.bulk.submit(self._backend, *args).result()  # [chunk, H]
+                    else:
+                        out[rows] = self._backend(*args)  # [chunk, H]
+            return out
         except StoreError as exc:
             bad = self._find_bad(layer, hidden, np.unique(ids))
             with self.state_lock:
                 self.bad.update((layer, e) for e in bad)
             log.error("layer %d: marked experts %s bad: %s", layer, bad, exc)
             raise RequestError(grpc.StatusCode.DATA_LOSS, str(exc)) from None
+
+    def _backend(self, layer, hidden, ids, weights) -> np.ndarray:
+        return self.backend(layer, hidden, ids, weights, dtype=np.float64)  # [T, H]
 
     def _find_bad(self, layer: int, hidden: np.ndarray, experts: np.ndarray) -> list[int]:
         """Which of `experts` fail to load: run each alone on one row."""

@@ -171,12 +171,15 @@ class NodeProcess:
         insecure: bool = False,
         env: dict | None = None,
         flags: tuple[str, ...] = (),
+        allow_any: bool = False,
     ):
         cmd = [sys.executable, "-X", "faulthandler", "-m", "coordinator.cli", "node", str(path)]
         cmd += ["--port", str(port)] + ([] if advertise else ["--no-advertise"]) + list(flags)
         cmd += ["--name", name] if name else []
         if insecure:
             cmd += ["--insecure"]
+        elif allow_any:  # public compute: any client with a key
+            cmd += ["--allow-any"]
         else:  # mutual TLS; the tests' client (or `allow`) may call
             cmd += ["--allow", allow or client_key().id]
         self.proc = subprocess.Popen(

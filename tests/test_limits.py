@@ -35,7 +35,8 @@ from moe.wire import codec, health_pb2, health_pb2_grpc
 from moe.wire import moeshard_pb2 as pb
 from moe.wire import moeshard_pb2_grpc as pb_grpc
 from node.daemon import Node, NodeConfig, resolve_limits
-from node.limits import Gate, Limits, Refused
+from node.fairness import Busy, FairGate, Flow
+from node.limits import Limits
 
 H = 64  # hidden size of the qwen3_moe fixture (8 experts per MoE layer)
 IDLE_S = 5.0  # idle timeout of the attacked node
@@ -420,16 +421,17 @@ def test_a_client_over_its_rate_or_open_calls_is_refused_while_another_is_served
 
 
 def test_the_work_gate_queues_in_order_and_refuses_at_once_when_full():
-    gate = Gate(active=1, queue=1)
+    gate = FairGate(slots=1, queue=1)
+    one = Flow("127.0.0.1", "one")
     release, order = threading.Event(), []
 
     def holder() -> None:
-        with gate.hold(5):
+        with gate.hold(one, 1, 5):
             order.append("holder")
             release.wait()
 
     def waiter() -> None:
-        with gate.hold(5):
+        with gate.hold(one, 1, 5):
             order.append("waiter")
 
     threads = [threading.Thread(target=holder)]
@@ -439,18 +441,18 @@ def test_the_work_gate_queues_in_order_and_refuses_at_once_when_full():
     threads[1].start()
     wait_until(lambda: gate.waiting, 5, what="the waiter to queue")
     t0 = time.perf_counter()
-    with pytest.raises(Refused, match="node busy"):  # the queue is full: refused at once
-        with gate.hold(5):
+    with pytest.raises(Busy, match="node busy"):  # the queue is full of its own: refused at once
+        with gate.hold(one, 1, 5):
             pass
     assert time.perf_counter() - t0 < 0.1
     release.set()
     for thread in threads:
         thread.join()
     assert order == ["holder", "waiter"]
-    with gate.hold(5):  # a slot held, the queue free: refused after the wait
+    with gate.hold(one, 1, 5):  # a slot held, the queue free: refused after the wait
         t0 = time.perf_counter()
-        with pytest.raises(Refused, match="within 0.2 s"):
-            with gate.hold(0.2):
+        with pytest.raises(Busy, match="within 0.2 s"):
+            with gate.hold(one, 1, 0.2):
                 pass
         assert 0.2 <= time.perf_counter() - t0 < 1
 

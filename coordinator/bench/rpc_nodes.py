@@ -80,14 +80,24 @@ class NodeProcs:
         self.procs: list[subprocess.Popen] = []
 
     def launch(
-        self, path: Path, allow: Identity | None, env: dict | None = None, flags: tuple = ()
+        self,
+        path: Path,
+        allow: Identity | None,
+        env: dict | None = None,
+        flags: tuple = (),
+        allow_any: bool = False,
+        prefix: list[str] | None = None,
     ) -> Launched:
-        """A node on `path`: TLS serving only `allow`'s key, or plaintext without it; `env`:
-        more environment (`bench audit`'s liar has its failpoints there); `flags`: more
-        options (a `--key` of its own for a second node on one directory)."""
-        cmd = [sys.executable, "-m", "coordinator.cli", "node", str(path), "--no-advertise"]
-        cmd += list(flags)
-        cmd += ["--insecure"] if allow is None else ["--allow", allow.id]
+        """A node on `path`: TLS serving only `allow`'s key (any client's with `allow_any`), or
+        plaintext without either; `env`: more environment (`bench audit`'s liar has its
+        failpoints there); `flags`: more options (a `--key` of its own for a second node on
+        one directory); `prefix`: a command the node runs under (`taskset -c 1`)."""
+        cmd = [*(prefix or []), sys.executable, "-m", "coordinator.cli", "node", str(path)]
+        cmd += ["--no-advertise", *flags]
+        if allow_any:
+            cmd += ["--allow-any"]
+        else:
+            cmd += ["--insecure"] if allow is None else ["--allow", allow.id]
         log = self.log_dir / f"node-{len(self.procs)}.log"
         with open(log, "wb") as err:
             proc = subprocess.Popen(
@@ -98,7 +108,7 @@ class NodeProcs:
                 env={**os.environ, **(env or {})},
             )
         self.procs.append(proc)
-        return Launched(proc, Path(path), log, tls=allow is not None)
+        return Launched(proc, Path(path), log, tls=allow is not None or allow_any)
 
     def close(self) -> None:
         for proc in self.procs:

@@ -36,13 +36,13 @@ from moe.wire import moeshard_pb2 as pb
 log = logging.getLogger(__name__)
 
 # Failures that mean "this node, not this request": ban the node and use a replica.
+# (RESOURCE_EXHAUSTED is not one: a busy node is waited for, `PeerSet.busy`.)
 NODE_FAILURES = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.ABORTED,
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.UNIMPLEMENTED,
@@ -147,6 +147,8 @@ class RemoteExperts(ExpertsBase):
                 continue
             # a node with MAX_BACKLOG audits not done gets work only if nobody else can
             cands = [p for p in cands if not self.trust.backlogged(p.node_id)] or cands
+            now = time.monotonic()  # ... and so does one that said "busy" a moment ago
+            cands = [p for p in cands if p.busy_until <= now] or cands
 
             def score(p: Peer) -> tuple[float, int]:
                 # When this node would finish its share of the layer if it also took `expert`
@@ -182,6 +184,7 @@ class RemoteExperts(ExpertsBase):
                 by_peer.setdefault(peer.addr, (peer, []))[1].append(expert)
             for peer, _ in by_peer.values():  # the only holders left: their audits first
                 self.trust.wait_backlog(peer.node_id)
+                _wait_until(peer.busy_until)  # ... and their "busy" backoff
             calls = [
                 call
                 for peer, mine in by_peer.values()
@@ -202,6 +205,7 @@ class RemoteExperts(ExpertsBase):
                     bad.add(peer.addr)
                     continue
                 self.peers.record_latency(peer, rtt, reply.compute_ms, len(experts))
+                self.peers.not_busy(peer)
                 self.bytes_received += reply.ByteSize()
                 part = self.trust.accept(peer, experts, len(rows), request, reply, rtt)
                 if part is None:  # a lie, or its sender convicted while it was in flight
@@ -294,8 +298,10 @@ class RemoteExperts(ExpertsBase):
     def _failed(self, peer, layer, experts, exc: grpc.RpcError, excluded) -> RemoteError | None:
         """Handle one failed call; returns the error to raise when retrying cannot help."""
         code = exc.code()
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and self.peers.busy(peer, exc.details()):
+            return None  # not excluded: another holder if one is free, else it after a wait
         _exclude(excluded, experts, peer)
-        if code in NODE_FAILURES:
+        if code in NODE_FAILURES or code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             self.peers.ban(peer, f"{code.name}: {exc.details()}")
             self.trust.failed(peer)
         elif code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS):
@@ -430,6 +436,12 @@ def rows_per_call(peer: Peer, hidden_size: int, k: int, wire_dtype: int) -> int:
         row_bytes = hidden_size * codec.ITEMSIZE[wire_dtype] + k * 8 + 16
         limit = min(limit, max(1, (peer.max_request_bytes - 4096) // row_bytes))
     return max(1, limit)
+
+
+def _wait_until(at: float) -> None:
+    left = at - time.monotonic()
+    if left > 0:
+        time.sleep(left)
 
 
 def _exclude(excluded: dict[int, set[str]], experts: list[int], peer: Peer) -> None:

@@ -33,6 +33,9 @@ REFUSED = (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED)
 IDLE_REFRESH_S = 1.0  # a node unused this long gets its latency estimate refreshed by a ping
 STREAM_IDLE_S = 20.0  # a stream unused this long is closed here, before a node's idle timeout
 LATENCY_HISTORY = 4096  # round trips kept per node
+BUSY_FIRST_S = 0.01  # the first wait after a node says "busy"; doubled while it repeats ...
+BUSY_MAX_S = 0.5  # ... up to this
+BUSY_LIMIT_S = 10.0  # busy without a break for this long: banned as a failing node
 
 
 @dataclass
@@ -64,6 +67,10 @@ class Peer:
     disqualified: str = ""  # why this node is banned for good (caught lying), else ''
     weight: float = 1.0  # routing cost factor from its reputation (1: spotless)
     public_key: bytes = b""  # its raw Ed25519 key (from its signed Info): checks its receipts
+    busy_until: float = 0.0  # monotonic time before which it said "busy" (RESOURCE_EXHAUSTED)
+    busy_backoff_s: float = 0.0  # the wait after its last "busy" (doubles while it repeats)
+    busy_since: float = 0.0  # monotonic time of the first "busy" in a row (0: none)
+    busy: int = 0  # "busy" answers so far
 
     @property
     def addr(self) -> str:
@@ -240,6 +247,29 @@ class PeerSet:
             peer.backoff_s = self.config.backoff_s
             peer.retry_at = time.monotonic() + peer.backoff_s
         log.warning("node %s banned for %.1f s: %s", peer.label, peer.backoff_s, reason)
+
+    def busy(self, peer: Peer, why: str) -> bool:
+        """`peer` answered RESOURCE_EXHAUSTED: it is up but loaded (or flooded by someone else),
+        so it is not banned: work goes to a replica, or back to it after a short wait that
+        doubles while the answers repeat (BUSY_FIRST_S .. BUSY_MAX_S). False once it has
+        been busy without a break for BUSY_LIMIT_S: then it is banned as a node that fails."""
+        now = time.monotonic()
+        with self.lock:
+            peer.busy += 1
+            peer.busy_since = peer.busy_since or now
+            peer.busy_backoff_s = min(BUSY_MAX_S, max(BUSY_FIRST_S, 2 * peer.busy_backoff_s))
+            peer.busy_until = now + peer.busy_backoff_s
+            too_long = now - peer.busy_since > BUSY_LIMIT_S
+        log.info("node %s busy (waiting %.2f s): %s", peer.label, peer.busy_backoff_s, why)
+        if too_long:
+            self.ban(peer, f"busy for over {BUSY_LIMIT_S:g} s: {why}")
+        return not too_long
+
+    def not_busy(self, peer: Peer) -> None:
+        """A reply came: its "busy" run is over."""
+        if peer.busy_since:
+            with self.lock:
+                peer.busy_since, peer.busy_backoff_s = 0.0, 0.0
 
     def disqualify(self, peer: Peer, reason: str) -> None:
         """Ban `peer` for good (it was caught lying): never probed or admitted again, under

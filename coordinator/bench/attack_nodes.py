@@ -1,0 +1,202 @@
+"""The node attacks of `moeshard bench attack`: a real `moeshard node` process under
+`--allow-any` holding the whole model (mutual TLS on loopback), an honest coordinator
+generating through it, and an attacker process (`coordinator.bench.attacker`) playing many
+strangers, each with a key of its own, against it. One node and no replica, so the honest
+coordinator cannot route around the attack: what it keeps is what the node's fairness gives it.
+
+Per attack: the honest tokens/s before (same run, no attack) and during, whether its tokens
+are the unattacked ones, the attacked node's peak RSS against the bound it printed at start
+(its idle RSS plus "requests and replies hold at most N MiB"), and how often the honest
+coordinator banned that node. Goal: >= 50% of the tokens/s, identical tokens, RSS within the bound.
+
+The machine's cores are split: the honest coordinator on the first half, the nodes and the
+attackers on the rest (with one core, nothing is pinned), so the attackers' own CPU does not
+count as the node's unfairness; every node computes with one thread.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from coordinator.bench.attack_rows import AttackRow
+from coordinator.bench.rpc_nodes import Launched, NodeProcs, client_key
+from coordinator.generate import SamplingOptions, generate
+from coordinator.remote.config import RemoteConfig
+from coordinator.remote.experts import RemoteExperts
+from coordinator.remote.transport import PeerSpec
+from moe.model.model_dir import ModelDir
+
+BOUND = re.compile(r"requests and replies hold at most (\d+) MiB")
+GOAL = ">= 50% tok/s, same tokens, RSS within bound"
+
+
+@dataclass(frozen=True)
+class NodeAttack:
+    name: str  # the table's words
+    mode: str  # coordinator.bench.attacker's mode
+    flags: tuple[str, ...]
+
+
+ATTACKS = (
+    NodeAttack("12 keys x 4 idle streams", "idle", ("--keys", "12", "--streams", "4")),
+    NodeAttack(
+        "16 Forwards of 7,800 rows from 8 keys",
+        "big",
+        ("--keys", "8", "--concurrency", "16", "--rows", "7800"),
+    ),
+    NodeAttack(
+        "8 keys x 4 streams never reading replies",
+        "unread",
+        ("--keys", "8", "--streams", "4", "--rows", "2000"),
+    ),
+)
+
+
+def split_cores() -> tuple[set[int], set[int]]:
+    """(the honest coordinator's cores, the nodes' and attackers' cores)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return set(cores), set(cores)
+    half = len(cores) // 2
+    return set(cores[:half]), set(cores[half:])
+
+
+class RssWatch:
+    """The peak RSS of a process, sampled every `interval_s` until stop()."""
+
+    def __init__(self, pid: int, interval_s: float = 0.1):
+        self.pid, self.interval_s, self.peak = pid, interval_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes(self.pid))
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class Honest:
+    """The honest coordinator: a fresh RemoteExperts per run (a new session, as a new
+    `generate` would be), greedy decoding of a fixed prompt."""
+
+    def __init__(self, model: ModelDir, specs: list[PeerSpec], identity, tokens: int):
+        self.model, self.specs, self.identity, self.tokens = model, specs, identity, tokens
+        self.prompt = [1, 5, 9, 2, 7, 3, 11, 4]
+
+    def run(self) -> tuple[float, list[int], dict]:
+        """(tokens/s, the tokens, the node table of its stats)."""
+        m = self.model
+        config = RemoteConfig(identity=self.identity, challenge_interval_s=0)
+        remote = RemoteExperts.for_model(m, self.specs, config)
+        try:
+            transformer = m.family.Transformer(m.config, m.load_trunk(), remote)
+            opts = SamplingOptions(max_tokens=self.tokens)
+            t0 = time.perf_counter()
+            result = generate(transformer, self.prompt, opts, verifier=remote.verifier)
+            elapsed = time.perf_counter() - t0
+            nodes = {n["addr"]: n for n in remote.stats()["nodes"]}
+        finally:
+            remote.close()
+        return len(result.tokens) / elapsed, list(result.tokens), nodes
+
+    def median(self, rounds: int) -> tuple[float, list[int], list[dict]]:
+        runs = [self.run() for _ in range(rounds)]
+        return statistics.median(r[0] for r in runs), runs[-1][1], [r[2] for r in runs]
+
+
+def node_attack_rows(model_dir: Path, tmp: Path, tokens: int = 32, rounds: int = 3):
+    """Each of ATTACKS against a real node (see the module docstring): a list of AttackRow."""
+    model = ModelDir(model_dir)
+    honest_cores, node_cores = split_cores()
+    pin = ["taskset", "-c", ",".join(map(str, sorted(node_cores)))]
+    procs = NodeProcs(tmp)
+    identity = client_key(tmp)
+    flags = ("--threads", "1", "--key", str(tmp / "node-key.pem"), "--ledger", str(tmp / "l.jsonl"))
+    launched = [procs.launch(Path(model_dir), None, flags=flags, allow_any=True, prefix=pin)]
+    rows = []
+    try:
+        specs = [node.spec() for node in launched]
+        bounds = [_bound(node) for node in launched]
+        os.sched_setaffinity(0, honest_cores)
+        honest = Honest(model, specs, identity, tokens)
+        honest.run()  # warm-up: kernels compiled, pages cached
+        for attack in ATTACKS:
+            rows.append(_one(attack, honest, launched, specs, bounds, rounds, pin))
+    finally:
+        procs.close()
+    return rows
+
+
+def _bound(node: Launched) -> int:
+    """The bytes node's requests may hold at most, as it printed at start."""
+    while True:
+        line = node.lines.get(timeout=30)
+        match = BOUND.search(line)
+        if match:
+            return int(match[1]) << 20
+        if not line:
+            raise RuntimeError(f"node on {node.path} printed no limits")
+
+
+def _one(attack, honest: Honest, launched, specs, bounds, rounds: int, pin) -> AttackRow:
+    before, tokens, tables = honest.median(rounds)
+    busiest = max(range(len(specs)), key=lambda i: tables[-1][specs[i].addr]["calls"])
+    target, node = specs[busiest], launched[busiest]
+    idle_rss = rss_bytes(node.proc.pid)
+    cmd = [
+        *pin, sys.executable, "-m", "coordinator.bench.attacker", attack.mode,
+        "--target", f"{target.node_id}@{target.addr}", *attack.flags,
+    ]  # fmt: skip
+    attacker = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    watch = RssWatch(node.proc.pid)
+    try:
+        started = attacker.stdout.readline()
+        if not started.startswith("attacking"):
+            raise RuntimeError(f"attacker {attack.mode} did not start: {started!r}")
+        time.sleep(2.0)  # let the attack build up
+        during, attacked_tokens, attacked_tables = honest.median(rounds)
+    finally:
+        attacker.terminate()
+        attacker.wait()
+        peak = watch.stop()
+    bound = idle_rss + bounds[busiest]
+    same = attacked_tokens == tokens
+    bans = sum(t[target.addr].get("failures", 0) for t in attacked_tables)
+    used = sum(t[target.addr]["calls"] for t in attacked_tables)
+    passed = during >= 0.5 * before and same and peak <= bound
+    return AttackRow(
+        attack=attack.name,
+        metric="tok/s",
+        before=before,
+        during=during,
+        peak_rss_mb=peak / 2**20,
+        rss_bound_mb=bound / 2**20,
+        same_output=same,
+        passed=passed,
+        goal=GOAL,
+        notes=[f"attacked node used for {used} honest calls, banned {bans} times"],
+    )
