@@ -364,7 +364,7 @@ def test_ledger_summary_command_and_errors(tmp_path, keys, capsys, monkeypatch):
     assert main(["ledger", "summary", str(path)]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith(keys["node"].id[:12]))
-    assert row.split()[1:5] == ["3", "9", "108.00", "KiB"]
+    assert row.split()[1:7] == ["3", "3", "0", "9", "108.00", "KiB"]
     assert row.split()[-3:] == ["1/0", "1", "yes"]
     assert main(["ledger", "summary", str(path), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

@@ -22,7 +22,7 @@ from coordinator.remote.transport import PeerSpec, dial
 from moe.identity.keys import generate
 from moe.identity.receipts import Totals, make_settlement
 from moe.identity.tls import client_tls
-from moe.ledger import summary, verify
+from moe.ledger import LedgerWriter, receipt_body, settlement_body, summary, verify
 from moe.ledger.read import Report, entries
 from moe.model.model_dir import ModelDir
 from moe.wire import codec
@@ -243,7 +243,97 @@ def test_the_coordinator_settles_each_session_once_and_a_lost_reply_counts_as_de
         (kind, run): n for kind, n in (("receipt", 2), ("settlement", 1)) for run in range(3)
     }
     work = summary(tmp_path / "coordinator.jsonl").nodes[node.node_id]
-    assert (work.calls, work.settlements, work.agrees) == (6, 3, True)
+    assert (work.calls, work.settled_calls, work.settlements, work.agrees) == (6, 6, 3, True)
+
+
+# -- the summary: settled and unsettled calls apart -------------------------------------------
+
+
+def receipt(key, model_id: str, session: bytes, request_id: int) -> pb.Receipt:
+    from moe.identity.receipts import make_receipt
+
+    rng = np.random.default_rng(request_id)
+    request = pb.ForwardRequest(
+        model_id=model_id,
+        layer=1,
+        request_id=request_id,
+        session=session,
+        hidden=codec.encode(rng.standard_normal((1, 8), dtype=np.float32)),  # [1, 8]
+        ids=codec.encode(np.array([[1]]), codec.I32),  # [1, 1]
+        weights=codec.encode(np.ones((1, 1), dtype=np.float32)),  # [1, 1]
+    )
+    return make_receipt(key, model_id, request, b"out", [1], 1, 4096, 1)
+
+
+def test_self_signed_receipts_show_as_unsettled_and_nothing_agrees_about_them(tmp_path):
+    """A node's ledger: 3 receipts of a session its coordinator settled, then 1,000 receipts
+    the node signed for work nobody asked (half in sessions never settled, half appended to the
+    settled session after its settlement)."""
+    from coordinator.commands.ledger import _table
+
+    node, coordinator = generate(tmp_path / "node.pem"), generate(tmp_path / "coord.pem")
+    model_id, path = "ab" * 32, tmp_path / "node.jsonl"
+    writer = LedgerWriter(path, node, "node")
+    session, totals = os.urandom(16), Totals()
+    for i in range(3):
+        r = receipt(node, model_id, session, i)
+        writer.append("receipt", receipt_body(r, node.public_raw))
+        totals.add(r)
+    settlement = make_settlement(coordinator, session, node.id, model_id, 1, totals)
+    writer.append("settlement", settlement_body(settlement))
+    fakes = [os.urandom(16) for _ in range(5)]
+    for i in range(1000):
+        fake = fakes[i % 5] if i < 500 else session
+        writer.append(
+            "receipt", receipt_body(receipt(node, model_id, fake, 10 + i), node.public_raw)
+        )
+    writer.close()
+    assert verify(path).ok  # the node's own file is well formed: verify is right to pass
+    result = summary(path)
+    work = result.nodes[node.id]
+    assert (work.calls, work.settled_calls, work.unsettled_calls) == (1003, 3, 1000)
+    assert (work.settlements, work.unsettled_sessions, work.agrees) == (1, 6, True)
+    doc = work.as_dict()
+    assert (doc["settled_calls"], doc["unsettled_calls"]) == (3, 1000)
+    text = _table(result.report, [work])
+    row = next(line for line in text.splitlines() if line.startswith(node.id[:12] + " "))
+    assert row.split()[1:4] == ["1003", "3", "1000"] and row.split()[-1] == "yes"
+    assert f"{node.id[:12]}: 1000 unsettled calls in 6 sessions: receipts this node signed " in text
+    assert "it says nothing of unsettled calls" in text
+    # receipts alone: nothing is said to agree
+    alone = tmp_path / "alone.jsonl"
+    writer = LedgerWriter(alone, node, "node")
+    for i in range(1000):
+        writer.append(
+            "receipt", receipt_body(receipt(node, model_id, fakes[0], i), node.public_raw)
+        )
+    writer.close()
+    work = summary(alone).nodes[node.id]
+    assert (work.settled_calls, work.unsettled_calls, work.agrees) == (0, 1000, None)
+    row = _table(summary(alone).report, [work]).splitlines()[2]
+    assert row.split()[1:4] == ["1000", "0", "1000"] and row.split()[-1] == "-"
+
+
+def test_fakes_before_the_settlement_of_their_session_are_unsettled_and_disagree(tmp_path):
+    """A node that slips its own receipts into a settled session, ahead of the settlement:
+    the settlement covers only the calls it states, and it disagrees."""
+    node, coordinator = generate(tmp_path / "node.pem"), generate(tmp_path / "coord.pem")
+    model_id, path = "ab" * 32, tmp_path / "node.jsonl"
+    writer = LedgerWriter(path, node, "node")
+    session, totals = os.urandom(16), Totals()
+    for i in range(13):
+        r = receipt(node, model_id, session, i)
+        writer.append("receipt", receipt_body(r, node.public_raw))
+        if i < 3:
+            totals.add(r)
+    writer.append(
+        "settlement",
+        settlement_body(make_settlement(coordinator, session, node.id, model_id, 1, totals)),
+    )
+    writer.close()
+    work = summary(path).nodes[node.id]
+    assert (work.calls, work.settled_calls, work.unsettled_calls, work.agrees) == (13, 3, 10, False)
+    assert "calls settled 3, ledger 13" in work.disagreements[0]
 
 
 # -- the bookkeeping alone --------------------------------------------------------------------
