@@ -44,6 +44,7 @@ from node.holdings import unavailable
 from node.limits import CHUNK_ROWS, Guard, Limits, Refused
 from node.possession import Prover
 from node.records import Records, chunks
+from node.settlements import Settlements
 
 log = logging.getLogger(__name__)
 SERVICE = "moeshard.v1.ExpertNode"
@@ -131,7 +132,7 @@ class ExpertNodeServicer:
         self.ledger: BackgroundLedger | None = None  # set by the daemon: receipts, settlements
         self.record_nbytes = shards.record_nbytes if shards is not None else 0
         self.settle_lock = threading.Lock()
-        self.settled: dict[tuple[bytes, str], int] = {}  # (session, coordinator) -> last seq
+        self.settlements = Settlements()  # who may settle what (node/settlements.py)
         self.prover = Prover(  # possession challenges (node/possession.py)
             shards,
             key,
@@ -299,8 +300,11 @@ class ExpertNodeServicer:
 
     def _credit(self, client: str, reply: pb.ForwardReply) -> None:
         """The records this reply was computed with may be fetched by its client beyond its
-        record rate (`Guard.credit_records`): what an audit of it needs."""
+        record rate (`Guard.credit_records`): what an audit of it needs. A receipt in it lets
+        the client settle its session (`Settlements`)."""
         self.guard.credit_records(client, reply.experts_computed * self.record_nbytes)
+        if reply.HasField("receipt"):
+            self.settlements.issued(reply.receipt.session, client)
 
     def Prefetch(self, request, context):
         self._check_model(request.model_id)
@@ -381,18 +385,20 @@ class ExpertNodeServicer:
             self.ledger.append("receipt", receipt_body(receipt, self.key.public_raw))
 
     def Settle(self, request, context):
-        """A coordinator's signed totals for this node: checked (signature, this node, this
-        model, sent by the coordinator that signed it, a newer seq than the last one accepted
-        for the session) and kept in the ledger before it is accepted."""
+        """A coordinator's signed totals for this node. Refused with a status unless the
+        caller had receipts in the session and has not settled it, within its rate
+        (node/settlements.py); then checked (signature, this node, this model, sent by the
+        coordinator that signed it) and kept in the ledger before it is accepted."""
         ident = self.identity
-        why = check_settlement(request, ident.node_id, ident.model_id)
-        caller = self.access.caller(context)  # '' without TLS
-        if not why and caller and caller != request.coordinator_id:
-            why = f"settlement signed by {request.coordinator_id}, sent by {caller}"
-        key = (request.session, request.coordinator_id)
+        client = self._caller(context)
+        self.settlements.charge(client)  # Refused: RESOURCE_EXHAUSTED
+        data = request.SerializeToString(deterministic=True)
         with self.settle_lock:
-            if not why and request.seq <= self.settled.get(key, 0):
-                why = f"stale settlement (seq {request.seq}, {self.settled[key]} accepted)"
+            self.settlements.admit(request.session, client, data)  # Refused: a status
+            why = check_settlement(request, ident.node_id, ident.model_id)
+            caller = self.access.caller(context)  # '' without TLS
+            if not why and caller and caller != request.coordinator_id:
+                why = f"settlement signed by {request.coordinator_id}, sent by {caller}"
             if not why and self.ledger is not None:
                 try:
                     self.ledger.append("settlement", settlement_body(request), sync=True).result()
@@ -401,9 +407,7 @@ class ExpertNodeServicer:
             if why:
                 log.info("settlement from %s refused: %s", request.coordinator_id, why)
                 return pb.SettleReply(accepted=False, reason=why)
-            self.settled[key] = request.seq
-            while len(self.settled) > 10_000:  # bounded: forget the oldest sessions
-                del self.settled[next(iter(self.settled))]
+            self.settlements.accept(request.session, client, data)
         return pb.SettleReply(accepted=True)
 
     # -- validation and compute ------------------------------------------------------------

@@ -296,14 +296,20 @@ def generate_on_nodes(model_dir, plan: dict, prompt: list[int], opts):
             n.stop()
 
 
-def node_process(path, *flags: str, allow: str | None = None, insecure: bool = False):
+def node_process(
+    path, *flags: str, allow: str | None = None, insecure: bool = False, allow_any: bool = False
+):
     """A ready `moeshard node PATH --no-advertise FLAGS...` subprocess (a NodeProcess), for the
-    flags NodeProcess has no argument for (e.g. the limits)."""
+    flags NodeProcess has no argument for (e.g. the limits). Callers: the tests' client
+    (`allow`: these ids instead; `allow_any`: every authenticated client; `insecure`)."""
     quant.warmup()  # compile once here into numba's disk cache; the node then just loads it
     node = NodeProcess.__new__(NodeProcess)
     cmd = [sys.executable, "-X", "faulthandler", "-m", "coordinator.cli", "node", str(path)]
     cmd += ["--port", "0", "--no-advertise", *flags]
-    cmd += ["--insecure"] if insecure else ["--allow", allow or client_key().id]
+    if insecure or allow_any:
+        cmd += ["--insecure" if insecure else "--allow-any"]
+    else:
+        cmd += ["--allow", allow or client_key().id]
     node.proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

@@ -364,7 +364,7 @@ def test_ledger_summary_command_and_errors(tmp_path, keys, capsys, monkeypatch):
     assert main(["ledger", "summary", str(path)]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith(keys["node"].id[:12]))
-    assert row.split()[1:5] == ["3", "9", "108.00", "KiB"]
+    assert row.split()[1:7] == ["3", "3", "0", "9", "108.00", "KiB"]
     assert row.split()[-3:] == ["1/0", "1", "yes"]
     assert main(["ledger", "summary", str(path), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -429,9 +429,9 @@ def test_a_node_signs_receipts_and_keeps_settlements_in_its_ledger(ledger_node, 
     plain.CopyFrom(requests[0])
     plain.session = b""
     assert not stub.Forward(plain, timeout=10).HasField("receipt")
-    assert accounts.settle({node.node_id: stub}) == {node.node_id: ""}
-    # forged settlements are refused: the caller's key in another's name, one altered after
-    # signing, a replay of the accepted one
+    # forged settlements are refused, the session left open: the caller's key in another's
+    # name, one altered after signing
+    accounts.ledger.flush()  # (the receipts are counted on the ledger's thread)
     totals = accounts.totals[node.node_id]
     other = generate(tmp_path / "other.pem")
     forged = make_settlement(other, accounts.session, node.node_id, model.model_id, 5, totals)
@@ -443,9 +443,13 @@ def test_a_node_signs_receipts_and_keeps_settlements_in_its_ledger(ledger_node, 
     )
     altered.calls += 100
     assert "signature" in stub.Settle(altered, timeout=5).reason
+    assert accounts.settle({node.node_id: stub}) == {node.node_id: ""}
+    # then any other settlement of the session is refused
     again = make_settlement(client_key(), accounts.session, node.node_id, model.model_id, 1, totals)
-    refused = stub.Settle(again, timeout=5)
-    assert not refused.accepted and "stale" in refused.reason
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Settle(again, timeout=5)
+    assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert "by another settlement" in caught.value.details()
     accounts.close()
     # both ledgers verify and agree; the node's holds the receipts and the one settlement
     for path in (node_ledger, accounts.path):

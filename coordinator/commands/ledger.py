@@ -21,7 +21,9 @@ def add_ledger(sub) -> None:
     v.add_argument("file", help="a ledger (.jsonl) written by `node` or `generate`")
     v.set_defaults(func=cmd_verify)
     s = cmds.add_parser(
-        "summary", help="work per node: calls, rows, expert bytes, audits, settlements"
+        "summary",
+        help="work per node: calls settled and unsettled, rows, expert bytes, audits, "
+        "settlements and whether they agree",
     )
     s.add_argument("file", help="a ledger (.jsonl)")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -85,17 +87,43 @@ def cmd_summary(args) -> int:
     return EXIT_OK
 
 
+UNSETTLED = {  # what an unsettled call is, in whose ledger
+    "node": "receipts this node signed that no coordinator's settlement covers",
+    "coordinator": "receipts this coordinator accepted and signed no settlement for",
+}
+LEGEND = (
+    "settled: calls covered by a settlement the coordinator signed; unsettled: receipts alone "
+    "(they prove only that the node claims the work)\n"
+    "settlements agree: whether each settlement states what this ledger holds before it in its "
+    "session; it says nothing of unsettled calls"
+)
+
+
 def _table(report, nodes) -> str:
     from moe.units import fmt_bytes
 
     head = f"ledger of {report.role or '?'} {report.owner or '?'}: {report.entries} entries"
-    rows = [("node", "calls", "rows", "expert bytes", "audits ok/failed", "settled", "agrees")]
+    rows = [
+        (
+            "node",
+            "calls",
+            "settled",
+            "unsettled",
+            "rows",
+            "expert bytes",
+            "audits ok/failed",
+            "settled sessions",
+            "settlements agree",
+        )
+    ]
     for w in nodes:
         agrees = {None: "-", True: "yes", False: "NO"}[w.agrees]
         rows.append(
             (
                 w.node_id[:12],
                 str(w.calls),
+                str(w.settled_calls),
+                str(w.unsettled_calls),
                 str(w.rows),
                 fmt_bytes(w.expert_bytes),
                 f"{w.audits_passed}/{w.audits_failed}",
@@ -113,6 +141,14 @@ def _table(report, nodes) -> str:
     ]
     for w in nodes:
         lines += [f"{w.node_id[:12]}: {d}" for d in w.disagreements]
+        if w.unsettled_calls:
+            what = UNSETTLED.get(report.role, "receipts no settlement covers")
+            sessions = f"{w.unsettled_sessions} session" + "s" * (w.unsettled_sessions != 1)
+            lines.append(
+                f"{w.node_id[:12]}: {w.unsettled_calls} unsettled calls in {sessions}: {what}"
+            )
     if len(rows) == 1:
         lines.append("(no work recorded)")
+    else:
+        lines.append(LEGEND)
     return "\n".join(lines)

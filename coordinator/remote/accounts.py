@@ -7,8 +7,9 @@ receipt (the node's signature, and that it describes this request and this reply
 appends it to the ledger and adds it to the node's totals, so the token path pays nothing for
 it. A reply without a receipt, or with one that does not check, is counted, logged, and its
 node put in `invalid`; it is not written to the ledger. `settle` signs each node's cumulative
-totals and sends them with the Settle RPC (a node that is down is skipped, and its settlement
-is in our ledger all the same).
+totals and sends them with the Settle RPC, once per session (a node that is down is skipped,
+and its settlement is in our ledger all the same; one whose reply is lost is sent the same
+settlement again, which it answers ALREADY_EXISTS: delivered).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 import os
 import random
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -43,6 +45,13 @@ from moe.wire import moeshard_pb2 as pb
 
 log = logging.getLogger(__name__)
 SETTLE_TIMEOUT_S = 5.0
+RETRIES = 2  # a Settle that failed on the way is sent again this many times (in the timeout)
+RETRY_WAIT_S = 0.5  # ... after this many seconds times the attempt number
+RETRY_CODES = (  # failures after which the node may or may not have the settlement, or busy
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+)
 SIGNATURE_SHARE = 0.05  # receipts whose signature is checked as they come (all: ledger verify)
 
 
@@ -156,14 +165,30 @@ class Accounts:
 
     @staticmethod
     def _send(node_id: str, stub, settlement: pb.Settlement, timeout: float) -> str:
-        if stub is None:
-            why = "node not reachable"
-        else:
+        """Deliver one settlement within `timeout` seconds in all: '' once the node has it,
+        else why not. A node takes one settlement per session, so a call that failed on the
+        way (RETRY_CODES: its reply may have been lost) is sent again, and ALREADY_EXISTS
+        then means the first one got there (no other settlement of this session is ever sent
+        from here: `settle` runs once, at the end)."""
+        why, deadline = "node not reachable", time.monotonic() + timeout
+        for attempt in range(1 + RETRIES if stub is not None else 0):
+            if attempt:
+                time.sleep(RETRY_WAIT_S * attempt)
+            left = deadline - time.monotonic()
+            if attempt and left < RETRY_WAIT_S:
+                break
             try:
-                reply = stub.Settle(settlement, timeout=timeout)
+                reply = stub.Settle(settlement, timeout=left)
                 why = "" if reply.accepted else f"refused: {reply.reason or '(no reason)'}"
             except grpc.RpcError as exc:
-                why = f"{exc.code().name}: {exc.details()}"
+                if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    log.info("settlement for node %s: %s", node_id, exc.details())
+                    why = ""
+                else:
+                    why = f"{exc.code().name}: {exc.details()}"
+                    if exc.code() in RETRY_CODES:
+                        continue
+            break
         if why:
             log.warning("settlement for node %s not delivered: %s", node_id, why)
         return why

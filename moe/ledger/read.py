@@ -1,6 +1,7 @@
 """Reading a ledger: `verify` (the chain, the owner's signature on every line, the signature
-inside every receipt and settlement) and `summary` (the work per node, and whether the last
-settlement of each session agrees with the receipts the ledger holds).
+inside every receipt and settlement) and `summary` (the work per node, the calls a settlement
+covers apart from those only receipts claim, and whether the last settlement of each session
+agrees with the receipts the ledger holds).
 
 Both stop at the first bad entry; the Report names it by seq and line. A last line without its
 newline is a torn write (the process died mid-append) and fails like any other bad entry:
@@ -111,7 +112,13 @@ def verify(path: str | Path | BinaryIO) -> Report:
 
 @dataclass
 class NodeWork:
-    """One node's work as a ledger records it (all sessions)."""
+    """One node's work as a ledger records it (all sessions).
+
+    A call is *settled* when a settlement of its session covers it: one the coordinator
+    signed, stating at least as many calls as the ledger holds before it in that session.
+    Every other receipt is *unsettled*: signed by the node alone (in a node's own ledger it
+    may write any number of them, for work nobody asked for), or not yet countersigned (a
+    coordinator that stopped before settling). `agrees` speaks of settled sessions only."""
 
     node_id: str
     calls: int = 0
@@ -120,7 +127,13 @@ class NodeWork:
     audits_passed: int = 0
     audits_failed: int = 0
     settlements: int = 0  # sessions with a settlement for this node
+    settled_calls: int = 0  # calls a settlement covers (see above)
+    unsettled_sessions: int = 0  # sessions with receipts beyond what a settlement covers
     disagreements: list[str] = field(default_factory=list)  # sessions whose settlement differs
+
+    @property
+    def unsettled_calls(self) -> int:
+        return self.calls - self.settled_calls
 
     @property
     def agrees(self) -> bool | None:
@@ -131,7 +144,10 @@ class NodeWork:
         fields = ("node_id", "calls", "rows", "expert_bytes", "audits_passed", "audits_failed")
         return {
             **{k: getattr(self, k) for k in fields},
+            "settled_calls": self.settled_calls,
+            "unsettled_calls": self.unsettled_calls,
             "settlements": self.settlements,
+            "unsettled_sessions": self.unsettled_sessions,
             "settlement_agrees": self.agrees,
             "disagreements": self.disagreements,
         }
@@ -145,7 +161,8 @@ class Summary:
 
 def summary(path: str | Path) -> Summary:
     """The work per node in the verified entries of a ledger (up to the first bad one: see
-    `.report`), with each session's last settlement compared to the receipts before it.
+    `.report`), settled and unsettled calls apart (`NodeWork`), with each session's last
+    settlement compared to the receipts before it.
 
     In the coordinator's own ledger a settlement must match its receipts exactly (totals,
     audits, and the receipts' hash chain); in a node's ledger the receipts are those the node
@@ -178,10 +195,15 @@ def summary(path: str | Path) -> Summary:
     for (session, node_id), (settlement, seen) in sorted(last.items()):
         work = nodes.setdefault(node_id, NodeWork(node_id))
         work.settlements += 1
+        work.settled_calls += min(settlement.calls, seen.calls)
         mine = settlement.coordinator_id == report.owner
         why = _disagreement(settlement, seen, mine)
         if why:
             work.disagreements.append(f"session {session[:8]}: {why}")
+    for key, totals in sessions.items():
+        covered = min(last[key][0].calls, last[key][1].calls) if key in last else 0
+        if totals.calls > covered:
+            nodes[key[1]].unsettled_sessions += 1
     return Summary(report, nodes)
 
 
