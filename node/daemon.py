@@ -35,6 +35,7 @@ from moe.storage.manifest import FORMAT_VERSION
 from moe.wire import health_pb2_grpc
 from moe.wire.constants import MAX_MESSAGE_BYTES, WIRE_VERSION
 from moe.wire.hosts import is_loopback
+from moe.wire.names import name_problem, safe_node_name
 from node.access import AccessPolicy
 from node.limits import Limits
 from node.servicer import ExpertNodeServicer, HealthServicer, NodeIdentity
@@ -123,6 +124,8 @@ class Node:
         self.config = config
         if config.insecure and not is_loopback(config.host):
             raise MoeshardError(f"--insecure serves plaintext: only on loopback, not {config.host}")
+        if config.name and name_problem(config.name):
+            raise MoeshardError(f"--name: {name_problem(config.name)}")
         if not config.insecure and not config.allow and not config.allow_any:
             raise MoeshardError(
                 "say who may call this node: --allow ID[,ID...] or FILE, or --allow-any "
@@ -184,7 +187,7 @@ class Node:
             f"{host}:{cfg.port}", self.servicer, self.health, self.tls
         )
         if not self.identity.name:
-            self.identity.name = f"{socket.gethostname()}-{self.port}"[:60]
+            self.identity.name = safe_node_name(f"{socket.gethostname()}-{self.port}"[:60])
         self.server.start()
         if self.tls is not None:
             self._refuse_tls12(host)

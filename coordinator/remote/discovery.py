@@ -34,6 +34,7 @@ from moe.identity.keys import Identity
 from moe.identity.tls import TLSMaterial, client_tls, fetch_node_identity
 from moe.storage.manifest import FORMAT_VERSION
 from moe.wire.constants import SERVICE_TYPE
+from moe.wire.names import safe_node_name
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ def _discovered(node: NodeRecords, addr: str) -> Discovered:
     return Discovered(
         node_id=node.node_id,
         addr=addr,
-        name=f.get("name", node.names[0].removesuffix("." + SERVICE_TYPE)),
+        name=safe_node_name(f.get("name", node.names[0].removesuffix("." + SERVICE_TYPE))),
         model_id=f.get("model_id", ""),
         format_version=fmt,
         txt=f,
