@@ -220,19 +220,24 @@ def open_remote(
     from coordinator.remote.config import RemoteConfig
     from coordinator.remote.discovery import Watcher, resolve_peers
     from coordinator.remote.experts import RemoteExperts
+    from moe.identity.tls import client_tls
 
     started = time.perf_counter()
     warmup_s = quant.warmup()  # the trunk's kernels (and the audits') run here
     model = _model_dir(path)
     model.require_trunk()
     insecure = remote_config is not None and remote_config.identity is None
-    specs = resolve_peers(model.model_id, peers, discover, discover_timeout, insecure)
     if remote_config is None:
         remote_config = RemoteConfig()
+    identity = remote_config.identity
+    specs = resolve_peers(
+        model.model_id, peers, discover, discover_timeout, insecure, identity=identity
+    )
     experts = RemoteExperts.for_model(model, specs, remote_config)
     watcher = None
     if discover and not peers:  # keep browsing: nodes that start later join the generation
-        watcher = Watcher(model.model_id, lambda node: experts.add_peer(node.spec))
+        tls = None if identity is None else client_tls(identity)
+        watcher = Watcher(model.model_id, lambda node: experts.add_peer(node.spec), tls)
     transformer = model.family.Transformer(model.config, model.load_trunk(), experts)
     return _finish(
         model, transformer, experts, warmup_s, started, watcher=watcher, verifier=experts.verifier

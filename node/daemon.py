@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import socket
 import threading
@@ -24,7 +25,7 @@ from moe.experts.backend import ExpertsBackend
 from moe.experts.local import LocalExperts
 from moe.experts.store import ExpertStore
 from moe.identity.keys import NODE_KEY, load_or_create
-from moe.identity.tls import TLSMaterial, node_tls
+from moe.identity.tls import TLSMaterial, accepts_tls12, client_tls, node_tls
 from moe.kernels import quant
 from moe.ledger import open_ledger
 from moe.model.model_dir import ModelDir
@@ -34,6 +35,7 @@ from moe.storage.manifest import FORMAT_VERSION
 from moe.wire import health_pb2_grpc
 from moe.wire.constants import MAX_MESSAGE_BYTES, WIRE_VERSION
 from moe.wire.hosts import is_loopback
+from moe.wire.names import name_problem, safe_node_name
 from node.access import AccessPolicy
 from node.limits import Limits
 from node.servicer import ExpertNodeServicer, HealthServicer, NodeIdentity
@@ -122,6 +124,8 @@ class Node:
         self.config = config
         if config.insecure and not is_loopback(config.host):
             raise MoeshardError(f"--insecure serves plaintext: only on loopback, not {config.host}")
+        if config.name and name_problem(config.name):
+            raise MoeshardError(f"--name: {name_problem(config.name)}")
         if not config.insecure and not config.allow and not config.allow_any:
             raise MoeshardError(
                 "say who may call this node: --allow ID[,ID...] or FILE, or --allow-any "
@@ -183,8 +187,10 @@ class Node:
             f"{host}:{cfg.port}", self.servicer, self.health, self.tls
         )
         if not self.identity.name:
-            self.identity.name = f"{socket.gethostname()}-{self.port}"[:60]
+            self.identity.name = safe_node_name(f"{socket.gethostname()}-{self.port}"[:60])
         self.server.start()
+        if self.tls is not None:
+            self._refuse_tls12(host)
         self.health.set_serving(True)
         if cfg.advertise:
             from node.announce import Announcer
@@ -201,6 +207,18 @@ class Node:
             )
             self.announcer.start()
         return self.port
+
+    def _refuse_tls12(self, host: str) -> None:
+        """Stop and raise if this server completes a TLS 1.2 handshake (grpcio was imported
+        before moe set its cipher list: see moe/__init__.py). One handshake, a few ms."""
+        probe = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "[::]" else host
+        if accepts_tls12(probe.strip("[]"), self.port, client_tls(self.key)):
+            self.server.stop(0)
+            raise MoeshardError(
+                "this node completes TLS 1.2 handshakes: grpc was imported before moe set "
+                f"GRPC_SSL_CIPHER_SUITES (now {os.environ.get('GRPC_SSL_CIPHER_SUITES')!r}); "
+                "import moe (or node) first"
+            )
 
     def stop(self) -> None:
         if self.announcer is not None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import socket
 import subprocess
 import sys
 
@@ -198,3 +200,156 @@ def test_the_address_dialled_is_on_a_network_that_is_up_here():
         assert discovery.best_address(["198.51.100.7", "203.0.113.1"]) == "198.51.100.7"
     finally:
         discovery.local_networks = real
+
+
+def _impostor(tmp_path):
+    """A TLS server on another loopback address (127.0.0.2) holding a key of its own: where
+    a replayed announcement sends its readers."""
+    from concurrent import futures
+
+    from moe.identity.keys import load_or_create
+    from moe.identity.tls import node_tls
+
+    tls = node_tls(load_or_create(tmp_path / "impostor-key.pem"))
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    credentials = grpc.ssl_server_credentials(
+        [(tls.key, tls.chain)], root_certificates=tls.client_root, require_client_auth=True
+    )
+    port = server.add_secure_port("127.0.0.2:0", credentials)
+    server.start()
+    return server, port
+
+
+def test_a_replayed_announcement_from_another_address_does_not_hide_the_node(converted, tmp_path):
+    """An attacker answers under the node's own instance name with the node's own signed
+    announcement, from another address and port (as zeroconf's `cooperating_responders`
+    lets it, with no name conflict). Discovery still finds the node at its own address
+    (every address of its id is pin-checked), browse after browse, and a generation through
+    `--discover` uses it (the issue's attack: 2 of 3 discoveries dialled the attacker)."""
+    from zeroconf import IPVersion, ServiceInfo, Zeroconf
+
+    from coordinator.remote.discovery import Discovery, address_rank, local_networks
+    from coordinator.runtime import open_remote
+
+    path = converted("qwen3_moe", experts="q4_0")  # a model id no other test's nodes serve
+    local = open_local(path)
+    want = generate(local.transformer, PROMPT, SamplingOptions(max_tokens=TOKENS)).tokens
+    real = Node(NodeConfig(path=str(path), name="replayed", allow=ALLOW, key=str(tmp_path / "k")))
+    real.start()
+    impostor, impostor_port = _impostor(tmp_path)
+    zc = Zeroconf(ip_version=IPVersion.V4Only)
+    rt = None
+    try:
+        theirs = real.announcer.info
+        replay = ServiceInfo(
+            theirs.type,
+            theirs.name,  # the node's own instance name
+            addresses=[socket.inet_aton("127.0.0.2")],
+            port=impostor_port,
+            properties=theirs.properties,  # the node's own signed record, replayed
+            server=f"impostor-{impostor_port}.local.",
+        )
+        zc.register_service(replay, cooperating_responders=True)
+        model_id = real.identity.model_id
+        node_id = real.identity.node_id
+        tls = client_tls(CLIENT)
+        # Both addresses are heard under the node's id: the attack is on.
+        networks = local_networks()
+        d = Discovery(model_id, tls, resolve_s=5)
+        try:
+            heard = wait_until(
+                lambda: (
+                    (n := d.records.nodes(lambda ip: address_rank(ip, networks)).get(node_id))
+                    and len(n.endpoints) >= 2
+                    and n.endpoints
+                ),
+                10,
+                0.1,
+                what="both the node's and the impostor's address under the node's id",
+            )
+        finally:
+            d.close()
+        assert ("127.0.0.2", impostor_port) in heard and ("127.0.0.1", real.port) in heard
+        for _ in range(3):
+            found = [n for n in browse(model_id, BROWSE_S, tls=tls) if n.node_id == node_id]
+            assert [n.addr for n in found] == [f"127.0.0.1:{real.port}"]
+        config = RemoteConfig(identity=CLIENT)
+        rt = open_remote(path, discover=True, discover_timeout=BROWSE_S, remote_config=config)
+        assert [p.addr for p in rt.experts.live_peers()] == [f"127.0.0.1:{real.port}"]
+        got = generate(rt.transformer, PROMPT, SamplingOptions(max_tokens=TOKENS)).tokens
+        assert got == want
+    finally:
+        if rt is not None:
+            rt.experts.close()
+        zc.close()
+        impostor.stop(0)
+        real.stop()
+
+
+def _ptr_flood(names: list[str], stop) -> None:
+    """Answer for `names` with PTR records only (no SRV, TXT or address), every 0.3 s."""
+    from zeroconf import DNSOutgoing, DNSPointer, IPVersion, Zeroconf
+    from zeroconf.const import _CLASS_IN, _FLAGS_AA, _FLAGS_QR_RESPONSE, _TYPE_PTR
+
+    from moe.wire.constants import SERVICE_TYPE
+
+    zc = Zeroconf(ip_version=IPVersion.V4Only)
+    try:
+        while not stop.is_set():
+            for i in range(0, len(names), 20):  # a few names a packet
+                out = DNSOutgoing(_FLAGS_QR_RESPONSE | _FLAGS_AA)
+                for name in names[i : i + 20]:
+                    ptr = DNSPointer(SERVICE_TYPE, _TYPE_PTR, _CLASS_IN, 120, name)
+                    out.add_answer_at_time(ptr, 0)
+                zc.send(out)
+            stop.wait(0.3)
+    finally:
+        zc.close()
+
+
+@pytest.mark.parametrize("count", [30, 600])
+def test_ptr_only_names_do_not_slow_discovery_or_grow_without_bound(
+    cluster_model, cluster, count, caplog
+):
+    """`count` fake service names (PTR records only, nobody answers for them) while the
+    cluster's three nodes are up: a browse still ends within its timeout (plus the pin
+    checks' grace) and finds the three (names are queried in parallel; before, each fake name
+    cost 1 s: 30 of them took `cluster --discover` from 5.5 s to 33.7 s). With 600 names
+    the table stays at MAX_NAMES and the log gets one line about them, not one per name."""
+    import threading
+    import time
+
+    from coordinator.remote.discovery import PIN_TIMEOUT_S
+    from coordinator.remote.discovery_records import MAX_NAMES
+    from moe.wire.constants import SERVICE_TYPE
+
+    tag = os.urandom(3).hex()
+    names = [f"fake-{tag}-{i}.{SERVICE_TYPE}" for i in range(count)]
+    stop = threading.Event()
+    flood = threading.Thread(target=_ptr_flood, args=(names, stop), daemon=True)
+    flood.start()
+    model_id = ModelDir(cluster_model).model_id
+    tls = client_tls(CLIENT)
+    try:
+        time.sleep(1.0)  # the flood is on the link before the browse starts
+        with caplog.at_level(logging.WARNING):
+            t0 = time.monotonic()
+            found = browse(model_id, BROWSE_S, tls=tls)
+            took = time.monotonic() - t0
+        assert took < BROWSE_S + PIN_TIMEOUT_S, took
+        assert {n.node_id for n in found} >= {n.node_id for n in cluster}
+        fake_lines = [r for r in caplog.records if f"fake-{tag}" in r.getMessage()]
+        assert len(fake_lines) <= 2, [r.getMessage() for r in fake_lines]
+        if count > MAX_NAMES:
+            from coordinator.remote.discovery import Discovery
+
+            d = Discovery(model_id, tls, resolve_s=BROWSE_S)
+            try:
+                time.sleep(BROWSE_S)
+                assert len(d.records.names) <= MAX_NAMES
+                assert d.records.dropped == 0  # silent names make room for the next one
+            finally:
+                d.close()
+    finally:
+        stop.set()
+        flood.join(timeout=5)

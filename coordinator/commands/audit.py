@@ -55,10 +55,15 @@ def cmd_audit(args) -> int:
     model = ModelDir(args.model)
     try:
         roots = model.possession_roots()
-        specs = resolve_peers(
-            model.model_id, args.peers, args.discover, args.discover_timeout, args.insecure
-        )
         config = client_config(args)
+        specs = resolve_peers(
+            model.model_id,
+            args.peers,
+            args.discover,
+            args.discover_timeout,
+            args.insecure,
+            identity=config.identity,
+        )
         tls = None if config.identity is None else client_tls(config.identity)
         deadline_s = args.deadline_ms / 1e3 or None
         audits = [

@@ -350,6 +350,7 @@ def cmd_cluster(args) -> int:
         raise MoeshardError(f"{path}: no such reputation database")
     # Read only: a missing default database is not created (shown as "rep new")
     reputation = Reputation(path if path.exists() else ":memory:")
+    config = client_config(args)
     try:
         peers = resolve_peers(
             model.model_id,
@@ -359,8 +360,9 @@ def cmd_cluster(args) -> int:
             args.insecure,
             expect=args.expect,
             settle=True,
+            identity=config.identity,
         )
-        report = cluster_report(model, peers, client_config(args), reputation=reputation)
+        report = cluster_report(model, peers, config, reputation=reputation)
     finally:
         reputation.close()
     print(json.dumps(report, indent=2) if args.json else format_cluster(report))

@@ -26,6 +26,7 @@ from moe.storage.manifest import FORMAT_VERSION
 from moe.wire import health_pb2, health_pb2_grpc
 from moe.wire import moeshard_pb2 as pb
 from moe.wire import moeshard_pb2_grpc as pb_grpc
+from moe.wire.names import safe_node_name
 
 log = logging.getLogger(__name__)
 
@@ -213,8 +214,11 @@ class PeerSet:
                 "(another moeshard version: its replies would differ from ours)"
             )
         held = {(h.layer, e) for h in info.holdings for e in h.experts}
+        name = safe_node_name(info.name)  # shown in logs and /metrics labels: no newlines
+        if name != info.name and peer.name != name:
+            log.warning("node %s calls itself %r; named %s here", info.node_id, info.name, name)
         with self.lock:
-            peer.node_id, peer.name, peer.held = info.node_id, info.name, held
+            peer.node_id, peer.name, peer.held = info.node_id, name, held
             peer.max_rows, peer.max_request_bytes = info.max_rows, info.max_request_bytes
             peer.record_rate, peer.record_streams = info.record_rate, info.per_client_records
             peer.kernels = f"{info.kernel_build}/{info.cpu_level}"

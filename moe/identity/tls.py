@@ -7,6 +7,9 @@ identity: an extension holding the Ed25519 public key and its signature over the
 (`BINDING_PREFIX` + SubjectPublicKeyInfo). The handshake proves possession of the TLS key; the
 extension proves the identity key authorised it; the id is the hash of the identity key.
 
+- TLS 1.3 only: grpcio has no TLS version setting in Python, so moe/__init__.py leaves TLS
+  1.2 only RSA-signed suites, which no ECDSA key can use (a node checks it at start with
+  `accepts_tls12`; a client refuses a node whose TLS key is not ECDSA).
 - A node's certificate is self-signed. A client fetches it first (`fetch_node_identity`, a
   TLS 1.3 handshake that checks the binding and compares the id with the one it pins), then
   opens the gRPC channel with exactly that certificate as its only root: any other key is
@@ -174,15 +177,12 @@ def peer_identity(context) -> str | None:
     return certificate_identity(pems[0])
 
 
-def fetch_node_identity(
-    host: str, port: int, mine: TLSMaterial, timeout: float = 3.0
-) -> tuple[str, bytes]:
-    """(id, PEM certificate) of the node at host:port, from a TLS 1.3 handshake in which we
-    present our client certificate. OSError/ssl.SSLError if it does not speak TLS 1.3."""
+def _client_context(mine: TLSMaterial, version: ssl.TLSVersion) -> ssl.SSLContext:
+    """A Python `ssl` client context of exactly TLS `version` presenting our certificate."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.minimum_version = ctx.maximum_version = version
     ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE  # the binding is checked below, then pinned for gRPC
+    ctx.verify_mode = ssl.CERT_NONE  # the binding is checked by the caller, then pinned for gRPC
     ctx.set_alpn_protocols(["h2"])
     with tempfile.TemporaryDirectory(prefix="moeshard-tls-") as tmp:  # ssl loads from files
         chain, key = os.path.join(tmp, "chain.pem"), os.path.join(tmp, "key.pem")
@@ -191,8 +191,34 @@ def fetch_node_identity(
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
         ctx.load_cert_chain(chain, key)
+    return ctx
+
+
+def fetch_node_identity(
+    host: str, port: int, mine: TLSMaterial, timeout: float = 3.0
+) -> tuple[str, bytes]:
+    """(id, PEM certificate) of the node at host:port, from a TLS 1.3 handshake in which we
+    present our client certificate. OSError/ssl.SSLError if it does not speak TLS 1.3;
+    IdentityError if its certificate carries no valid binding or its TLS key is not ECDSA (the
+    gRPC channel then trusts exactly this certificate, and this process offers TLS 1.2 only
+    with RSA-signed suites: an ECDSA key leaves that channel no TLS 1.2 to fall back to)."""
+    ctx = _client_context(mine, ssl.TLSVersion.TLSv1_3)
     with socket.create_connection((host, port), timeout=timeout) as raw:
         with ctx.wrap_socket(raw, server_hostname=TLS_NAME) as conn:
             der = conn.getpeercert(binary_form=True)
-    pem = ssl.DER_cert_to_PEM_cert(der).encode()
-    return certificate_identity(der), pem
+    node_id = certificate_identity(der)
+    if not isinstance(x509.load_der_x509_certificate(der).public_key(), ec.EllipticCurvePublicKey):
+        raise IdentityError(f"node {node_id} at {host}:{port} has a TLS key that is not ECDSA")
+    return node_id, ssl.DER_cert_to_PEM_cert(der).encode()
+
+
+def accepts_tls12(host: str, port: int, mine: TLSMaterial, timeout: float = 3.0) -> bool:
+    """Whether the TLS server at host:port completes a TLS 1.2 handshake with a client that
+    presents `mine` (a node checks itself at start: see moe/__init__.py)."""
+    ctx = _client_context(mine, ssl.TLSVersion.TLSv1_2)
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as raw:
+            with ctx.wrap_socket(raw, server_hostname=TLS_NAME):
+                return True
+    except (ssl.SSLError, ConnectionResetError):  # refused (an alert, or the socket closed)
+        return False
