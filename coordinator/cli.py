@@ -87,6 +87,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def _add_bench(sub) -> None:
+    from coordinator.bench import attack as attack_bench
     from coordinator.bench import audit as audit_bench
     from coordinator.bench import compare_llamacpp, disk, kernels, modes, rpc, serve, stream
 
@@ -100,6 +101,7 @@ def _add_bench(sub) -> None:
         ("stream", stream, "streaming s/token per cache policy vs the disk floor"),
         ("modes", modes, "in-RAM default vs --ram streaming, tok/s side by side"),
         ("audit", audit_bench, "audits: liar detection vs theory, false convictions, cost"),
+        ("attack", attack_bench, "strangers attack nodes and the server: what honest users keep"),
         ("compare-llamacpp", compare_llamacpp, "moeshard vs llama.cpp built here, side by side"),
         ("serve", serve, "the API under 1..N concurrent clients: tok/s, first token, expert cost"),
     ]:

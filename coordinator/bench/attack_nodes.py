@@ -32,6 +32,7 @@ from coordinator.generate import SamplingOptions, generate
 from coordinator.remote.config import RemoteConfig
 from coordinator.remote.experts import RemoteExperts
 from coordinator.remote.transport import PeerSpec
+from moe.errors import MoeshardError
 from moe.model.model_dir import ModelDir
 
 BOUND = re.compile(r"requests and replies hold at most (\d+) MiB")
@@ -56,6 +57,11 @@ ATTACKS = (
         "8 keys x 4 streams never reading replies",
         "unread",
         ("--keys", "8", "--streams", "4", "--rows", "2000"),
+    ),
+    NodeAttack(
+        "self-signed Settles from 4 keys, 8 at a time",
+        "settle",
+        ("--keys", "4", "--concurrency", "8"),
     ),
 )
 
@@ -116,12 +122,17 @@ class Honest:
             transformer = m.family.Transformer(m.config, m.load_trunk(), remote)
             opts = SamplingOptions(max_tokens=self.tokens)
             t0 = time.perf_counter()
-            result = generate(transformer, self.prompt, opts, verifier=remote.verifier)
+            try:
+                result = generate(transformer, self.prompt, opts, verifier=remote.verifier)
+                tokens = list(result.tokens)
+            except MoeshardError as exc:  # what `generate` would exit 3 with: no tokens
+                print(f"   honest run failed: {exc}", file=sys.stderr)
+                tokens = []
             elapsed = time.perf_counter() - t0
             nodes = {n["addr"]: n for n in remote.stats()["nodes"]}
         finally:
             remote.close()
-        return len(result.tokens) / elapsed, list(result.tokens), nodes
+        return len(tokens) / elapsed, tokens, nodes
 
     def median(self, rounds: int) -> tuple[float, list[int], list[dict]]:
         runs = [self.run() for _ in range(rounds)]
@@ -144,8 +155,9 @@ def node_attack_rows(model_dir: Path, tmp: Path, tokens: int = 32, rounds: int =
         os.sched_setaffinity(0, honest_cores)
         honest = Honest(model, specs, identity, tokens)
         honest.run()  # warm-up: kernels compiled, pages cached
+        files = (tmp / "l.jsonl", launched[0].log)  # the node's ledger and log
         for attack in ATTACKS:
-            rows.append(_one(attack, honest, launched, specs, bounds, rounds, pin))
+            rows.append(_one(attack, honest, launched, specs, bounds, rounds, pin, files))
     finally:
         procs.close()
     return rows
@@ -162,8 +174,9 @@ def _bound(node: Launched) -> int:
             raise RuntimeError(f"node on {node.path} printed no limits")
 
 
-def _one(attack, honest: Honest, launched, specs, bounds, rounds: int, pin) -> AttackRow:
+def _one(attack, honest: Honest, launched, specs, bounds, rounds: int, pin, files) -> AttackRow:
     before, tokens, tables = honest.median(rounds)
+    sizes = [_size(f) for f in files]
     busiest = max(range(len(specs)), key=lambda i: tables[-1][specs[i].addr]["calls"])
     target, node = specs[busiest], launched[busiest]
     idle_rss = rss_bytes(node.proc.pid)
@@ -187,6 +200,7 @@ def _one(attack, honest: Honest, launched, specs, bounds, rounds: int, pin) -> A
     same = attacked_tokens == tokens
     bans = sum(t[target.addr].get("failures", 0) for t in attacked_tables)
     used = sum(t[target.addr]["calls"] for t in attacked_tables)
+    ledger, log = (_size(f) - n for f, n in zip(files, sizes, strict=True))
     passed = during >= 0.5 * before and same and peak <= bound
     return AttackRow(
         attack=attack.name,
@@ -198,5 +212,82 @@ def _one(attack, honest: Honest, launched, specs, bounds, rounds: int, pin) -> A
         same_output=same,
         passed=passed,
         goal=GOAL,
-        notes=[f"attacked node used for {used} honest calls, banned {bans} times"],
+        notes=[
+            f"attacked node used for {used} honest calls, banned {bans} times; its ledger "
+            f"+{ledger / 1e3:.0f} KB, log +{log / 1e3:.0f} KB (honest runs included)"
+        ],
     )
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def soak(model_dir: Path, tmp: Path, seconds: float, every: float, tokens: int) -> None:
+    """Every attack of ATTACKS at once against one node for `seconds` while the honest
+    coordinator keeps generating; prints the node's RSS, ledger and log and the honest
+    tokens/s every `every` seconds (growth without bound shows as a climbing column)."""
+    model = ModelDir(model_dir)
+    honest_cores, node_cores = split_cores()
+    pin = ["taskset", "-c", ",".join(map(str, sorted(node_cores)))]
+    procs = NodeProcs(tmp)
+    identity = client_key(tmp)
+    flags = ("--threads", "1", "--key", str(tmp / "node-key.pem"), "--ledger", str(tmp / "l.jsonl"))
+    node = procs.launch(Path(model_dir), None, flags=flags, allow_any=True, prefix=pin)
+    attackers = []
+    try:
+        spec = node.spec()
+        bound = _bound(node)
+        os.sched_setaffinity(0, honest_cores)
+        honest = Honest(model, [spec], identity, tokens)
+        reference = honest.run()[1]
+        idle = rss_bytes(node.proc.pid)
+        for attack in ATTACKS:
+            cmd = [
+                *pin, sys.executable, "-m", "coordinator.bench.attacker", attack.mode,
+                "--target", f"{spec.node_id}@{spec.addr}", *attack.flags,
+            ]  # fmt: skip
+            attackers.append(
+                subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            )
+        for a in attackers:
+            a.stdout.readline()
+        print(
+            f"== soak: {len(ATTACKS)} attacks at once for {seconds:.0f} s; node idle RSS "
+            f"{idle / 2**20:.0f} MiB, bound {(idle + bound) / 2**20:.0f} MiB"
+        )
+        print(
+            f"   {'t s':>6} {'RSS MiB':>8} {'peak':>6} {'ledger KB':>10} {'log KB':>8} {'tok/s':>7}"
+        )
+        watch = RssWatch(node.proc.pid)
+        t0 = time.monotonic()
+        next_at, rates, differed = t0 + every, [], 0
+        while True:
+            rate, got, _ = honest.run()
+            rates.append(rate)
+            differed += got != reference
+            now = time.monotonic()
+            if now >= next_at or now - t0 >= seconds:
+                print(
+                    f"   {now - t0:>6.0f} {rss_bytes(node.proc.pid) / 2**20:>8.0f} "
+                    f"{watch.peak / 2**20:>6.0f} {_size(tmp / 'l.jsonl') / 1e3:>10.0f} "
+                    f"{_size(node.log) / 1e3:>8.0f} {statistics.median(rates):>7.1f}",
+                    flush=True,
+                )
+                next_at, rates = now + every, []
+            if now - t0 >= seconds:
+                break
+        peak = watch.stop()
+        within = "within" if peak <= idle + bound else "OVER"
+        print(
+            f"   peak RSS {peak / 2**20:.0f} MiB ({within} the bound); honest runs with other "
+            f"tokens than unattacked: {differed}"
+        )
+    finally:
+        for a in attackers:
+            a.terminate()
+            a.wait()
+        procs.close()

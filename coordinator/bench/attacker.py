@@ -8,6 +8,8 @@ Modes:
   big         `--concurrency` Forwards of `--rows` rows in a loop, keys taken in turn
   unread      every key opens `--streams` ForwardStreams, sends requests of `--rows` rows on
               them and never reads a reply
+  settle      every key sends self-signed settlements of random sessions, as fast as the node
+              answers (`--concurrency` threads)
 
 It prints `attacking` once every stream or call is started, then runs until killed. Counts of
 what the node answered go to stderr every few seconds (refusals are what it should see).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import queue
 import sys
 import tempfile
@@ -29,6 +32,7 @@ import numpy as np
 
 from coordinator.remote.transport import PeerSpec, dial
 from moe.identity.keys import generate
+from moe.identity.receipts import Totals, make_settlement
 from moe.identity.tls import client_tls
 from moe.wire import codec
 from moe.wire import moeshard_pb2 as pb
@@ -67,7 +71,7 @@ class Counts:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="attacker")
-    p.add_argument("mode", choices=("idle", "big", "unread"))
+    p.add_argument("mode", choices=("idle", "big", "unread", "settle"))
     p.add_argument("--target", required=True, help="ID@HOST:PORT of the node")
     p.add_argument("--keys", type=int, default=8)
     p.add_argument("--streams", type=int, default=4, help="streams per key")
@@ -81,10 +85,10 @@ def main(argv=None) -> int:
     node_id, _, addr = args.target.rpartition("@")
     spec = PeerSpec(addr, node_id)
     tmp = Path(tempfile.mkdtemp(prefix="attacker-"))
-    channels = []
+    channels, keys = [], []
     for k in range(args.keys):
-        tls = client_tls(generate(tmp / f"key-{k}.pem"))
-        channel, _ = dial(spec, tls, timeout=10)
+        keys.append(generate(tmp / f"key-{k}.pem"))
+        channel, _ = dial(spec, client_tls(keys[-1]), timeout=10)
         channels.append(channel)
     stubs = [pb_grpc.ExpertNodeStub(c) for c in channels]
     info = stubs[0].Info(pb.InfoRequest(), timeout=10)
@@ -108,6 +112,12 @@ def main(argv=None) -> int:
                 call = stub.ForwardStream(_endless(request, counts, uplink))
                 call.add_done_callback(lambda c: counts.add(f"ended:{c.code().name}"))
                 keep.append(call)
+    elif args.mode == "settle":
+        for i in range(args.concurrency):
+            target = (stubs[i % len(stubs)], keys[i % len(keys)], spec.node_id, info.model_id)
+            thread = threading.Thread(target=_settle, args=(*target, counts))
+            thread.daemon = True
+            thread.start()
     else:  # big
         for i in range(args.concurrency):
             stub = stubs[i % len(stubs)]
@@ -142,6 +152,16 @@ def _endless(request, counts: Counts, uplink: Uplink):
         uplink.send(size)
         counts.add("sent")
         yield request
+
+
+def _settle(stub, key, node_id: str, model_id: str, counts: Counts) -> None:
+    while True:
+        settlement = make_settlement(key, os.urandom(16), node_id, model_id, 1, Totals())
+        try:
+            reply = stub.Settle(settlement, timeout=10)
+            counts.add("accepted" if reply.accepted else "refused")
+        except grpc.RpcError as exc:
+            counts.add(exc.code().name)
 
 
 def _loop(stub, request, counts: Counts, uplink: Uplink) -> None:
