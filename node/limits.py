@@ -46,7 +46,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -78,7 +77,6 @@ CREDIT_CAP = 2 << 30  # record bytes of credit a client may hold (see `Guard.cre
 RECORD_RATE = 64 * MiB
 CHUNK_ROWS = 128  # rows of one compute turn (see the module docstring)
 EVICT_IDLE_S = 0.5  # a call waiting this long for its next message may be ended for a newcomer
-EVICT_POLL_S = 0.05  # how often a waiting read looks whether its call was evicted
 
 
 class Refused(Exception):
@@ -158,12 +156,12 @@ class Limits:
 
     def messages_held(self) -> int:
         """Request sizes in memory at worst: per unary call and stream (Forward or Record) a
-        message being read or waiting and its reply not yet taken by the client (a float64
-        partial sum is twice its float32 request: REPLY_SIZES), and the working copies of
-        the requests in compute. (A Record stream also holds its record: 2 x `max_records`
+        message being read or waiting and its reply not yet taken by the client, with grpc's
+        serialized copy of it (a float64 partial sum is twice its float32 request:
+        REPLY_SIZES), and the working copies of the requests in compute. (A Record stream also holds its record: 2 x `max_records`
         records at worst.)"""
         records = 2 * self.max_records  # the open pool and the reserved one
-        per_call = 1 + REPLY_SIZES
+        per_call = 1 + 2 * REPLY_SIZES  # its request; its reply and grpc's serialized copy
         return (
             (self.max_calls + self.max_streams) * per_call + records + WORK_COPIES * self.max_active
         )
@@ -248,6 +246,7 @@ class Open:
     # for its next message, or for it to take a reply
     evicted: threading.Event = field(default_factory=threading.Event)
     cancel: Callable[[], object] | None = None  # ends the call while a reply waits (`sending`)
+    wake: threading.Event | None = None  # ends its wait for a message (`read`)
 
 
 class Guard:
@@ -334,6 +333,8 @@ class Guard:
             self.open[pool] -= 1
         self.evictions += 1
         victim.evicted.set()
+        if victim.wake is not None:  # waiting for its next message: its read ends
+            victim.wake.set()
         if victim.cancel is not None:  # waiting for its client to take a reply: end it
             victim.cancel()
 
@@ -447,35 +448,33 @@ class Guard:
         idle_timeout_s), Refused (RESOURCE_EXHAUSTED) when `handle` is evicted meanwhile for
         a newcomer: the caller aborts the call, which ends the helper's read."""
         wait = self.limits.idle_timeout_s if timeout_s is None else timeout_s
+        wake = threading.Event()  # the message came, or the call was evicted
         pending = self.readers.submit(next, requests, None)
+        pending.add_done_callback(lambda _: wake.set())
         if handle is not None:
             with self.lock:
-                handle.reading_since = time.monotonic()
+                handle.reading_since, handle.wake = time.monotonic(), wake
+                if handle.evicted.is_set():
+                    wake.set()
         try:
-            deadline = time.monotonic() + wait
-            while not pending.done():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise Refused(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"no message for {wait:g} s: idle call ended (--idle-timeout)",
-                    )
-                if handle is not None and handle.evicted.is_set():
-                    raise Refused(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        "evicted: this idle call was ended to make room for another client's",
-                    )
-                try:
-                    return pending.result(min(left, EVICT_POLL_S if handle else left))
-                except FutureTimeout:
-                    continue
-            return pending.result()
+            wake.wait(wait)
+            if pending.done():
+                return pending.result()
+            if handle is not None and handle.evicted.is_set():
+                raise Refused(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    "evicted: this idle call was ended to make room for another client's",
+                )
+            raise Refused(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no message for {wait:g} s: idle call ended (--idle-timeout)",
+            )
         except grpc.RpcError:  # cancelled by the client
             return None
         finally:
             if handle is not None:
                 with self.lock:
-                    handle.reading_since = math.inf
+                    handle.reading_since, handle.wake = math.inf, None
 
     @contextmanager
     def sending(self, cancel: Callable[[], object], handle: Open | None = None):

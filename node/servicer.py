@@ -292,6 +292,7 @@ class ExpertNodeServicer:
                         request = self._parse_forward(client, raw)
                         reply = self._forward(request, handle.flow)
                     self._credit(client, reply)
+                    del raw, request  # a reply the client does not take holds only itself
                     with self.guard.sending(lambda: self._stalled(client, context), handle):
                         yield reply
                     if self.lie is not None and self.lie.mode == "duplicate":

@@ -77,7 +77,7 @@ def written(path, receipt: pb.Receipt, timeout: float = 10.0) -> int:
     order: the ones before it are there too)."""
     entry = base64.b64encode(receipt.SerializeToString(deterministic=True))
     deadline = time.monotonic() + timeout
-    while entry not in path.read_bytes():
+    while not path.exists() or entry not in path.read_bytes():  # (made on the first write)
         assert time.monotonic() < deadline, "the receipt never reached the node's ledger"
         time.sleep(0.05)
     return path.stat().st_size

@@ -471,9 +471,10 @@ def test_node_flags_default_to_the_limits_defaults_and_size_the_server():
     assert (args.rate, args.idle_timeout) == (want.rate, want.idle_timeout_s)
     # the threads hold every call and stream the caps admit and still leave spares for health
     assert want.workers() > want.max_calls + want.max_streams + want.max_watches
-    sized = want.resolve(budget=64 << 30, row_bytes=4 * 2048 + 8 * 8, moe_layers=48)
+    budget = 4 * want.messages_held() * (64 << 20) + (1 << 30)  # the budget the ceiling needs
+    sized = want.resolve(budget=budget, row_bytes=4 * 2048 + 8 * 8, moe_layers=48)
     assert sized.max_request_bytes == 64 << 20  # the ceiling: a quarter of grpc's limit
-    assert sized.request_memory() <= (64 << 30) // 4
+    assert sized.request_memory() <= budget // 4
     small = want.resolve(budget=1 << 20, row_bytes=4 * H + 16, moe_layers=3)
     assert small.max_request_bytes == 8 << 20  # the floor
     assert small.max_rows == (8 << 20) // (4 * H + 16)
