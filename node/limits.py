@@ -75,16 +75,23 @@ CREDIT_CAP = 2 << 30  # record bytes of credit a client may hold (see `Guard.cre
 # 1.5 TB model that way takes one client ~6.5 hours: 1/30 to 1/100 of an NVMe's 2-7 GB/s, so a
 # stranger cannot turn the node's disk and network into a mirror that starves its Forwards.
 RECORD_RATE = 64 * MiB
-CHUNK_ROWS = 128  # rows of one compute turn (see the module docstring)
+CHUNK_ROWS = 32  # rows of one compute turn (see the module docstring)
 EVICT_IDLE_S = 0.5  # a call waiting this long for its next message may be ended for a newcomer
+# A call refused for asking too much keeps its place this long before it hears so: a client's
+# refusals then come at most (its open calls) / TARPIT_S a second, and all clients' at most
+# (the pools' sizes) / TARPIT_S, however many keys they have; refusing at full speed cost a
+# node 62% of a core for 2,200 refused Settles a second. The place can be taken meanwhile
+# by a newcomer, as an idle one can.
+TARPIT_S = 0.25
 
 
 class Refused(Exception):
-    """A call the limits refuse: the gRPC status code and a message for the client."""
+    """A call the limits refuse: the gRPC status code and a message for the client. `slow`:
+    for asking too much (a rate, a full queue): answered only after TARPIT_S (`Guard.admit`)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, slow: bool = False):
         super().__init__(message)
-        self.code = code
+        self.code, self.slow = code, slow
 
 
 @dataclass(frozen=True)
@@ -158,8 +165,8 @@ class Limits:
         """Request sizes in memory at worst: per unary call and stream (Forward or Record) a
         message being read or waiting and its reply not yet taken by the client, with grpc's
         serialized copy of it (a float64 partial sum is twice its float32 request:
-        REPLY_SIZES), and the working copies of the requests in compute. (A Record stream also holds its record: 2 x `max_records`
-        records at worst.)"""
+        REPLY_SIZES), and the working copies of the requests in compute. (A Record stream
+        also holds its record: 2 x `max_records` records at worst.)"""
         records = 2 * self.max_records  # the open pool and the reserved one
         per_call = 1 + 2 * REPLY_SIZES  # its request; its reply and grpc's serialized copy
         return (
@@ -304,11 +311,27 @@ class Guard:
             self.opens.add(handle)
         try:
             yield handle
+        except Refused as exc:
+            if exc.slow:
+                self._tarpit(handle)
+            raise
         finally:
             with self.lock:
                 if handle in self.opens:  # (an evicted one was counted out when evicted)
                     self.opens.discard(handle)
                     self._count(record, pool, -1)
+
+    def _tarpit(self, handle: Open) -> None:
+        """Hold `handle`'s place TARPIT_S before its refusal is sent (see TARPIT_S), evictable
+        as an idle call is, and ended at once if evicted."""
+        wake = threading.Event()
+        with self.lock:
+            if handle.evicted.is_set():
+                return
+            handle.reading_since, handle.wake = time.monotonic() - EVICT_IDLE_S, wake
+        wake.wait(TARPIT_S)
+        with self.lock:
+            handle.reading_since, handle.wake = math.inf, None
 
     def _evict_for(self, newcomer: Flow, pool: str, cap: int, kind: str) -> None:
         """The pool is full (under self.lock): end the longest-idle call of the client holding
@@ -374,12 +397,14 @@ class Guard:
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"client {_show(client)} is over its rate of {self.limits.rate:g} calls/s "
                     f"(--rate)",
+                    slow=True,
                 )
             if not record.rows.take(rows, now):
                 raise Refused(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"client {_show(client)} is over its rate of {self.limits.rate_rows:g} "
                     f"rows/s (--rate-rows)",
+                    slow=True,
                 )
             record.calls.take(calls, now)
 
@@ -413,6 +438,7 @@ class Guard:
                     f"client {_show(client)} is over its rate of "
                     f"{fmt_bytes(self.limits.record_rate)}/s of record bytes (--record-rate-mb): "
                     f"this record in {wait_s:.2g} s",
+                    slow=True,
                 )
             bucket.tokens -= nbytes
 
@@ -557,7 +583,7 @@ def _refusing(hold):
         with hold:
             yield
     except Busy as exc:
-        raise Refused(Busy.code, str(exc)) from None
+        raise Refused(Busy.code, str(exc), slow=True) from None
 
 
 def _show(client: str) -> str:

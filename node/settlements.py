@@ -99,6 +99,7 @@ class Settlements:
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"over this node's rate of {self.rate:g} Settle calls/s per client "
                     f"(in bursts of {self.burst:g})",
+                    slow=True,
                 )
 
     def admit(self, session: bytes, client: str, settlement: bytes) -> None:

@@ -142,6 +142,7 @@ class Honest:
 def node_attack_rows(model_dir: Path, tmp: Path, tokens: int = 32, rounds: int = 3):
     """Each of ATTACKS against a real node (see the module docstring): a list of AttackRow."""
     model = ModelDir(model_dir)
+    tmp.mkdir(parents=True, exist_ok=True)
     honest_cores, node_cores = split_cores()
     pin = ["taskset", "-c", ",".join(map(str, sorted(node_cores)))]
     procs = NodeProcs(tmp)
@@ -231,6 +232,7 @@ def soak(model_dir: Path, tmp: Path, seconds: float, every: float, tokens: int) 
     coordinator keeps generating; prints the node's RSS, ledger and log and the honest
     tokens/s every `every` seconds (growth without bound shows as a climbing column)."""
     model = ModelDir(model_dir)
+    tmp.mkdir(parents=True, exist_ok=True)
     honest_cores, node_cores = split_cores()
     pin = ["taskset", "-c", ",".join(map(str, sorted(node_cores)))]
     procs = NodeProcs(tmp)

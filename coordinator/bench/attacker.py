@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import os
 import queue
 import sys
@@ -120,8 +121,12 @@ def main(argv=None) -> int:
             thread.start()
     else:  # big
         for i in range(args.concurrency):
-            stub = stubs[i % len(stubs)]
-            thread = threading.Thread(target=_loop, args=(stub, request, counts, uplink))
+            # serialized once: the attacker's CPU (on a shared test machine) goes to sending
+            forward = channels[i % len(channels)].unary_unary(
+                "/moeshard.v1.ExpertNode/Forward", None, None
+            )  # (replies left as bytes)
+            payload = request.SerializeToString()
+            thread = threading.Thread(target=_loop, args=(forward, payload, counts, uplink))
             thread.daemon = True
             thread.start()
     print(f"attacking {args.mode}: {args.keys} keys, {rows} rows", flush=True)
@@ -155,8 +160,11 @@ def _endless(request, counts: Counts, uplink: Uplink):
 
 
 def _settle(stub, key, node_id: str, model_id: str, counts: Counts) -> None:
-    while True:
-        settlement = make_settlement(key, os.urandom(16), node_id, model_id, 1, Totals())
+    # signed beforehand: the attacker's own CPU (on a shared test machine) goes to sending
+    signed = [
+        make_settlement(key, os.urandom(16), node_id, model_id, 1, Totals()) for _ in range(256)
+    ]
+    for settlement in itertools.cycle(signed):
         try:
             reply = stub.Settle(settlement, timeout=10)
             counts.add("accepted" if reply.accepted else "refused")
@@ -164,12 +172,11 @@ def _settle(stub, key, node_id: str, model_id: str, counts: Counts) -> None:
             counts.add(exc.code().name)
 
 
-def _loop(stub, request, counts: Counts, uplink: Uplink) -> None:
-    size = request.ByteSize()
+def _loop(forward, payload: bytes, counts: Counts, uplink: Uplink) -> None:
     while True:
-        uplink.send(size)
+        uplink.send(len(payload))
         try:
-            stub.Forward(request, timeout=30)
+            forward(payload, timeout=30)
             counts.add("ok")
         except grpc.RpcError as exc:
             counts.add(exc.code().name)
