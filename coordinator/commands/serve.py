@@ -41,9 +41,9 @@ def add_serve(sub) -> None:
     p.add_argument(
         "--max-connections",
         type=int,
-        default=1024,
-        help="client connections open at most: over it, the oldest still sending its request "
-        "is closed (lowered to what the descriptor limit allows)",
+        default=8192,
+        help="client connections open at most (~5 KiB each): over it, the oldest still sending "
+        "its request is closed (lowered to what the descriptor limit allows)",
     )
     p.add_argument(
         "--header-timeout",
@@ -118,7 +118,7 @@ def cmd_serve(args) -> int:
         raise MoeshardError("serve needs uvicorn and starlette (pip install moeshard)") from None
     from coordinator.runtime import load_tokenizer
     from coordinator.serve.app import ServerState, create_app
-    from coordinator.serve.connections import guarded_protocol
+    from coordinator.serve.connections import BACKLOG, guarded_protocol
     from coordinator.serve.engine import Engine
     from coordinator.serve.engine_process import EngineProcess
     from moe.model.model_dir import ModelDir
@@ -170,7 +170,7 @@ def cmd_serve(args) -> int:
     try:
         uvicorn.run(
             create_app(state), host=args.host, port=args.port, log_level="warning",
-            http=guarded_protocol(guard),
+            http=guarded_protocol(guard), backlog=BACKLOG,
         )  # fmt: skip
     finally:
         engine.close()
