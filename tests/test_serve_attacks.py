@@ -293,3 +293,14 @@ def test_a_node_name_cannot_write_lines_into_metrics(demo):
             assert latency == [(("node", evil),)], latency
     finally:
         node.stop()
+
+
+def test_the_http_attack_bench_makes_its_rows(demo):
+    """`http_attack_rows` (what `moeshard bench attack` calls), two attacks, a second each:
+    a row per attack, met goals, and the attackers' answers in the notes."""
+    from coordinator.bench.attack_http import http_attack_rows
+
+    rows = http_attack_rows(demo, 1.0, ("nested-json", "unauthenticated-scrape"))
+    assert [r.metric for r in rows] == ["p99 s", "p99 s"]
+    assert all(r.passed and r.same_output and r.peak_rss_mb > 0 for r in rows), rows
+    assert "answers 400 x" in rows[0].notes[0] and "answers 401 x" in rows[1].notes[0], rows

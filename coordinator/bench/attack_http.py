@@ -39,7 +39,7 @@ from moe.errors import MoeshardError
 KEY = "sk-bench-attack"
 PROMPT = "The function returns"
 TIMEOUT = 30.0  # seconds an honest request may take before it counts as failed
-GOAL = "p99 < 1 s during, answers afterwards, same text"
+GOAL = "p99 < 1 s during, answers afterwards, same text, the attack refused (4xx)"
 BIG_PROMPT_BYTES = 3_900_000  # the issue's 3.9 MB prompts
 NESTING = 100_000  # depth of the nested-JSON attack's bodies
 SOCKETS_PER_PROCESS = 12_000  # slowloris connections one attacker process holds at most
@@ -149,13 +149,14 @@ def _one_attack(server, attack: str, seconds, want, before, connections) -> Atta
         if proc.is_alive():
             proc.kill()
     seen = _merged(reports)
+    refused = all(r.get("refused", True) for r in reports)
     log_growth = server.log_size() - log0
     after_text, after_s = server.normal(timeout=10)
     answered_after = after_text is not None
     same = answered_after and after_text == want and all(t == want for t in during["texts"])
     p99 = during["p99"]
     notes = [
-        f"attacker: {seen}",
+        f"attacker: {seen}" + ("" if refused else " -- NOT REFUSED AS IT SHOULD BE"),
         f"honest: {during['n']} requests during ({during['failed']} failed), "
         f"{before['n']} before; p50 {before['p50']:.3f} -> {during['p50']:.3f} s; "
         f"answered afterwards in {after_s:.3f} s"
@@ -172,7 +173,7 @@ def _one_attack(server, attack: str, seconds, want, before, connections) -> Atta
         peak_rss_mb=peak["rss"] / 2**20,
         rss_bound_mb=0.0,
         same_output=same,
-        passed=p99 < 1.0 and answered_after and same,
+        passed=p99 < 1.0 and answered_after and same and refused,
         goal=GOAL,
         notes=notes,
     )
@@ -361,8 +362,9 @@ def _raise_fd_limit() -> None:
 # -- the attackers (each in a child process; `report` gets one dict when `stop` is set) -------
 
 
-def _posting(port: int, stop, report, body: bytes, what: str) -> None:
-    """3 threads posting `body` back to back; reports the answers' statuses."""
+def _posting(port: int, stop, report, body: bytes, what: str, want: set[int]) -> None:
+    """3 threads posting `body` back to back; reports the answers' statuses (`refused`: all
+    of them in `want`)."""
     statuses: dict[int, int] = {}
     lock = threading.Lock()
 
@@ -386,7 +388,8 @@ def _posting(port: int, stop, report, body: bytes, what: str) -> None:
     for t in threads:
         t.join()
     sent = sum(statuses.values())
-    report.put({"note": f"{sent} {what} sent; answers {_statuses(statuses)}"})
+    note = f"{sent} {what} sent; answers {_statuses(statuses)}"
+    report.put({"note": note, "refused": set(statuses) <= want})
 
 
 def _statuses(statuses: dict[int, int]) -> str:
@@ -396,12 +399,12 @@ def _statuses(statuses: dict[int, int]) -> str:
 def big_prompts(port: int, stop, report) -> None:
     words = "word " * (BIG_PROMPT_BYTES // 5)
     body = json.dumps({"prompt": words, "max_tokens": 8}).encode()
-    _posting(port, stop, report, body, f"prompts of {len(body) / 1e6:.1f} MB")
+    _posting(port, stop, report, body, f"prompts of {len(body) / 1e6:.1f} MB", {400, 413})
 
 
 def nested_json(port: int, stop, report) -> None:
     body = b'{"prompt": ' + b"[" * NESTING + b"]" * NESTING + b"}"
-    _posting(port, stop, report, body, f"bodies nested {NESTING:,} deep")
+    _posting(port, stop, report, body, f"bodies nested {NESTING:,} deep", {400})
 
 
 def scrape(port: int, stop, report) -> None:
@@ -421,8 +424,8 @@ def scrape(port: int, stop, report) -> None:
         t.start()
     for t in threads:
         t.join()
-    leak = " (LEAKED: answered without the key)" if statuses.get(200) else ""
-    report.put({"note": f"{sum(statuses.values())} scrapes; answers {_statuses(statuses)}{leak}"})
+    note = f"{sum(statuses.values())} scrapes; answers {_statuses(statuses)}"
+    report.put({"note": note, "refused": set(statuses) <= {401}})
 
 
 def slowloris(port: int, stop, report, connections: int) -> None:
