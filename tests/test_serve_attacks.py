@@ -86,9 +86,19 @@ def test_half_open_connections_are_closed_and_requests_answered_meanwhile(server
     """Slowloris: 3 x CAP connections, half of them sending half a request's headers.  The
     server keeps at most CAP open (the oldest still-unsent ones closed for newer ones),
     answers a normal request at once while they are held, and closes every one of them
-    within the header timeout (the original server never closed one)."""
+    within the header timeout (the original server never closed one).  A client's connection
+    kept open after an answer is not among those closed."""
     want, _ = normal(server)
     port, held = port_of(server), []
+    kept = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 8, "temperature": 0}).encode()
+
+    def on_kept() -> str:
+        kept.request("POST", "/v1/completions", body, {"Authorization": f"Bearer {KEY}"})
+        return json.loads(kept.getresponse().read())["choices"][0]["text"]
+
+    assert on_kept() == want
+    kept_port = kept.sock.getsockname()[1]
     try:
         for i in range(3 * CAP):
             s = socket.create_connection(("127.0.0.1", port), timeout=5)
@@ -97,6 +107,7 @@ def test_half_open_connections_are_closed_and_requests_answered_meanwhile(server
             held.append(s)
         text, seconds = normal(server)
         assert text == want and seconds < 2.0, seconds
+        assert on_kept() == want and kept.sock.getsockname()[1] == kept_port  # the same one
         gauge = metrics(server, KEY)["moeshard_http_connections", ()]
         assert gauge <= CAP, gauge
         time.sleep(0.3)  # (trickle one more byte on the newest: still within the deadline)
@@ -107,6 +118,7 @@ def test_half_open_connections_are_closed_and_requests_answered_meanwhile(server
             what="every half-open connection closed by the server",
         )  # fmt: skip
     finally:
+        kept.close()
         for s in held:
             s.close()
     values = metrics(server, KEY)

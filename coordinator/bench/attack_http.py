@@ -1,9 +1,11 @@
 """`moeshard serve` under the HTTP attacks of issue 34, one `AttackRow` each.
 
 A real server (`moeshard serve MODEL --api-key ...`) on a loopback port; an honest client
-sends a normal request (8 greedy tokens, a fresh connection each) back to back for `seconds`
-without an attack, then for `seconds` during each attack, and after it once more.  Per row:
-the honest request's p99 latency before and during, the server process's peak RSS during the
+sends a normal request (8 greedy tokens) back to back for `seconds` without an attack, then
+for `seconds` during each attack, and after it once more, by turns on a new connection and
+on one kept open (as a client with a connection pool does).  Per row: the honest request's
+p99 latency on a new connection (the harder case) before and during (a kept connection's in
+the notes), the server process's peak RSS during the
 attack (sampled from /proc), whether every honest answer was the unattacked text, whether the
 server answered afterwards, and what the attack saw (answers, connections closed, the
 server's log growth).  The goal per row: p99 < 1 s during the attack, an answer afterwards,
@@ -157,11 +159,12 @@ def _one_attack(server, attack: str, seconds, want, before, connections) -> Atta
     p99 = during["p99"]
     notes = [
         f"attacker: {seen}" + ("" if refused else " -- NOT REFUSED AS IT SHOULD BE"),
-        f"honest: {during['n']} requests during ({during['failed']} failed), "
-        f"{before['n']} before; p50 {before['p50']:.3f} -> {during['p50']:.3f} s; "
-        f"answered afterwards in {after_s:.3f} s"
-        if answered_after
-        else "no answer afterwards",
+        f"honest, a new connection each: {during['n']} requests during ({during['failed']} "
+        f"failed), {before['n']} before; p50 {before['p50']:.3f} -> {during['p50']:.3f} s",
+        f"honest, a kept connection: {during['kept_n']} requests during ({during['kept_failed']} "
+        f"failed); p50 {before['kept_p50']:.3f} -> {during['kept_p50']:.3f} s, p99 "
+        f"{before['kept_p99']:.3f} -> {during['kept_p99']:.3f} s",
+        f"answered afterwards in {after_s:.3f} s" if answered_after else "no answer afterwards",
         f"server: log grew {log_growth:,} bytes during the attack; peak open descriptors "
         f"{peak['fds']:,}",
     ]
@@ -197,6 +200,7 @@ class Server:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
+        self.kept: http.client.HTTPConnection | None = None  # the honest client's kept one
         self.log = tempfile.NamedTemporaryFile("w+", prefix="moeshard-serve-", suffix=".log")
         env, cwd = dict(os.environ), None
         if server_src:
@@ -220,6 +224,8 @@ class Server:
         raise MoeshardError("the server did not answer /health within 300 s")
 
     def __exit__(self, *exc) -> None:
+        if self.kept is not None:
+            self.kept.close()
         self.proc.terminate()
         try:
             self.proc.wait(timeout=30)
@@ -231,37 +237,56 @@ class Server:
     def log_size(self) -> int:
         return os.fstat(self.log.fileno()).st_size
 
-    def normal(self, timeout: float = TIMEOUT) -> tuple[str | None, float]:
-        """A normal request: its text (None: no answer) and seconds."""
+    def normal(self, timeout: float = TIMEOUT, keep: bool = False) -> tuple[str | None, float]:
+        """A normal request: its text (None: no answer) and seconds; on a new connection, or
+        (`keep`) on the one kept open from the last such request, as a client with a
+        connection pool sends it (a new one if there is none or it failed)."""
         body = json.dumps({"prompt": PROMPT, "max_tokens": 8, "temperature": 0}).encode()
         t0 = time.perf_counter()
+        conn = self.kept if keep and self.kept is not None else None
+        self.kept = None
         try:
-            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-            try:
-                conn.request("POST", "/v1/completions", body, _headers(KEY))
-                r = conn.getresponse()
-                answer = json.loads(r.read())
-            finally:
-                conn.close()
+            conn = conn or http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+            conn.request("POST", "/v1/completions", body, _headers(KEY))
+            r = conn.getresponse()
+            answer = json.loads(r.read())
             text = answer["choices"][0]["text"] if r.status == 200 else None
+            if keep and text is not None:
+                self.kept, conn = conn, None
         except (OSError, ValueError, KeyError, http.client.HTTPException):
             text = None
+        finally:
+            if conn is not None:
+                conn.close()
         return text, time.perf_counter() - t0
 
     def honest_for(self, seconds: float) -> dict:
-        """Normal requests back to back for `seconds`: their texts and latency percentiles
-        (a failed one counts as TIMEOUT seconds)."""
-        texts, times, failed = [], [], 0
+        """Normal requests back to back for `seconds` from two honest clients at once, one on
+        a new connection each time, one on a kept one (taking turns, a kept connection would
+        idle past the server's keep-alive timeout while the other waits): their texts, and
+        latency percentiles of each (a failed request counts as TIMEOUT seconds)."""
+        texts, times, failed = [], {False: [], True: []}, {False: 0, True: 0}
         end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            text, took = self.normal()
-            if text is None:
-                failed, took = failed + 1, max(took, TIMEOUT)
-            texts.append(text)
-            times.append(took)
-        times.sort()
-        return {"texts": texts, "n": len(times), "failed": failed, "p50": _pct(times, 50),
-                "p99": _pct(times, 99)}  # fmt: skip
+
+        def client(keep: bool) -> None:
+            while time.monotonic() < end:
+                text, took = self.normal(keep=keep)
+                if text is None:
+                    failed[keep], took = failed[keep] + 1, max(took, TIMEOUT)
+                texts.append(text)
+                times[keep].append(took)
+
+        threads = [threading.Thread(target=client, args=(keep,)) for keep in (False, True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for kind in times.values():
+            kind.sort()
+        new, kept = times[False], times[True]
+        return {"texts": texts, "n": len(new), "failed": failed[False], "p50": _pct(new, 50),
+                "p99": _pct(new, 99), "kept_n": len(kept), "kept_failed": failed[True],
+                "kept_p50": _pct(kept, 50), "kept_p99": _pct(kept, 99)}  # fmt: skip
 
     def sampler(self):
         """A context in which the server process's RSS and open descriptors are sampled

@@ -113,12 +113,13 @@ def open_runtime_in_child(args):
 
 def cmd_serve(args) -> int:
     try:
-        import uvicorn
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
     except ImportError:
         raise MoeshardError("serve needs uvicorn and starlette (pip install moeshard)") from None
     from coordinator.runtime import load_tokenizer
     from coordinator.serve.app import ServerState, create_app
-    from coordinator.serve.connections import BACKLOG, guarded_protocol
+    from coordinator.serve.connections import serve_http
     from coordinator.serve.engine import Engine
     from coordinator.serve.engine_process import EngineProcess
     from moe.model.model_dir import ModelDir
@@ -168,10 +169,7 @@ def cmd_serve(args) -> int:
         flush=True,
     )
     try:
-        uvicorn.run(
-            create_app(state), host=args.host, port=args.port, log_level="warning",
-            http=guarded_protocol(guard), backlog=BACKLOG,
-        )  # fmt: skip
+        serve_http(create_app(state), args.host, args.port, guard)
     finally:
         engine.close()
         close()

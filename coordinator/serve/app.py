@@ -770,7 +770,7 @@ def prometheus_text(state: ServerState) -> str:
     metric("moeshard_batch_size", "gauge", "sequences running now", e.running())
     guard = state.guard
     if guard is not None:
-        metric("moeshard_http_connections", "gauge", "client connections open", len(guard.open))
+        metric("moeshard_http_connections", "gauge", "client connections open", guard.count())
         metric("moeshard_http_connections_timed_out_total", "counter",
                "connections closed for not sending a request's headers or body in time",
                guard.timed_out)  # fmt: skip

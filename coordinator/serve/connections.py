@@ -12,10 +12,12 @@ ran out of file descriptors.  So the server runs a subclass of uvicorn's `H11Pro
     a connection that misses one is closed;
   * a cap on open connections (`max_connections`): a new connection over the cap closes the
     oldest one still reading a request (half-open, idle keep-alive, or a body still coming:
-    cheap for an honest owner to send again), or, when every connection has its request in
-    and is being answered, is itself closed at once.  An honest client sends its request at
-    once and is never the oldest still reading; an attacker holding connections open keeps
-    losing them.
+    cheap for an honest owner to send again; one that has never had an answer first), or,
+    when every connection has its request in and is being answered, is itself closed at once.
+    An honest client sends its request at once and is never the oldest still reading; an
+    attacker holding connections open keeps losing them.  Beyond the cap, an attacker that
+    reconnects at once keeps the listen queue full, and new connections (honest ones too)
+    wait for it; connections kept open from an earlier answer are closed last.
 
 `AcceptErrors` bounds what running out of descriptors writes to the log: asyncio logs every
 failed accept() with its traceback, up to the listen backlog (2048) per loop pass (the
@@ -36,10 +38,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 log = logging.getLogger(__name__)
 
 FD_RESERVE = 256  # descriptors kept for everything but client connections (engine, model, nodes)
-# The listen backlog, and so (asyncio) the connections accepted in one pass of the event loop:
-# over the cap, a few passes' worth are open beyond it before the oldest are closed (measured:
-# 6,000 beyond 8,192 with uvicorn's 2,048; a flood of reconnections fills the queue anyway).
-BACKLOG = 1024
+# asyncio accepts up to `backlog` connections in one pass of its loop, and listens with the
+# same number: uvicorn's 2,048 made passes of ~100 ms under a flood of reconnections (every
+# request waited several of them) and held 6,000 connections beyond a cap of 8,192 before
+# closing the oldest.  So a pass accepts ACCEPTS_PER_PASS, and the kernel queues LISTEN_QUEUE.
+ACCEPTS_PER_PASS = 16
+LISTEN_QUEUE = 1024
 
 
 @dataclass
@@ -49,15 +53,25 @@ class ConnectionGuard:
     max_connections: int = 8192  # open client connections at most (~4.6 KiB each, measured)
     header_timeout: float = 10.0  # seconds to send a request's headers
     body_timeout: float = 30.0  # seconds to send a request's body, once its headers are in
-    open: dict = field(default_factory=dict)  # protocol -> None, oldest first
+    open: dict = field(default_factory=dict)  # protocol -> None, oldest first: none answered yet
+    served: dict = field(default_factory=dict)  # ... those that have had an answer (keep-alive)
     timed_out: int = 0  # connections closed for missing a deadline
     evicted: int = 0  # connections still reading a request closed to admit a newer one
     refused: int = 0  # new connections closed at once: every open one was busy
 
+    def count(self) -> int:
+        return len(self.open) + len(self.served)
+
     def admit(self, proto: GuardedH11) -> bool:
-        """Register a new connection; False if it must be closed (the cap, nobody to evict)."""
-        if len(self.open) >= self.max_connections:
+        """Register a new connection; False if it must be closed (the cap, nobody to evict).
+
+        The one closed for it is the oldest still reading a request among those never
+        answered, else among the rest: a client that has had an answer on its connection
+        and keeps it open (the OpenAI client does) keeps it through a flood of new ones."""
+        if self.count() >= self.max_connections:
             oldest = next((p for p in self.open if p.reading()), None)
+            if oldest is None:
+                oldest = next((p for p in self.served if p.reading()), None)
             if oldest is None:
                 self.refused += 1
                 return False
@@ -67,8 +81,14 @@ class ConnectionGuard:
         self.open[proto] = None
         return True
 
+    def answered(self, proto: GuardedH11) -> None:
+        """`proto` has had a response: it moves to the ones closed last at the cap."""
+        if self.open.pop(proto, 0) is None:
+            self.served[proto] = None
+
     def drop(self, proto: GuardedH11) -> None:
         self.open.pop(proto, None)
+        self.served.pop(proto, None)
 
 
 def guarded_protocol(guard: ConnectionGuard) -> type[H11Protocol]:
@@ -97,6 +117,7 @@ class GuardedH11(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self.guard.answered(self)
         self._stop()  # idle until the next request: uvicorn's keep-alive timeout applies
         if self.conn.their_state is not h11.IDLE:  # a pipelined request is under way
             self._watch()
@@ -180,10 +201,10 @@ class AcceptErrors:
 
 def descriptors_for(max_connections: int) -> int:
     """Raise this process's descriptor limit (soft, up to hard) to fit `max_connections`
-    client connections, the accepts in flight beyond them (4 x `BACKLOG`) and `FD_RESERVE`
-    others; the number of connections that fit."""
+    client connections, the accepts in flight beyond them (4 x `ACCEPTS_PER_PASS`) and
+    `FD_RESERVE` others; the number of connections that fit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    reserve = FD_RESERVE + 4 * BACKLOG
+    reserve = FD_RESERVE + 4 * ACCEPTS_PER_PASS
     want = max_connections + reserve
     if soft != resource.RLIM_INFINITY and soft < want:
         target = want if hard == resource.RLIM_INFINITY else min(hard, want)
@@ -195,3 +216,33 @@ def descriptors_for(max_connections: int) -> int:
     if soft == resource.RLIM_INFINITY:
         return max_connections
     return max(1, min(max_connections, soft - reserve))
+
+
+def serve_http(app, host: str, port: int, guard: ConnectionGuard) -> None:
+    """Run `app` under uvicorn, as `uvicorn.run` does, with the guarded protocol and the
+    accept batch and listen queue above (the queue set after asyncio's `listen`)."""
+    import socket
+
+    import uvicorn
+
+    from moe.errors import MoeshardError
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            for server in self.servers:
+                for sock in server.sockets:
+                    with socket.fromfd(sock.fileno(), sock.family, sock.type) as dup:
+                        dup.listen(LISTEN_QUEUE)
+
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", http=guarded_protocol(guard),
+        backlog=ACCEPTS_PER_PASS,
+    )  # fmt: skip
+    server = Server(config)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    if not server.started:
+        raise MoeshardError(f"the HTTP server did not start on {host}:{port} (see above)")
