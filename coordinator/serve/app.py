@@ -309,14 +309,15 @@ def chat_prompt_ids(body: dict, state: ServerState) -> list[int]:
 def parse_body(raw: bytes) -> dict:
     """A request body as a JSON object, or BadRequest (not JSON, not an object, nested deeper
     than MAX_JSON_DEPTH: the parser itself gives up with RecursionError near 1,000)."""
+    deep = BadRequest(f"the request body is nested deeper than {MAX_JSON_DEPTH}")
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise BadRequest("the request body is not JSON") from None
     except RecursionError:
-        body = None
-    if body is None or too_deep(body, MAX_JSON_DEPTH):
-        raise BadRequest(f"the request body is nested deeper than {MAX_JSON_DEPTH}")
+        raise deep from None
+    if too_deep(body, MAX_JSON_DEPTH):
+        raise deep
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return body
