@@ -55,10 +55,11 @@ def serving(demo, *flags: str):
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
+    key = flags[flags.index("--api-key") + 1] if "--api-key" in flags else None
 
     def up() -> bool:
         try:
-            with urllib.request.urlopen(base + "/health", timeout=1) as r:
+            with urllib.request.urlopen(authorised(base + "/health", key), timeout=1) as r:
                 return r.status == 200
         except OSError:
             return proc.poll() is not None  # (died: stop waiting, fail below)
@@ -265,11 +266,16 @@ def test_the_api_key_is_required(server):
         wrong.models.list()
 
 
-def metrics(base: str) -> dict[tuple[str, tuple], float]:
+def authorised(url: str, key: str | None) -> urllib.request.Request:
+    """A GET of `url` with the API key (none: without)."""
+    return urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+
+
+def metrics(base: str, key: str | None = None) -> dict[tuple[str, tuple], float]:
     """/metrics read with Prometheus' own parser (prometheus_client): {(name, labels): value}."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(base + "/metrics") as r:
+    with urllib.request.urlopen(authorised(base + "/metrics", key)) as r:
         assert r.headers["Content-Type"].startswith("text/plain")
         text = r.read().decode()
     return {
@@ -286,18 +292,18 @@ def test_models_health_and_metrics(client, server):
         client.models.retrieve("gpt-4")
 
     def health() -> dict:
-        with urllib.request.urlopen(server + "/health") as r:
+        with urllib.request.urlopen(authorised(server + "/health", KEY)) as r:
             return json.loads(r.read())
 
     wait_until(lambda: health()["running"] == 0, 30, what="the earlier tests' requests to end")
-    before, values0 = health(), metrics(server)
+    before, values0 = health(), metrics(server, KEY)
     assert before["status"] == "ok"
     client.completions.create(model="demo", prompt=PROMPT, max_tokens=3)
     engine, engine0 = health()["engine"], before["engine"]
     assert engine["steps"] - engine0["steps"] == 3  # a request alone: one step per token
     assert engine["batch_rows"] - engine0["batch_rows"] == 3
     assert engine["busy_s"] > engine0["busy_s"]
-    values = metrics(server)
+    values = metrics(server, KEY)
     assert values["moeshard_generated_tokens_total", ()] >= 3
     assert values["moeshard_requests_total", ()] >= 1
     assert ("moeshard_queue_depth", ()) in values and ("moeshard_batch_size_mean", ()) in values

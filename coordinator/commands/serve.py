@@ -33,7 +33,39 @@ def add_serve(sub) -> None:
         help="prompt tokens a step reads at most, so a long prompt does not stall the other "
         "streams for its whole prefill (0: whole prompts)",
     )
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on every route but the chat page (which "
+        "asks for the key): /v1, /health and /metrics",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=8192,
+        help="client connections open at most (~5 KiB each): over it, the oldest still sending "
+        "its request is closed (lowered to what the descriptor limit allows)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds a connection has to send a request's headers (slowloris)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds a request has to send its body once its headers are in",
+    )
+    p.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        metavar="N",
+        help="characters of a prompt (or a chat's messages), checked before tokenizing "
+        "(default: 32 x --context)",
+    )
     p.add_argument("--ram", help="RAM budget: stream experts from SSD (e.g. 8G)")
     p.add_argument(
         "--no-eos",
@@ -81,11 +113,13 @@ def open_runtime_in_child(args):
 
 def cmd_serve(args) -> int:
     try:
-        import uvicorn
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
     except ImportError:
         raise MoeshardError("serve needs uvicorn and starlette (pip install moeshard)") from None
     from coordinator.runtime import load_tokenizer
     from coordinator.serve.app import ServerState, create_app
+    from coordinator.serve.connections import serve_http
     from coordinator.serve.engine import Engine
     from coordinator.serve.engine_process import EngineProcess
     from moe.model.model_dir import ModelDir
@@ -94,6 +128,11 @@ def cmd_serve(args) -> int:
         raise MoeshardError(
             "--max-batch must be >= 1, --max-queue >= 0, --context >= 2, --prefill-chunk >= 0"
         )
+    if args.max_connections < 1 or (args.max_prompt_chars or 0) < 0:
+        raise MoeshardError("--max-connections must be >= 1, --max-prompt-chars >= 0")
+    if not (args.header_timeout > 0 and args.body_timeout > 0):
+        raise MoeshardError("--header-timeout and --body-timeout must be > 0")
+    guard = _connection_guard(args)
     if args.ram and (args.peers or args.discover):
         raise MoeshardError("--ram streams experts from this machine's SSD; not with nodes")
     model = ModelDir(args.model)
@@ -119,19 +158,36 @@ def cmd_serve(args) -> int:
         eos_ids=() if args.no_eos else tuple(eos),
         api_key=args.api_key,
         experts=experts,
+        max_prompt_chars=args.max_prompt_chars or 0,
+        guard=guard,
     )
     print(
         f"serving {state.model_name} on http://{args.host}:{args.port} (OpenAI API at /v1; "
-        f"max batch {args.max_batch}, queue {args.max_queue})",
+        f"max batch {args.max_batch}, queue {args.max_queue}; connections "
+        f"{guard.max_connections}, header timeout {guard.header_timeout:g} s)",
         file=sys.stderr,
         flush=True,
     )
     try:
-        uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="warning")
+        serve_http(create_app(state), args.host, args.port, guard)
     finally:
         engine.close()
         close()
     return EXIT_OK
+
+
+def _connection_guard(args):
+    """The server's connection limits, its descriptor limit raised to fit them (or the cap
+    lowered, with a warning, where the hard limit does not allow it)."""
+    from coordinator.serve.connections import ConnectionGuard, descriptors_for
+
+    fits = descriptors_for(args.max_connections)
+    if fits < args.max_connections:
+        log.warning(
+            "--max-connections %d: the descriptor limit allows %d; using that",
+            args.max_connections, fits,
+        )  # fmt: skip
+    return ConnectionGuard(fits, args.header_timeout, args.body_timeout)
 
 
 def _child_args(args):

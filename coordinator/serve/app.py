@@ -10,8 +10,16 @@ Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``"stream
 server-sent events of chunks, then ``data: [DONE]``), ``GET /v1/models`` (and
 ``/v1/models/{id}``), ``GET /health``, ``GET /metrics`` (Prometheus text), and ``GET /`` a
 chat page (one static file, `page.html`, that streams from the chat endpoint).  With an API
-key every /v1 route wants ``Authorization: Bearer KEY`` (401 otherwise).  A full queue is
-HTTP 429.
+key every route but the page wants ``Authorization: Bearer KEY`` (401 otherwise): /health
+and /metrics too, as in network mode they name the nodes, their addresses and the session.
+The page holds no data and asks for the key itself.  A full queue is HTTP 429.
+
+A stranger's request costs what it is allowed to cost: a body over `max_body` is refused
+before it is read (Content-Length) or while it is (the bytes streamed), JSON nested deeper
+than `MAX_JSON_DEPTH` is a 400, a prompt over `max_prompt_chars` is a 400 before it is
+tokenized, and parsing and tokenizing run on one worker thread, off the event loop, so that
+/health and the streams of other requests keep moving.  Connections are bounded in
+`connections.py`.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import secrets
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +44,12 @@ from moe.errors import MoeshardError
 MAX_TOKENS_DEFAULT = 16  # OpenAI's completions default
 PAGE = Path(__file__).with_name("page.html")  # the chat page at /
 MAX_BODY = 4 << 20  # bytes of a request body (a long chat is well under a megabyte)
+MAX_JSON_DEPTH = 32  # nesting of a request body (OpenAI's bodies nest 4 or 5 deep)
+# A prompt's characters per token of --context, at most: no tokenizer we serve makes a token
+# of more characters outside degenerate text, and the cap bounds the time a prompt costs to
+# tokenize (65,536 characters: ~20 ms for the demo model's tokenizer) before its length in
+# tokens is known.
+PROMPT_CHARS_PER_TOKEN = 32
 SAMPLING_LIMITS = {
     "temperature": (0.0, 2.0),
     "top_p": (0.0, 1.0),
@@ -75,6 +90,12 @@ class ServerState:
     started: float = field(default_factory=time.time)
     metrics: dict[str, float] = field(default_factory=dict)
     experts: Any = None  # the experts backend, for its stats
+    max_prompt_chars: int = 0  # characters of a prompt (or a chat's contents); 0: 32 x context
+    max_body: int = MAX_BODY  # bytes of a request body
+    guard: Any = None  # the connection guard (connections.ConnectionGuard), for /metrics
+
+    def prompt_chars(self) -> int:
+        return self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.context
 
 
 def error_body(message: str, kind: str, param: str | None, code: str | None = None) -> dict:
@@ -246,8 +267,13 @@ def completion_prompt(body: dict, state: ServerState) -> list[int]:
     if isinstance(prompt, str):
         if state.tokenizer is None:
             raise BadRequest("this model has no tokenizer: give the prompt as token ids", "prompt")
+        if len(prompt) > state.prompt_chars():
+            raise BadRequest(f"the prompt is over {state.prompt_chars()} characters", "prompt")
         ids = state.tokenizer.encode(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        if len(prompt) > state.context:
+            raise BadRequest(f"the prompt is over the {state.context} tokens of --context",
+                             "prompt")  # fmt: skip
         ids = list(prompt)
     else:
         raise BadRequest("'prompt' must be a non-empty string or a list of token ids", "prompt")
@@ -271,11 +297,44 @@ def chat_prompt_ids(body: dict, state: ServerState) -> list[int]:
             raise BadRequest("message content must be a string", "messages")
     if state.tokenizer is None:
         raise BadRequest("this model has no tokenizer: use /v1/completions with token ids")
+    if sum(len(m.get("content") or "") for m in messages) > state.prompt_chars():
+        raise BadRequest(f"the messages are over {state.prompt_chars()} characters", "messages")
     try:
         text = chat_prompt(state.model_dir, state.model_type, messages)
     except MoeshardError as exc:
         raise BadRequest(str(exc), "messages") from None
     return state.tokenizer.encode(text)
+
+
+def parse_body(raw: bytes) -> dict:
+    """A request body as a JSON object, or BadRequest (not JSON, not an object, nested deeper
+    than MAX_JSON_DEPTH: the parser itself gives up with RecursionError near 1,000)."""
+    deep = BadRequest(f"the request body is nested deeper than {MAX_JSON_DEPTH}")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadRequest("the request body is not JSON") from None
+    except RecursionError:
+        raise deep from None
+    if too_deep(body, MAX_JSON_DEPTH):
+        raise deep
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
+def too_deep(value: Any, limit: int) -> bool:
+    """Are `value`'s lists and objects nested deeper than `limit`?  (Without recursion.)"""
+    if not isinstance(value, dict | list):
+        return False
+    stack = [(value, 1)]  # (a list or an object, its depth)
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False
 
 
 # -- streaming text out of tokens ------------------------------------------------------------
@@ -362,6 +421,7 @@ def new_id(prefix: str) -> str:
 def create_app(state: ServerState):
     """The Starlette application over `state` (its engine already running)."""
     from starlette.applications import Starlette
+    from starlette.requests import ClientDisconnect
     from starlette.requests import Request as HttpRequest
     from starlette.responses import (
         HTMLResponse,
@@ -381,20 +441,31 @@ def create_app(state: ServerState):
         given = header[7:] if header.lower().startswith("bearer ") else ""
         return secrets.compare_digest(given.encode(), state.api_key.encode())
 
+    # Parsing and tokenizing: one at a time, off the event loop (a big prompt waits its turn
+    # there instead of stopping every other connection).
+    worker = ThreadPoolExecutor(1, thread_name_prefix="serve-parse")
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(worker, fn, *args)
+
     async def body_of(request: HttpRequest) -> dict:
         if not authorised(request):
             raise BadRequest("invalid API key", None, 401, "authentication_error")
+        too_big = BadRequest(f"the request body is over {state.max_body} bytes", None, 413)
+        length = request.headers.get("content-length", "0")
+        if not length.isdigit():
+            raise BadRequest("Content-Length is not a number")
+        if int(length) > state.max_body:  # refused before a byte of it is read
+            raise too_big
         raw = bytearray()
-        async for piece in request.stream():  # read no more than MAX_BODY from a stranger
-            raw += piece
-            if len(raw) > MAX_BODY:
-                raise BadRequest(f"the request body is over {MAX_BODY} bytes", None, 413)
         try:
-            body = json.loads(bytes(raw))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise BadRequest("the request body is not JSON") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
+            async for piece in request.stream():  # (a chunked body declares no length)
+                raw += piece
+                if len(raw) > state.max_body:
+                    raise too_big
+        except ClientDisconnect:  # gone, or closed for sending its body too slowly
+            raise BadRequest("the client went away before its request was read") from None
+        body = await off_loop(parse_body, bytes(raw))
         model = body.get("model")
         if model is not None and model != state.model_name:
             raise BadRequest(f"model {model!r} is not served here ({state.model_name!r} is)",
@@ -510,7 +581,7 @@ def create_app(state: ServerState):
     async def completions(request: HttpRequest):
         try:
             body = await body_of(request)
-            ids = completion_prompt(body, state)
+            ids = await off_loop(completion_prompt, body, state)
             opts, extra = sampling(body, state, len(ids))
             extra["include_usage"] = bool((body.get("stream_options") or {}).get("include_usage"))
         except BadRequest as exc:
@@ -545,7 +616,7 @@ def create_app(state: ServerState):
     async def chat_completions(request: HttpRequest):
         try:
             body = await body_of(request)
-            ids = chat_prompt_ids(body, state)
+            ids = await off_loop(chat_prompt_ids, body, state)
             opts, extra = sampling(body, state, len(ids), chat=True)
             extra["include_usage"] = bool((body.get("stream_options") or {}).get("include_usage"))
         except BadRequest as exc:
@@ -599,7 +670,12 @@ def create_app(state: ServerState):
                                    "is)", "model", 404, "not_found_error"))  # fmt: skip
         return JSONResponse(model_entry())
 
+    def refused() -> JSONResponse:
+        return fail(BadRequest("invalid API key", None, 401, "authentication_error"))
+
     async def health(request: HttpRequest):
+        if not authorised(request):
+            return refused()
         e = state.engine
         stats = state.experts.stats() if state.experts is not None else {}
         body = {"status": "ok", "model": state.model_name, "running": e.running()}
@@ -609,10 +685,16 @@ def create_app(state: ServerState):
                           "finished": dict(st.finished_by)}  # fmt: skip
         return JSONResponse(body)
 
+    page_html = PAGE.read_text(encoding="utf-8")
+
     async def page(request: HttpRequest):
-        return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+        """The static chat page, with or without the key: it holds nothing of the server's
+        and asks for the key when /v1 answers 401."""
+        return HTMLResponse(page_html)
 
     async def metrics(request: HttpRequest):
+        if not authorised(request):
+            return refused()
         return PlainTextResponse(prometheus_text(state), media_type="text/plain; version=0.0.4")
 
     routes = [
@@ -624,7 +706,25 @@ def create_app(state: ServerState):
         Route("/metrics", metrics, methods=["GET"]),
         Route("/", page, methods=["GET"]),
     ]
-    return Starlette(routes=routes)
+    return Starlette(routes=routes, lifespan=lifespan(worker))
+
+
+def lifespan(worker: ThreadPoolExecutor):
+    """The app's lifespan: failed accepts logged at a bounded rate while it runs, the worker
+    thread stopped after."""
+    from contextlib import asynccontextmanager
+
+    from coordinator.serve.connections import AcceptErrors
+
+    @asynccontextmanager
+    async def span(app):
+        asyncio.get_running_loop().set_exception_handler(AcceptErrors())
+        try:
+            yield
+        finally:
+            worker.shutdown(wait=False, cancel_futures=True)
+
+    return span
 
 
 def _jsonable(value):
@@ -633,6 +733,14 @@ def _jsonable(value):
         return json.loads(json.dumps(value, default=str))
     except (TypeError, ValueError):
         return {}
+
+
+def label_value(value: Any) -> str:
+    """`value` as a Prometheus label value: backslash, double quote and line feed escaped,
+    as the text exposition format wants (a node's name is a stranger's text: unescaped, a
+    line feed in it would start a sample line of its own)."""
+    text = str(value)
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def prometheus_text(state: ServerState) -> str:
@@ -653,7 +761,7 @@ def prometheus_text(state: ServerState) -> str:
     why = "eos; length; cancelled: the client left or a stop sequence ended the text; error"
     lines += [f"# HELP {name} requests ended, by why ({why})", f"# TYPE {name} counter"]
     for reason, n in sorted(dict(s.finished_by).items()):
-        lines.append(f'{name}{{reason="{reason}"}} {n}')
+        lines.append(f'{name}{{reason="{label_value(reason)}"}} {n}')
     metric("moeshard_prompt_tokens_total", "counter", "prompt tokens in", s.prompt_tokens)
     metric("moeshard_generated_tokens_total", "counter", "tokens out", s.generated_tokens)
     metric("moeshard_tokens_per_second", "gauge", "tokens out per second of engine work",
@@ -661,6 +769,18 @@ def prometheus_text(state: ServerState) -> str:
     metric("moeshard_uptime_seconds", "gauge", "seconds since start", up)
     metric("moeshard_queue_depth", "gauge", "requests waiting for a slot", e.queue_depth())
     metric("moeshard_batch_size", "gauge", "sequences running now", e.running())
+    guard = state.guard
+    if guard is not None:
+        metric("moeshard_http_connections", "gauge", "client connections open", guard.count())
+        metric("moeshard_http_connections_timed_out_total", "counter",
+               "connections closed for not sending a request's headers or body in time",
+               guard.timed_out)  # fmt: skip
+        metric("moeshard_http_connections_evicted_total", "counter",
+               "connections still reading a request closed at the cap for a newer one",
+               guard.evicted)  # fmt: skip
+        metric("moeshard_http_connections_refused_total", "counter",
+               "connections closed at once: at the cap, every open one being answered",
+               guard.refused)  # fmt: skip
     metric("moeshard_batch_size_mean", "gauge", "sequences per step, mean",
            s.batch_rows / s.steps if s.steps else 0.0)  # fmt: skip
     lines += s.first_token.prometheus(
@@ -690,6 +810,6 @@ def prometheus_text(state: ServerState) -> str:
         lines += [f"# HELP {name} smoothed round trip of a call to the node",
                   f"# TYPE {name} gauge"]  # fmt: skip
     for node in nodes:
-        label = str(node.get("name") or node.get("addr", "?")).replace("\\", "").replace('"', "")
+        label = label_value(node.get("name") or node.get("addr", "?"))
         lines.append(f'{name}{{node="{label}"}} {node.get("mean_ms", node.get("ewma_ms")):g}')
     return "\n".join(lines) + "\n"
