@@ -104,7 +104,9 @@ class Limits:
     max_queue: int = 8  # requests waiting for that; more are refused at once: "node busy"
     queue_wait_s: float = 5.0  # longest wait in the queue (never past the call's deadline)
     # calls, streams and clients
-    max_calls: int = 16  # unary calls (Info, Forward, Prefetch) open at once, each on a thread
+    max_calls: int = 16  # unary Forward calls open at once, each on a thread
+    max_controls: int = 8  # other unary calls (Info, Prefetch, Settle, Challenge) open at once:
+    # apart, so Forwards queued for compute never keep a coordinator from being admitted
     max_streams: int = 32  # ForwardStreams open at once, each on a thread while open
     max_watches: int = 4  # health Watch streams open at once, each on a thread
     per_client: int = 4  # calls + streams one client may have open at once
@@ -145,6 +147,7 @@ class Limits:
             ("--max-inflight", self.max_queue, 0, None),
             ("queue_wait_s", self.queue_wait_s, 0, None),
             ("max_calls", self.max_calls, 1, None),
+            ("max_controls", self.max_controls, 1, None),
             ("--max-streams", self.max_streams, 1, None),
             ("max_watches", self.max_watches, 1, None),
             ("--per-client", self.per_client, 1, None),
@@ -181,6 +184,7 @@ class Limits:
         """Server threads: every call and stream the caps admit, and spares for health."""
         return (
             self.max_calls
+            + self.max_controls
             + self.max_streams
             + 2 * self.max_records  # the open pool and the reserved one
             + self.max_watches
@@ -190,7 +194,8 @@ class Limits:
     def summary(self) -> str:
         return (
             f"requests up to {fmt_bytes(self.max_request_bytes)} and {self.max_rows} rows; "
-            f"{self.max_active} computing + {self.max_queue} queued; {self.max_calls} calls + "
+            f"{self.max_active} computing + {self.max_queue} queued; {self.max_calls} Forward "
+            f"calls + {self.max_controls} other calls + "
             f"{self.max_streams} streams, {self.per_client} per client; {self.max_records} "
             f"record streams, {self.per_client_records} per client; per client {self.rate:g} "
             f"calls/s, {self.rate_rows:g} rows/s and {fmt_bytes(self.record_rate)}/s of records; "
@@ -267,9 +272,10 @@ class Guard:
         self.clients: dict[str, Client] = {}
         self.sweep_at = MAX_CLIENTS  # drop idle client records when there are this many
         # unary calls, ForwardStreams and Record streams: open now, and the most open at once
-        self.open = {"call": 0, "stream": 0, "record": 0, "reserved": 0}
+        self.open = {"call": 0, "control": 0, "stream": 0, "record": 0, "reserved": 0}
         self.caps = {
             "call": limits.max_calls,
+            "control": limits.max_controls,
             "stream": limits.max_streams,
             "record": limits.max_records,
             "reserved": limits.max_records,  # Record streams of clients it computed for lately
@@ -282,7 +288,7 @@ class Guard:
         self.evictions = 0
         # every admitted call and stream has at most one read outstanding: reads never queue
         self.readers = ThreadPoolExecutor(
-            limits.max_calls + limits.max_streams + 2 * limits.max_records,
+            limits.max_calls + limits.max_controls + limits.max_streams + 2 * limits.max_records,
             thread_name_prefix="read",
         )
         self.stalls = Watchdog()  # streams whose client stops taking their replies

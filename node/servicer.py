@@ -203,10 +203,12 @@ class ExpertNodeServicer:
         """A client-streaming handler for the unary `method(request, context)`: authorize and
         admit the call, then read its one message (under the idle timeout) and charge it."""
 
+        kind = "call" if method == self.Forward else "control"  # (see Limits.max_controls)
+
         def call(requests, context):
             with self._refusals(context):
                 client = self._caller(context)
-                with self.guard.admit(client, "call", context.peer()) as handle:
+                with self.guard.admit(client, kind, context.peer()) as handle:
                     request = self.guard.read(requests, handle=handle)
                     if request is None:
                         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "no request message")

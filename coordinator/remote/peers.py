@@ -190,7 +190,7 @@ class PeerSet:
     def admit(self, peer: Peer, timeout: float) -> str:
         """Info call: '' and the peer marked up if it serves this model, else the reason."""
         nonce = os.urandom(16)
-        info = peer.stub.Info(pb.InfoRequest(nonce=nonce), timeout=timeout)  # also connects
+        info = _info(peer, nonce, timeout)  # also connects
         rtt_ms = min(peer.ping_ms(timeout) for _ in range(3))
         forged = check_info(info, nonce)
         if forged:
@@ -376,6 +376,22 @@ class PeerSet:
         self._prober.join(timeout=2)
         for peer in self.peers:
             peer.close()
+
+
+def _info(peer: Peer, nonce: bytes, timeout: float) -> pb.NodeInfo:
+    """The node's Info; "busy" (RESOURCE_EXHAUSTED: others are flooding it) is asked again
+    after a wait that doubles, within `timeout` in all, before it counts as a failure."""
+    deadline = time.monotonic() + timeout
+    wait = BUSY_FIRST_S
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return peer.stub.Info(pb.InfoRequest(nonce=nonce), timeout=max(left, 0.01))
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or left <= wait:
+                raise
+        time.sleep(wait)
+        wait = min(BUSY_MAX_S, 2 * wait)
 
 
 def _reason(exc: Exception) -> str:
