@@ -172,9 +172,8 @@ class Limits:
         also holds its record: 2 x `max_records` records at worst.)"""
         records = 2 * self.max_records  # the open pool and the reserved one
         per_call = 1 + 2 * REPLY_SIZES  # its request; its reply and grpc's serialized copy
-        return (
-            (self.max_calls + self.max_streams) * per_call + records + WORK_COPIES * self.max_active
-        )
+        calls = self.max_calls + self.max_controls + self.max_streams
+        return calls * per_call + records + WORK_COPIES * self.max_active
 
     def request_memory(self) -> int:
         """Bytes requests may hold at once, at worst."""
