@@ -59,7 +59,10 @@ class HFTokenizer:
             raise StoreError(f"{path}: not a tokenizer file: {exc}") from None
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+        # encode_batch, not encode: the same ids, but it lets go of the interpreter lock while
+        # it works (a 3.9 MB prompt held it 2.06 s through encode, 52 ms through this), so
+        # `serve` tokenizing on a worker thread does not stall its event loop
+        return self._tok.encode_batch([text])[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
