@@ -38,6 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sections", default=",".join(SECTIONS), help=f"which, comma-separated: {SECTIONS}"
     )
+    p.add_argument(
+        "--node-attacks",
+        default="idle,big,unread,settle",
+        help="which node attacks, comma-separated (the attacker's modes)",
+    )
     p.add_argument("--http-seconds", type=float, default=10.0, help="each HTTP attack's length")
     p.add_argument("--soak", type=float, default=0.0, help="seconds of all node attacks at once")
     p.add_argument("--every", type=float, default=30.0, help="soak sampling interval (s)")
@@ -59,7 +64,8 @@ def run(args) -> int:
         if "node" in sections:
             from coordinator.bench.attack_nodes import node_attack_rows
 
-            rows += node_attack_rows(model, Path(tmp) / "nodes", args.tokens, args.rounds)
+            modes = [m.strip() for m in args.node_attacks.split(",") if m.strip()]
+            rows += node_attack_rows(model, Path(tmp) / "nodes", args.tokens, args.rounds, modes)
         if "http" in sections:
             from coordinator.bench.attack_http import http_attack_rows
 

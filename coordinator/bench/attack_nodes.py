@@ -139,8 +139,12 @@ class Honest:
         return statistics.median(r[0] for r in runs), runs[-1][1], [r[2] for r in runs]
 
 
-def node_attack_rows(model_dir: Path, tmp: Path, tokens: int = 32, rounds: int = 3):
-    """Each of ATTACKS against a real node (see the module docstring): a list of AttackRow."""
+def node_attack_rows(
+    model_dir: Path, tmp: Path, tokens: int = 32, rounds: int = 3, modes: list[str] | None = None
+):
+    """Each of ATTACKS (those of `modes`, default all) against a real node (see the module
+    docstring): a list of AttackRow."""
+    attacks = [a for a in ATTACKS if modes is None or a.mode in modes]
     model = ModelDir(model_dir)
     tmp.mkdir(parents=True, exist_ok=True)
     honest_cores, node_cores = split_cores()
@@ -157,7 +161,7 @@ def node_attack_rows(model_dir: Path, tmp: Path, tokens: int = 32, rounds: int =
         honest = Honest(model, specs, identity, tokens)
         honest.run()  # warm-up: kernels compiled, pages cached
         files = (tmp / "l.jsonl", launched[0].log)  # the node's ledger and log
-        for attack in ATTACKS:
+        for attack in attacks:
             rows.append(_one(attack, honest, launched, specs, bounds, rounds, pin, files))
     finally:
         procs.close()
