@@ -61,7 +61,6 @@ class _Waiter:
     cost: float
     big: bool
     seq: int
-    tag: float = 0.0  # the key-level start tag
     event: threading.Event = field(default_factory=threading.Event)
     refused: str = ""  # set (with the event) when dropped from a full queue
 

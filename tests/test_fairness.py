@@ -41,6 +41,13 @@ def _held(gate: FairGate, flow: Flow, cost: float):
     return release, thread
 
 
+def _release(release: threading.Event, holder: threading.Thread, threads) -> None:
+    """Let the holder go and wait for every queued request to have had its turn."""
+    release.set()
+    for t in [holder, *threads]:
+        t.join()
+
+
 def test_a_small_client_goes_before_a_greedy_one_s_backlog():
     """A greedy key has three large requests queued behind its own running one; an honest
     key's one-row request, queued last, is let in first (its tag is the virtual time)."""
@@ -53,9 +60,7 @@ def test_a_small_client_goes_before_a_greedy_one_s_backlog():
     wait_until(lambda: len(gate.waiting) == 3, 5, what="the greedy backlog")
     threads.append(_queue(gate, honest, 1, order, errors))
     wait_until(lambda: len(gate.waiting) == 4, 5, what="the honest request to queue")
-    release.set()
-    for t in [holder, *threads]:
-        t.join()
+    _release(release, holder, threads)
     assert order[0] == "honest" and order[1:] == ["greedy"] * 3 and not errors
 
 
@@ -73,9 +78,7 @@ def test_addresses_share_before_keys_do():
     for _ in range(4):
         threads.append(_queue(gate, lone, 100, order, errors))
     wait_until(lambda: len(gate.waiting) == 36, 5, what="every request to queue")
-    release.set()
-    for t in [holder, *threads]:
-        t.join()
+    _release(release, holder, threads)
     first = order[:8]
     assert first.count("lone") == 4, order  # every other turn until it has had its 4
     assert not errors
@@ -92,9 +95,7 @@ def test_a_full_queue_drops_the_largest_flow_s_newest_not_the_newcomer():
     threads.append(_queue(gate, honest, 1, order, errors))
     wait_until(lambda: errors, 5, what="a greedy waiter dropped")
     assert errors[0][0] == "greedy" and "dropped" in errors[0][1]
-    release.set()
-    for t in [holder, *threads]:
-        t.join()
+    _release(release, holder, threads)
     assert order[0] == "honest" and order.count("greedy") == 2
     # a flow with as many waiting as the newcomer would have is not dropped for it
     assert largest_flow([greedy, honest], honest) is None

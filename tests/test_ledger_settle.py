@@ -265,15 +265,20 @@ def receipt(key, model_id: str, session: bytes, request_id: int) -> pb.Receipt:
     return make_receipt(key, model_id, request, b"out", [1], 1, 4096, 1)
 
 
+def node_ledger(tmp_path):
+    """(a node's key, a coordinator's key, a model id, the node's ledger path, its writer)."""
+    node, coordinator = generate(tmp_path / "node.pem"), generate(tmp_path / "coord.pem")
+    path = tmp_path / "node.jsonl"
+    return node, coordinator, "ab" * 32, path, LedgerWriter(path, node, "node")
+
+
 def test_self_signed_receipts_show_as_unsettled_and_nothing_agrees_about_them(tmp_path):
     """A node's ledger: 3 receipts of a session its coordinator settled, then 1,000 receipts
     the node signed for work nobody asked (half in sessions never settled, half appended to the
     settled session after its settlement)."""
     from coordinator.commands.ledger import _table
 
-    node, coordinator = generate(tmp_path / "node.pem"), generate(tmp_path / "coord.pem")
-    model_id, path = "ab" * 32, tmp_path / "node.jsonl"
-    writer = LedgerWriter(path, node, "node")
+    node, coordinator, model_id, path, writer = node_ledger(tmp_path)
     session, totals = os.urandom(16), Totals()
     for i in range(3):
         r = receipt(node, model_id, session, i)
@@ -317,9 +322,7 @@ def test_self_signed_receipts_show_as_unsettled_and_nothing_agrees_about_them(tm
 def test_fakes_before_the_settlement_of_their_session_are_unsettled_and_disagree(tmp_path):
     """A node that slips its own receipts into a settled session, ahead of the settlement:
     the settlement covers only the calls it states, and it disagrees."""
-    node, coordinator = generate(tmp_path / "node.pem"), generate(tmp_path / "coord.pem")
-    model_id, path = "ab" * 32, tmp_path / "node.jsonl"
-    writer = LedgerWriter(path, node, "node")
+    node, coordinator, model_id, path, writer = node_ledger(tmp_path)
     session, totals = os.urandom(16), Totals()
     for i in range(13):
         r = receipt(node, model_id, session, i)

@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import grpc
 import numpy as np
@@ -367,44 +368,57 @@ def test_a_node_of_another_model_fails_and_an_unreachable_one_is_exit_3(
 # -- the coordinator's patrol -----------------------------------------------------------------
 
 
+@contextmanager
+def patrolled(cluster_model, cluster, lie: str, interval_s: float):
+    """A node lying `lie` (a failpoint) beside the cluster, and a coordinator whose patrol
+    challenges every node soon after admission and then every `interval_s`; yields
+    (transformer, remote, the liar's Peer)."""
+    liar = NodeProcess(cluster_model, advertise=False, env={failpoints.ENV: f"lie={lie}"})
+    liar.wait_ready()
+    try:
+        roots = ModelDir(cluster_model).possession_roots()
+        specs = [n.spec for n in cluster] + [liar.spec]
+        transformer, remote = remote_runtime(
+            cluster_model,
+            specs,
+            roots=roots,
+            challenge_first_s=0.3,
+            challenge_interval_s=interval_s,
+        )
+        try:
+            bad = next(p for p in remote.peers.peers if p.node_id == liar.node_id)
+            yield transformer, remote, bad
+        finally:
+            remote.close()
+    finally:
+        liar.stop()
+
+
 def test_the_patrol_disqualifies_a_node_that_cannot_prove_and_keeps_honest_ones(
     cluster_model, cluster, cluster_reference
 ):
     """During a generation the coordinator challenges every node it uses; a node whose proofs
     are forged (failpoint forged_block: its Forward replies are honest) is disqualified, its
     unaudited work recomputed; the honest nodes pass, and the tokens are one machine's."""
-    liar = NodeProcess(cluster_model, advertise=False, env={failpoints.ENV: "lie=forged_block"})
-    liar.wait_ready()
-    try:
-        roots = ModelDir(cluster_model).possession_roots()
-        specs = [n.spec for n in cluster] + [liar.spec]
-        transformer, remote = remote_runtime(
-            cluster_model, specs, roots=roots, challenge_first_s=0.3, challenge_interval_s=0.5
+    with patrolled(cluster_model, cluster, "forged_block", 0.5) as (transformer, remote, bad):
+        opts = decode.SamplingOptions(max_tokens=TOKENS, keep_logits=True)
+        result = decode.generate(transformer, PROMPT, opts, verifier=remote.verifier)
+        honest = [p for p in remote.peers.peers if p is not bad]
+        patrol = remote.trust.patrol.stats
+        wait_until(
+            lambda: bad.disqualified and patrol.passed >= len(honest),
+            timeout=20,
+            what="the liar disqualified and every honest node challenged",
         )
-        try:
-            bad = next(p for p in remote.peers.peers if p.node_id == liar.node_id)
-            opts = decode.SamplingOptions(max_tokens=TOKENS, keep_logits=True)
-            result = decode.generate(transformer, PROMPT, opts, verifier=remote.verifier)
-            honest = [p for p in remote.peers.peers if p is not bad]
-            patrol = remote.trust.patrol.stats
-            wait_until(
-                lambda: bad.disqualified and patrol.passed >= len(honest),
-                timeout=20,
-                what="the liar disqualified and every honest node challenged",
-            )
-            stats = remote.stats()["possession"]
-            assert "possession" in bad.disqualified, stats
-            assert all(not p.disqualified for p in honest), stats
-            assert stats["passed"] >= len(honest) and stats["failed"] >= 1
-            assert result.tokens == cluster_reference.tokens
-            assert all(
-                np.array_equal(a, b)
-                for a, b in zip(result.logits, cluster_reference.logits, strict=True)
-            )
-        finally:
-            remote.close()
-    finally:
-        liar.stop()
+        stats = remote.stats()["possession"]
+        assert "possession" in bad.disqualified, stats
+        assert all(not p.disqualified for p in honest), stats
+        assert stats["passed"] >= len(honest) and stats["failed"] >= 1
+        assert result.tokens == cluster_reference.tokens
+        assert all(
+            np.array_equal(a, b)
+            for a, b in zip(result.logits, cluster_reference.logits, strict=True)
+        )
 
 
 def test_a_late_answer_is_asked_again_and_the_third_disqualifies(
@@ -413,25 +427,12 @@ def test_a_late_answer_is_asked_again_and_the_third_disqualifies(
     """A node whose proofs come past the deadline (failpoint late_proof) is not disqualified for
     one late answer (an honest node can be paused at that moment) but is challenged again soon;
     its LATE_LIMIT-th late answer disqualifies it, and the tokens stay one machine's."""
-    slow = NodeProcess(cluster_model, advertise=False, env={failpoints.ENV: "lie=late_proof:0.6"})
-    slow.wait_ready()
-    try:
-        roots = ModelDir(cluster_model).possession_roots()
-        specs = [n.spec for n in cluster] + [slow.spec]
-        transformer, remote = remote_runtime(
-            cluster_model, specs, roots=roots, challenge_first_s=0.3, challenge_interval_s=60
-        )
-        try:
-            bad = next(p for p in remote.peers.peers if p.node_id == slow.node_id)
-            opts = decode.SamplingOptions(max_tokens=TOKENS)
-            result = decode.generate(transformer, PROMPT, opts, verifier=remote.verifier)
-            patrol = remote.trust.patrol.stats
-            wait_until(lambda: bad.disqualified, timeout=30, what="the late node disqualified")
-            # the first answers were late and asked again sooner than the 60 s interval
-            assert patrol.late == patrol_module.LATE_LIMIT and patrol.failed == 1, patrol
-            assert "possession" in bad.disqualified and "late" in bad.disqualified
-            assert result.tokens == cluster_reference.tokens
-        finally:
-            remote.close()
-    finally:
-        slow.stop()
+    with patrolled(cluster_model, cluster, "late_proof:0.6", 60) as (transformer, remote, bad):
+        opts = decode.SamplingOptions(max_tokens=TOKENS)
+        result = decode.generate(transformer, PROMPT, opts, verifier=remote.verifier)
+        patrol = remote.trust.patrol.stats
+        wait_until(lambda: bad.disqualified, timeout=30, what="the late node disqualified")
+        # the first answers were late and asked again sooner than the 60 s interval
+        assert patrol.late == patrol_module.LATE_LIMIT and patrol.failed == 1, patrol
+        assert "possession" in bad.disqualified and "late" in bad.disqualified
+        assert result.tokens == cluster_reference.tokens

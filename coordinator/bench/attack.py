@@ -56,6 +56,14 @@ def run(args) -> int:
             f"moeshard bench attack: unknown section {', '.join(sorted(unknown))}", file=sys.stderr
         )
         return 2
+    from coordinator.bench.attack_nodes import ATTACKS
+
+    modes = [m.strip() for m in args.node_attacks.split(",") if m.strip()]
+    wrong = set(modes) - {a.mode for a in ATTACKS}
+    if wrong or not modes:
+        known = ", ".join(a.mode for a in ATTACKS)
+        print(f"moeshard bench attack: --node-attacks: choose from {known}", file=sys.stderr)
+        return 2
     model = Path(args.model)
     print(f"bench attack on {model} ({_cpu()}); goals: node rows >= 50% tok/s, same tokens, ")
     print("RSS within the node's stated bound; HTTP rows p99 < 1 s and an answer afterwards")
@@ -64,7 +72,6 @@ def run(args) -> int:
         if "node" in sections:
             from coordinator.bench.attack_nodes import node_attack_rows
 
-            modes = [m.strip() for m in args.node_attacks.split(",") if m.strip()]
             rows += node_attack_rows(model, Path(tmp) / "nodes", args.tokens, args.rounds, modes)
         if "http" in sections:
             from coordinator.bench.attack_http import http_attack_rows
@@ -79,6 +86,8 @@ def run(args) -> int:
 
 
 def print_table(rows: list[AttackRow]) -> None:
+    if not rows:
+        return
     print(
         f"\n{'attack':<46} {'metric':<6} {'before':>8} {'during':>8} {'ratio':>6} "
         f"{'peak RSS':>9} {'bound':>7} {'output':>9}  result"

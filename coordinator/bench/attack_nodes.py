@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,33 +140,61 @@ class Honest:
         return statistics.median(r[0] for r in runs), runs[-1][1], [r[2] for r in runs]
 
 
+@dataclass
+class PublicNode:
+    """The attacked node (`moeshard node --allow-any` on the whole model, pinned to the
+    nodes' cores), the bound it printed, and the honest coordinator on the other cores."""
+
+    node: Launched
+    spec: PeerSpec
+    bound: int  # bytes its requests and replies may hold at most, as it printed
+    honest: Honest
+    pin: list[str]  # the command prefix that puts a process on the nodes' cores
+    ledger: Path
+
+    def attacker(self, attack: NodeAttack) -> subprocess.Popen:
+        """An attacker process of `attack` against the node, once it says it is attacking."""
+        cmd = [
+            *self.pin, sys.executable, "-m", "coordinator.bench.attacker", attack.mode,
+            "--target", f"{self.spec.node_id}@{self.spec.addr}", *attack.flags,
+        ]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        started = proc.stdout.readline()
+        if not started.startswith("attacking"):
+            proc.terminate()
+            raise RuntimeError(f"attacker {attack.mode} did not start: {started!r}")
+        return proc
+
+
+@contextmanager
+def public_node(model_dir: Path, tmp: Path, tokens: int):
+    """A PublicNode for the block (its process stopped after it)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    honest_cores, node_cores = split_cores()
+    pin = ["taskset", "-c", ",".join(map(str, sorted(node_cores)))]
+    procs = NodeProcs(tmp)
+    ledger = tmp / "l.jsonl"
+    flags = ("--threads", "1", "--key", str(tmp / "node-key.pem"), "--ledger", str(ledger))
+    node = procs.launch(Path(model_dir), None, flags=flags, allow_any=True, prefix=pin)
+    try:
+        spec = node.spec()
+        bound = _bound(node)
+        os.sched_setaffinity(0, honest_cores)
+        honest = Honest(ModelDir(model_dir), [spec], client_key(tmp), tokens)
+        yield PublicNode(node, spec, bound, honest, pin, ledger)
+    finally:
+        procs.close()
+
+
 def node_attack_rows(
     model_dir: Path, tmp: Path, tokens: int = 32, rounds: int = 3, modes: list[str] | None = None
 ):
     """Each of ATTACKS (those of `modes`, default all) against a real node (see the module
     docstring): a list of AttackRow."""
     attacks = [a for a in ATTACKS if modes is None or a.mode in modes]
-    model = ModelDir(model_dir)
-    tmp.mkdir(parents=True, exist_ok=True)
-    honest_cores, node_cores = split_cores()
-    pin = ["taskset", "-c", ",".join(map(str, sorted(node_cores)))]
-    procs = NodeProcs(tmp)
-    identity = client_key(tmp)
-    flags = ("--threads", "1", "--key", str(tmp / "node-key.pem"), "--ledger", str(tmp / "l.jsonl"))
-    launched = [procs.launch(Path(model_dir), None, flags=flags, allow_any=True, prefix=pin)]
-    rows = []
-    try:
-        specs = [node.spec() for node in launched]
-        bounds = [_bound(node) for node in launched]
-        os.sched_setaffinity(0, honest_cores)
-        honest = Honest(model, specs, identity, tokens)
-        honest.run()  # warm-up: kernels compiled, pages cached
-        files = (tmp / "l.jsonl", launched[0].log)  # the node's ledger and log
-        for attack in attacks:
-            rows.append(_one(attack, honest, launched, specs, bounds, rounds, pin, files))
-    finally:
-        procs.close()
-    return rows
+    with public_node(model_dir, tmp, tokens) as target:
+        target.honest.run()  # warm-up: kernels compiled, pages cached
+        return [_one(attack, target, rounds) for attack in attacks]
 
 
 def _bound(node: Launched) -> int:
@@ -179,32 +208,25 @@ def _bound(node: Launched) -> int:
             raise RuntimeError(f"node on {node.path} printed no limits")
 
 
-def _one(attack, honest: Honest, launched, specs, bounds, rounds: int, pin, files) -> AttackRow:
-    before, tokens, tables = honest.median(rounds)
+def _one(attack: NodeAttack, target: PublicNode, rounds: int) -> AttackRow:
+    honest, addr, pid = target.honest, target.spec.addr, target.node.proc.pid
+    files = (target.ledger, target.node.log)
+    before, tokens, _ = honest.median(rounds)
     sizes = [_size(f) for f in files]
-    busiest = max(range(len(specs)), key=lambda i: tables[-1][specs[i].addr]["calls"])
-    target, node = specs[busiest], launched[busiest]
-    idle_rss = rss_bytes(node.proc.pid)
-    cmd = [
-        *pin, sys.executable, "-m", "coordinator.bench.attacker", attack.mode,
-        "--target", f"{target.node_id}@{target.addr}", *attack.flags,
-    ]  # fmt: skip
-    attacker = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    watch = RssWatch(node.proc.pid)
+    idle_rss = rss_bytes(pid)
+    attacker = target.attacker(attack)
+    watch = RssWatch(pid)
     try:
-        started = attacker.stdout.readline()
-        if not started.startswith("attacking"):
-            raise RuntimeError(f"attacker {attack.mode} did not start: {started!r}")
         time.sleep(2.0)  # let the attack build up
-        during, attacked_tokens, attacked_tables = honest.median(rounds)
+        during, attacked_tokens, tables = honest.median(rounds)
     finally:
         attacker.terminate()
         attacker.wait()
         peak = watch.stop()
-    bound = idle_rss + bounds[busiest]
+    bound = idle_rss + target.bound
     same = attacked_tokens == tokens
-    bans = sum(t[target.addr].get("failures", 0) for t in attacked_tables)
-    used = sum(t[target.addr]["calls"] for t in attacked_tables)
+    bans = sum(t[addr].get("failures", 0) for t in tables)
+    used = sum(t[addr]["calls"] for t in tables)
     ledger, log = (_size(f) - n for f, n in zip(files, sizes, strict=True))
     passed = during >= 0.5 * before and same and peak <= bound
     return AttackRow(
@@ -235,65 +257,47 @@ def soak(model_dir: Path, tmp: Path, seconds: float, every: float, tokens: int) 
     """Every attack of ATTACKS at once against one node for `seconds` while the honest
     coordinator keeps generating; prints the node's RSS, ledger and log and the honest
     tokens/s every `every` seconds (growth without bound shows as a climbing column)."""
-    model = ModelDir(model_dir)
-    tmp.mkdir(parents=True, exist_ok=True)
-    honest_cores, node_cores = split_cores()
-    pin = ["taskset", "-c", ",".join(map(str, sorted(node_cores)))]
-    procs = NodeProcs(tmp)
-    identity = client_key(tmp)
-    flags = ("--threads", "1", "--key", str(tmp / "node-key.pem"), "--ledger", str(tmp / "l.jsonl"))
-    node = procs.launch(Path(model_dir), None, flags=flags, allow_any=True, prefix=pin)
-    attackers = []
-    try:
-        spec = node.spec()
-        bound = _bound(node)
-        os.sched_setaffinity(0, honest_cores)
-        honest = Honest(model, [spec], identity, tokens)
+    with public_node(model_dir, tmp, tokens) as target:
+        honest, pid = target.honest, target.node.proc.pid
         reference = honest.run()[1]
-        idle = rss_bytes(node.proc.pid)
-        for attack in ATTACKS:
-            cmd = [
-                *pin, sys.executable, "-m", "coordinator.bench.attacker", attack.mode,
-                "--target", f"{spec.node_id}@{spec.addr}", *attack.flags,
-            ]  # fmt: skip
-            attackers.append(
-                subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        idle = rss_bytes(pid)
+        bound = idle + target.bound
+        attackers = []
+        try:
+            attackers += [target.attacker(attack) for attack in ATTACKS]
+            print(
+                f"== soak: {len(ATTACKS)} attacks at once for {seconds:.0f} s; node idle RSS "
+                f"{idle / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB"
             )
-        for a in attackers:
-            a.stdout.readline()
-        print(
-            f"== soak: {len(ATTACKS)} attacks at once for {seconds:.0f} s; node idle RSS "
-            f"{idle / 2**20:.0f} MiB, bound {(idle + bound) / 2**20:.0f} MiB"
-        )
-        print(
-            f"   {'t s':>6} {'RSS MiB':>8} {'peak':>6} {'ledger KB':>10} {'log KB':>8} {'tok/s':>7}"
-        )
-        watch = RssWatch(node.proc.pid)
-        t0 = time.monotonic()
-        next_at, rates, differed = t0 + every, [], 0
-        while True:
-            rate, got, _ = honest.run()
-            rates.append(rate)
-            differed += got != reference
-            now = time.monotonic()
-            if now >= next_at or now - t0 >= seconds:
-                print(
-                    f"   {now - t0:>6.0f} {rss_bytes(node.proc.pid) / 2**20:>8.0f} "
-                    f"{watch.peak / 2**20:>6.0f} {_size(tmp / 'l.jsonl') / 1e3:>10.0f} "
-                    f"{_size(node.log) / 1e3:>8.0f} {statistics.median(rates):>7.1f}",
-                    flush=True,
-                )
-                next_at, rates = now + every, []
-            if now - t0 >= seconds:
-                break
-        peak = watch.stop()
-        within = "within" if peak <= idle + bound else "OVER"
-        print(
-            f"   peak RSS {peak / 2**20:.0f} MiB ({within} the bound); honest runs with other "
-            f"tokens than unattacked: {differed}"
-        )
-    finally:
-        for a in attackers:
-            a.terminate()
-            a.wait()
-        procs.close()
+            print(
+                f"   {'t s':>6} {'RSS MiB':>8} {'peak':>6} {'ledger KB':>10} {'log KB':>8} "
+                f"{'tok/s':>7}"
+            )
+            watch = RssWatch(pid)
+            t0 = time.monotonic()
+            next_at, rates, differed = t0 + every, [], 0
+            while True:
+                rate, got, _ = honest.run()
+                rates.append(rate)
+                differed += got != reference
+                now = time.monotonic()
+                if now >= next_at or now - t0 >= seconds:
+                    print(
+                        f"   {now - t0:>6.0f} {rss_bytes(pid) / 2**20:>8.0f} "
+                        f"{watch.peak / 2**20:>6.0f} {_size(target.ledger) / 1e3:>10.0f} "
+                        f"{_size(target.node.log) / 1e3:>8.0f} {statistics.median(rates):>7.1f}",
+                        flush=True,
+                    )
+                    next_at, rates = now + every, []
+                if now - t0 >= seconds:
+                    break
+            peak = watch.stop()
+        finally:
+            for a in attackers:
+                a.terminate()
+                a.wait()
+    within = "within" if peak <= bound else "OVER"
+    print(
+        f"   peak RSS {peak / 2**20:.0f} MiB ({within} the bound); honest runs with other "
+        f"tokens than unattacked: {differed}"
+    )
