@@ -179,3 +179,26 @@ def test_a_busy_node_is_waited_for_not_banned(cluster_model, cluster_reference):
         node.stop()
     assert tokens == cluster_reference.tokens
     assert peer.busy > 0 and peer.failures == 0
+
+
+def test_bytes_that_are_no_forward_request_are_refused_and_the_node_serves_on(
+    public_node, cluster_model, cluster_reference, tmp_path
+):
+    """A Forward's bytes are parsed by the node itself (once it has a place): bytes that are
+    no ForwardRequest get INVALID_ARGUMENT naming that, on a unary call and on a stream, and
+    the node serves an honest generation after."""
+    tls = client_tls(new_key(tmp_path / "raw.pem"))
+    channel, _ = dial(public_node.spec, tls, timeout=10)
+    garbage = b"\xff\xff\xff\xff not a protobuf"
+    unary = channel.unary_unary("/moeshard.v1.ExpertNode/Forward", None, None)
+    with pytest.raises(grpc.RpcError) as refused:
+        unary(garbage, timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a ForwardRequest" in refused.value.details()
+    stream = channel.stream_stream("/moeshard.v1.ExpertNode/ForwardStream", None, None)
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stream(iter([garbage]), timeout=10))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    channel.close()
+    tokens, peer = honest_run(cluster_model, public_node)
+    assert tokens == cluster_reference.tokens and peer.failures == 0
