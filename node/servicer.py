@@ -122,9 +122,12 @@ class ExpertNodeServicer:
         self.limits = limits
         self.guard = Guard(limits)
         self.compute_lock = threading.Lock()
-        # large requests compute on a thread of lower CPU priority: on a busy node the threads
-        # that receive, check and answer other clients' small requests go first
-        self.bulk = ThreadPoolExecutor(1, "bulk", initializer=lower_priority, initargs=(BULK_NICE,))
+        # large requests are parsed, computed and encoded on threads of lower CPU priority (one
+        # per request that may compute at once): on a busy node the threads that receive,
+        # check and answer other clients' small requests go first
+        self.bulk = ThreadPoolExecutor(
+            limits.max_active, "bulk", initializer=lower_priority, initargs=(BULK_NICE,)
+        )
         self.state_lock = threading.Lock()
         self.inflight = 0
         self.served = 0
@@ -163,13 +166,13 @@ class ExpertNodeServicer:
             # Forwards come as bytes, parsed only once they have a place in the compute queue:
             # a flood of large requests costs the node no parsing beyond its fair share
             "Forward": grpc.stream_unary_rpc_method_handler(
-                self._unary(self.Forward), None, pb.ForwardReply.SerializeToString
+                self._unary(self.Forward), None, _reply_bytes
             ),
             "Prefetch": unary(self.Prefetch, pb.PrefetchRequest, pb.PrefetchReply),
             "Settle": unary(self.Settle, pb.Settlement, pb.SettleReply),
             "Challenge": unary(self.Challenge, pb.ChallengeRequest, pb.ChallengeReply),
             "ForwardStream": grpc.stream_stream_rpc_method_handler(
-                self.ForwardStream, None, pb.ForwardReply.SerializeToString
+                self.ForwardStream, None, _reply_bytes
             ),
             "Record": grpc.stream_stream_rpc_method_handler(
                 self.Record, pb.RecordRequest.FromString, pb.RecordChunk.SerializeToString
@@ -259,11 +262,24 @@ class ExpertNodeServicer:
     def Forward(self, raw: bytes, context):
         client = self._caller(context)
         flow = flow_of(client, context.peer())
-        with self.guard.computing(flow, self._wire_rows(raw), context.time_remaining()):
-            request = self._parse_forward(client, raw)
-            reply = self._forward(request, flow)
+        rows = self._wire_rows(raw)
+        with self.guard.computing(flow, rows, context.time_remaining()):
+            reply, wire = self._answer(client, flow, raw, rows)
         self._credit(client, reply)
-        return reply
+        return wire
+
+    def _answer(self, client: str, flow: Flow, raw: bytes, rows: int):
+        """The reply to the Forward in `raw` and what to send (the reply, or for a large one
+        its bytes, serialized on the low-priority thread that parsed and computed it)."""
+        if rows <= CHUNK_ROWS:
+            reply = self._forward(self._parse_forward(client, raw), flow)
+            return reply, reply
+
+        def bulk() -> tuple[pb.ForwardReply, bytes]:
+            reply = self._forward(self._parse_forward(client, raw), flow)
+            return reply, reply.SerializeToString()
+
+        return self.bulk.submit(bulk).result()
 
     def _wire_rows(self, raw: bytes) -> int:
         """About the rows a Forward message of these bytes carries (before parsing it)."""
@@ -290,16 +306,16 @@ class ExpertNodeServicer:
             with self.guard.admit(client, "stream", context.peer()) as handle:
                 while (raw := self.guard.read(requests, handle=handle)) is not None:
                     self.guard.charge(client)
-                    with self.guard.computing(handle.flow, self._wire_rows(raw)):
-                        request = self._parse_forward(client, raw)
-                        reply = self._forward(request, handle.flow)
+                    rows = self._wire_rows(raw)
+                    with self.guard.computing(handle.flow, rows):
+                        reply, wire = self._answer(client, handle.flow, raw, rows)
                     self._credit(client, reply)
-                    del raw, request  # a reply the client does not take holds only itself
+                    del raw, reply  # a reply the client does not take holds only itself
                     with self.guard.sending(lambda: self._stalled(client, context), handle):
-                        yield reply
+                        yield wire
                     if self.lie is not None and self.lie.mode == "duplicate":
                         if self.lie.fires(self.lie_rng):
-                            yield reply  # a failpoint: one request, two replies
+                            yield wire  # a failpoint: one request, two replies
 
     def _credit(self, client: str, reply: pb.ForwardReply) -> None:
         """The records this reply was computed with may be fetched by its client beyond its
@@ -556,16 +572,12 @@ class ExpertNodeServicer:
         """The partial sums of hidden [T, H], in turns of at most CHUNK_ROWS rows each, taken
         by fair tags against other clients' turns (a row's bits do not depend on its batch)."""
         out = np.empty(hidden.shape, dtype=np.float64)  # [T, H]
-        bulk = len(hidden) > CHUNK_ROWS  # computed by the low-priority bulk thread
         try:
             for start in range(0, len(hidden), CHUNK_ROWS):
                 rows = slice(start, start + CHUNK_ROWS)
                 args = (layer, hidden[rows], ids[rows], weights[rows])
                 with self.guard.turn(flow, len(args[1])), self.compute_lock:
-                    if bulk:
-                        out[rows] = self.bulk.submit(self._backend, *args).result()  # [chunk, H]
-                    else:
-                        out[rows] = self._backend(*args)  # [chunk, H]
+                    out[rows] = self._backend(*args)  # [chunk, H]
             return out
         except StoreError as exc:
             bad = self._find_bad(layer, hidden, np.unique(ids))
@@ -588,6 +600,11 @@ class ExpertNodeServicer:
             except StoreError:
                 bad.append(int(expert))
         return bad
+
+
+def _reply_bytes(reply: pb.ForwardReply | bytes) -> bytes:
+    """A Forward's reply on the wire (a large one comes serialized already: `_answer`)."""
+    return reply if isinstance(reply, bytes) else reply.SerializeToString()
 
 
 def _is_number(value) -> bool:
