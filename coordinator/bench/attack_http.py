@@ -25,6 +25,7 @@ import http.client
 import json
 import multiprocessing
 import os
+import re
 import resource
 import socket
 import subprocess
@@ -60,10 +61,11 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--connections",
-        default="5000,25000",
+        default="5000,cap",
         help="slowloris: half-open connections the attacker keeps trying to hold, one row per "
-        "number (the server holds 8192 at most: beyond, its oldest are closed for newer ones; "
-        "the original server ran out of descriptors near 20,000)",
+        "number; 'cap': as many as the server holds (its --max-connections, lowered to what "
+        "its descriptor limit allows; beyond, its oldest are closed for newer ones; the "
+        "original server ran out of descriptors near 20,000)",
     )
     p.add_argument(
         "--server-src",
@@ -77,9 +79,9 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     attacks = [a for a in args.attacks.split(",") if a]
     try:
-        connections = [int(n) for n in args.connections.split(",") if n]
+        connections = [n if n == "cap" else int(n) for n in args.connections.split(",") if n]
     except ValueError:
-        raise MoeshardError("--connections: numbers, e.g. 5000,25000") from None
+        raise MoeshardError("--connections: numbers or 'cap', e.g. 5000,cap,25000") from None
     rows = http_attack_rows(args.model, args.seconds, attacks, connections, args.server_src)
     for row in rows:
         print(json.dumps(asdict(row)) if args.json else format_row(row), flush=True)
@@ -99,16 +101,18 @@ def http_attack_rows(
     model_dir,
     seconds: float,
     attacks: list[str] | tuple[str, ...] = ATTACKS,
-    connections: list[int] | tuple[int, ...] = (5000, 25000),
+    connections: list[int | str] | tuple[int | str, ...] = (5000, "cap"),
     server_src: str | None = None,
 ) -> list[AttackRow]:
     """Each attack of `attacks` against one `moeshard serve` of `model_dir`, its row (the
-    slowloris one row per number of `connections`).  The server's and the attackers'
-    descriptors: the hard limit (the slowloris client holds one per connection)."""
+    slowloris one row per number of `connections`, "cap" standing for the server's cap on
+    connections).  The server's and the attackers' descriptors: the hard limit (the
+    slowloris client holds one per connection)."""
     unknown = set(attacks) - set(ATTACKS)
     if unknown:
         raise MoeshardError(f"unknown attacks {sorted(unknown)}: choose from {', '.join(ATTACKS)}")
-    if seconds <= 0 or not connections or min(connections) < 1:
+    numbers = [n for n in connections if n != "cap"]
+    if seconds <= 0 or not connections or (numbers and min(numbers) < 1):
         raise MoeshardError("--seconds must be > 0 and --connections >= 1")
     _raise_fd_limit()
     with Server(model_dir, server_src) as server:
@@ -117,6 +121,7 @@ def http_attack_rows(
         rows = []
         for attack in attacks:
             for n in connections if attack == "slowloris" else (0,):
+                n = server.max_connections() if n == "cap" else n
                 rows.append(_one_attack(server, attack, seconds, want, before, n))
         return rows
 
@@ -233,6 +238,14 @@ class Server:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+
+    def max_connections(self) -> int:
+        """The server's cap on connections, as its start-up line says ("connections N")."""
+        self.log.seek(0)
+        found = re.search(r"connections (\d+)", self.log.read())
+        if found is None:
+            raise MoeshardError("the server's start-up line names no cap on connections")
+        return int(found.group(1))
 
     def log_size(self) -> int:
         return os.fstat(self.log.fileno()).st_size

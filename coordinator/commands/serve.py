@@ -41,9 +41,9 @@ def add_serve(sub) -> None:
     p.add_argument(
         "--max-connections",
         type=int,
-        default=8192,
-        help="client connections open at most (~5 KiB each): over it, the oldest still sending "
-        "its request is closed (lowered to what the descriptor limit allows)",
+        help="client connections open at most (~5 KiB each; default: as many as the descriptor "
+        "limit allows, up to 65536, printed at start): over it, the oldest still sending its "
+        "request is closed",
     )
     p.add_argument(
         "--header-timeout",
@@ -128,7 +128,9 @@ def cmd_serve(args) -> int:
         raise MoeshardError(
             "--max-batch must be >= 1, --max-queue >= 0, --context >= 2, --prefill-chunk >= 0"
         )
-    if args.max_connections < 1 or (args.max_prompt_chars or 0) < 0:
+    if (args.max_connections is not None and args.max_connections < 1) or (
+        args.max_prompt_chars or 0
+    ) < 0:
         raise MoeshardError("--max-connections must be >= 1, --max-prompt-chars >= 0")
     if not (args.header_timeout > 0 and args.body_timeout > 0):
         raise MoeshardError("--header-timeout and --body-timeout must be > 0")
@@ -179,10 +181,15 @@ def cmd_serve(args) -> int:
 def _connection_guard(args):
     """The server's connection limits, its descriptor limit raised to fit them (or the cap
     lowered, with a warning, where the hard limit does not allow it)."""
-    from coordinator.serve.connections import ConnectionGuard, descriptors_for
+    from coordinator.serve.connections import (
+        DEFAULT_MAX_CONNECTIONS,
+        ConnectionGuard,
+        descriptors_for,
+    )
 
-    fits = descriptors_for(args.max_connections)
-    if fits < args.max_connections:
+    asked = args.max_connections or DEFAULT_MAX_CONNECTIONS
+    fits = descriptors_for(asked)
+    if fits < asked and args.max_connections is not None:
         log.warning(
             "--max-connections %d: the descriptor limit allows %d; using that",
             args.max_connections, fits,

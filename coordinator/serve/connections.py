@@ -17,7 +17,14 @@ ran out of file descriptors.  So the server runs a subclass of uvicorn's `H11Pro
     An honest client sends its request at once and is never the oldest still reading; an
     attacker holding connections open keeps losing them.  Beyond the cap, an attacker that
     reconnects at once keeps the listen queue full, and new connections (honest ones too)
-    wait for it; connections kept open from an earlier answer are closed last.
+    wait for it (a dropped SYN is sent again after 1 s); connections kept open from an earlier
+    answer are closed last.  So the cap is as high as the descriptor limit allows (65,536 at
+    most, ~300 MiB), and what an attacker holds beyond that is for a per-address limit where
+    connections are admitted (a firewall's `connlimit`) to stop.
+
+Every connection held is ~22 Python objects that CPython's cyclic collector scans in its full
+passes, which stop the event loop (~500 ms at 20,000 connections on a 2-core Zen 4 with the
+attacker beside it); what the process made before serving is frozen out of those passes.
 
 `AcceptErrors` bounds what running out of descriptors writes to the log: asyncio logs every
 failed accept() with its traceback, up to the listen backlog (2048) per loop pass (the
@@ -44,13 +51,19 @@ FD_RESERVE = 256  # descriptors kept for everything but client connections (engi
 # closing the oldest.  So a pass accepts ACCEPTS_PER_PASS, and the kernel queues LISTEN_QUEUE.
 ACCEPTS_PER_PASS = 16
 LISTEN_QUEUE = 1024
+# Connections held at most unless told otherwise (as many as the descriptor limit allows below
+# it): 65,536 half-open connections cost ~300 MiB.  The more the server holds, the more an
+# attacker needs before the cap's churn starts (see `ConnectionGuard.admit`).
+DEFAULT_MAX_CONNECTIONS = 65536
 
 
 @dataclass
 class ConnectionGuard:
     """The limits and what they did (counters shown on /metrics)."""
 
-    max_connections: int = 8192  # open client connections at most (~4.6 KiB each, measured)
+    max_connections: int = (
+        DEFAULT_MAX_CONNECTIONS  # open client connections at most (~4.6 KiB each, measured)
+    )
     header_timeout: float = 10.0  # seconds to send a request's headers
     body_timeout: float = 30.0  # seconds to send a request's body, once its headers are in
     open: dict = field(default_factory=dict)  # protocol -> None, oldest first: none answered yet
@@ -200,13 +213,20 @@ class AcceptErrors:
 
 
 def descriptors_for(max_connections: int) -> int:
-    """Raise this process's descriptor limit (soft, up to hard) to fit `max_connections`
-    client connections, the accepts in flight beyond them (4 x `ACCEPTS_PER_PASS`) and
-    `FD_RESERVE` others; the number of connections that fit."""
+    """Raise this process's descriptor limit to fit `max_connections` client connections, the
+    accepts in flight beyond them (4 x `ACCEPTS_PER_PASS`) and `FD_RESERVE` others: the soft
+    limit up to the hard one, and the hard one too where the process may (root, as nginx's
+    `worker_rlimit_nofile` does); the number of connections that fit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     reserve = FD_RESERVE + 4 * ACCEPTS_PER_PASS
     want = max_connections + reserve
     if soft != resource.RLIM_INFINITY and soft < want:
+        if hard != resource.RLIM_INFINITY and hard < want:
+            try:  # (allowed with CAP_SYS_RESOURCE, up to fs.nr_open)
+                resource.setrlimit(resource.RLIMIT_NOFILE, (want, want))
+                soft = hard = want
+            except (ValueError, OSError):
+                pass
         target = want if hard == resource.RLIM_INFINITY else min(hard, want)
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
@@ -221,6 +241,7 @@ def descriptors_for(max_connections: int) -> int:
 def serve_http(app, host: str, port: int, guard: ConnectionGuard) -> None:
     """Run `app` under uvicorn, as `uvicorn.run` does, with the guarded protocol and the
     accept batch and listen queue above (the queue set after asyncio's `listen`)."""
+    import gc
     import socket
 
     import uvicorn
@@ -230,6 +251,11 @@ def serve_http(app, host: str, port: int, guard: ConnectionGuard) -> None:
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
+            # What was made before serving (modules, model, tokenizer: ~100,000 objects) lives
+            # as long as the process: out of the cyclic collector's sight, so that its full
+            # passes, which stop the event loop, scan only what connections and requests made.
+            gc.collect()
+            gc.freeze()
             for server in self.servers:
                 for sock in server.sockets:
                     with socket.fromfd(sock.fileno(), sock.family, sock.type) as dup:
