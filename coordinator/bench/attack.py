@@ -13,7 +13,8 @@ an answer afterwards. Goal: p99 < 1 s.
 
 --soak S: every node attack at once for S seconds (the issue's 5 minutes: 300) while the
 honest coordinator keeps generating; the node's RSS, ledger and log sampled every --every s,
-so growth without bound shows as a column that keeps climbing.
+so growth without bound shows as a column that keeps climbing.  Then (with the http section)
+every HTTP attack at once against a server for S seconds, sampled the same way.
 """
 
 from __future__ import annotations
@@ -44,7 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="which node attacks, comma-separated (the attacker's modes)",
     )
     p.add_argument("--http-seconds", type=float, default=10.0, help="each HTTP attack's length")
-    p.add_argument("--soak", type=float, default=0.0, help="seconds of all node attacks at once")
+    p.add_argument(
+        "--soak",
+        type=float,
+        default=0.0,
+        help="seconds of all node attacks at once, then of all HTTP attacks (with --sections "
+        "'': both soaks only)",
+    )
     p.add_argument("--every", type=float, default=30.0, help="soak sampling interval (s)")
 
 
@@ -77,12 +84,15 @@ def run(args) -> int:
             from coordinator.bench.attack_http import http_attack_rows
 
             rows += http_attack_rows(model, args.http_seconds)
+        soaked = True
         if args.soak > 0:
+            from coordinator.bench.attack_http import http_soak
             from coordinator.bench.attack_nodes import soak
 
             soak(model, Path(tmp) / "soak", args.soak, args.every, args.tokens)
+            soaked = http_soak(model, args.soak, args.every)
     print_table(rows)
-    return 0 if all(r.passed for r in rows) else 1
+    return 0 if soaked and all(r.passed for r in rows) else 1
 
 
 def print_table(rows: list[AttackRow]) -> None:

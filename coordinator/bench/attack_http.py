@@ -126,9 +126,8 @@ def http_attack_rows(
         return rows
 
 
-def _one_attack(server, attack: str, seconds, want, before, connections) -> AttackRow:
-    ctx = multiprocessing.get_context("spawn")
-    stop, report = ctx.Event(), ctx.Queue()
+def _attackers(ctx, attack: str, port: int, stop, report, connections: int) -> list:
+    """The processes (not started) that run `attack` until `stop` is set."""
     target = {"big-prompts": big_prompts, "slowloris": slowloris, "nested-json": nested_json,
               "unauthenticated-scrape": scrape}[attack]  # fmt: skip
     if attack == "slowloris":  # (shared among processes: one holds SOCKETS_PER_PROCESS at most)
@@ -136,14 +135,12 @@ def _one_attack(server, attack: str, seconds, want, before, connections) -> Atta
         extras = [(connections // n + (i < connections % n),) for i in range(n)]
     else:
         extras = [()]
-    procs = [ctx.Process(target=target, args=(server.port, stop, report, *extra), daemon=True)
-             for extra in extras]  # fmt: skip
-    log0 = server.log_size()
-    for proc in procs:
-        proc.start()
-    time.sleep(2.0 if attack == "slowloris" else 0.3)  # (the attack under way first)
-    with server.sampler() as peak:
-        during = server.honest_for(seconds)
+    return [ctx.Process(target=target, args=(port, stop, report, *extra), daemon=True)
+            for extra in extras]  # fmt: skip
+
+
+def _stopped(procs, stop, report) -> list[dict]:
+    """Stop the attacker processes `procs`; what each reported."""
     stop.set()
     reports = []
     for _ in procs:
@@ -155,6 +152,20 @@ def _one_attack(server, attack: str, seconds, want, before, connections) -> Atta
         proc.join(10)
         if proc.is_alive():
             proc.kill()
+    return reports
+
+
+def _one_attack(server, attack: str, seconds, want, before, connections) -> AttackRow:
+    ctx = multiprocessing.get_context("spawn")
+    stop, report = ctx.Event(), ctx.Queue()
+    procs = _attackers(ctx, attack, server.port, stop, report, connections)
+    log0 = server.log_size()
+    for proc in procs:
+        proc.start()
+    time.sleep(2.0 if attack == "slowloris" else 0.3)  # (the attack under way first)
+    with server.sampler() as peak:
+        during = server.honest_for(seconds)
+    reports = _stopped(procs, stop, report)
     seen = _merged(reports)
     refused = all(r.get("refused", True) for r in reports)
     log_growth = server.log_size() - log0
@@ -185,6 +196,48 @@ def _one_attack(server, attack: str, seconds, want, before, connections) -> Atta
         goal=GOAL,
         notes=notes,
     )
+
+
+def http_soak(model_dir, seconds: float, every: float, connections: int = 5000) -> bool:
+    """Every HTTP attack at once (slowloris with `connections`) against one server for
+    `seconds` while the two honest clients keep sending; every `every` seconds a line: the
+    server's RSS and descriptors, its log's size, the honest p99s in the interval and whether
+    every answer was the unattacked text (growth without bound shows as a column that keeps
+    climbing).  True if every interval met the goal and the server answered afterwards."""
+    _raise_fd_limit()
+    ctx = multiprocessing.get_context("spawn")
+    stop, report = ctx.Event(), ctx.Queue()
+    with Server(model_dir) as server:
+        want, _ = server.normal()
+        procs = [
+            proc
+            for attack in ATTACKS
+            for proc in _attackers(ctx, attack, server.port, stop, report, connections)
+        ]
+        for proc in procs:
+            proc.start()
+        print(f"== HTTP soak: {len(ATTACKS)} attacks at once for {seconds:.0f} s "
+              f"(slowloris {connections} connections)")  # fmt: skip
+        print(f"   {'t s':>6} {'RSS MiB':>8} {'peak':>6} {'fds':>7} {'log KB':>8} "
+              f"{'p99 new':>8} {'p99 kept':>9} {'requests':>9}  same")  # fmt: skip
+        t0, ok = time.monotonic(), True
+        try:
+            while time.monotonic() - t0 < seconds:
+                with server.sampler() as peak:
+                    during = server.honest_for(min(every, seconds - (time.monotonic() - t0)))
+                same = all(t == want for t in during["texts"])
+                ok &= same and max(during["p99"], during["kept_p99"]) < 1.0
+                print(f"   {time.monotonic() - t0:>6.0f} {_rss(server.proc.pid) / 2**20:>8.0f} "
+                      f"{peak['rss'] / 2**20:>6.0f} {peak['fds']:>7,} "
+                      f"{server.log_size() / 1e3:>8.0f} {during['p99']:>8.3f} "
+                      f"{during['kept_p99']:>9.3f} {during['n'] + during['kept_n']:>9}  "
+                      f"{'yes' if same else 'NO'}", flush=True)  # fmt: skip
+        finally:
+            reports = _stopped(procs, stop, report)
+        after_text, after_s = server.normal(timeout=10)
+        print(f"   attackers: {_merged(reports)}")
+        print(f"   answered afterwards: {after_text == want} ({after_s:.3f} s)")
+        return ok and after_text == want
 
 
 ATTACK_TEXT = {
