@@ -9,8 +9,10 @@ the parser and maps errors to exit codes."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import textwrap
+from functools import partial
 
 from coordinator.commands import (
     EXIT_BAD_INPUT,
@@ -26,8 +28,7 @@ from coordinator.commands import (
     serve,
     traces,
 )
-from coordinator.generate import Terminated
-from moe.errors import MoeshardError
+from moe.errors import MoeshardError, Terminated
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -78,37 +79,63 @@ class _Commands(argparse._SubParsersAction):
 class Parser(argparse.ArgumentParser):
     """The parser of `moeshard` and of every subcommand: `add_subparsers` makes its subcommands
     of the parser's own class (argparse's default), so all of them, nested ones too (`bench`,
-    `ledger`), show their options' defaults without each call site asking for it."""
+    `ledger`), show their options' defaults without each call site asking for it.
 
-    def __init__(self, *args, **kwargs) -> None:
+    `fill`: a function that adds the parser's arguments, called only when the parser is used
+    (parses its command's arguments, or prints its help): a benchmark's options are built by
+    importing its module, which imports what it measures, and `moeshard --help` or
+    `moeshard id` should not pay for that."""
+
+    def __init__(self, *args, fill=None, **kwargs) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
         self.register("action", "parsers", _Commands)
+        self._fill = fill
+
+    def _filled(self) -> None:
+        fill, self._fill = self._fill, None
+        if fill is not None:
+            fill(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._filled()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self._filled()
+        return super().format_help()
+
+    def format_usage(self) -> str:
+        self._filled()
+        return super().format_usage()
+
+
+BENCHES = [  # name, module in coordinator.bench, what it measures
+    ("kernels", "kernels", "Q4_0/Q8_0 matmul GB/s vs DRAM bandwidth"),
+    ("rpc", "rpc", "gRPC round trips, per-layer fan-out, tok/s on 1..N nodes"),
+    ("cluster", "rpc", "the same as `bench rpc` (the issue's name for it)"),
+    ("disk", "disk", "O_DIRECT read GB/s by read size and queue depth"),
+    ("stream", "stream", "streaming s/token per cache policy vs the disk floor"),
+    ("modes", "modes", "in-RAM default vs --ram streaming, tok/s side by side"),
+    ("audit", "audit", "audits: liar detection vs theory, false convictions, cost"),
+    ("attack", "attack", "strangers attack nodes and the server: what honest users keep"),
+    ("compare-llamacpp", "compare_llamacpp", "moeshard vs llama.cpp built here, side by side"),
+    ("serve", "serve", "the API under 1..N concurrent clients: tok/s, first token, expert cost"),
+]
 
 
 def _add_bench(sub) -> None:
-    from coordinator.bench import attack as attack_bench
-    from coordinator.bench import audit as audit_bench
-    from coordinator.bench import compare_llamacpp, disk, kernels, modes, rpc, serve, stream
-
     p = sub.add_parser("bench", help="benchmarks that print ratios against same-run baselines")
     benches = p.add_subparsers(dest="bench", required=True, metavar="BENCH", help="what to measure")
-    for name, module, text in [
-        ("kernels", kernels, "Q4_0/Q8_0 matmul GB/s vs DRAM bandwidth"),
-        ("rpc", rpc, "gRPC round trips, per-layer fan-out, tok/s on 1..N nodes"),
-        ("cluster", rpc, "the same as `bench rpc` (the issue's name for it)"),
-        ("disk", disk, "O_DIRECT read GB/s by read size and queue depth"),
-        ("stream", stream, "streaming s/token per cache policy vs the disk floor"),
-        ("modes", modes, "in-RAM default vs --ram streaming, tok/s side by side"),
-        ("audit", audit_bench, "audits: liar detection vs theory, false convictions, cost"),
-        ("attack", attack_bench, "strangers attack nodes and the server: what honest users keep"),
-        ("compare-llamacpp", compare_llamacpp, "moeshard vs llama.cpp built here, side by side"),
-        ("serve", serve, "the API under 1..N concurrent clients: tok/s, first token, expert cost"),
-    ]:
-        b = benches.add_parser(name, help=text)
-        module.add_arguments(b)
-        add_threads(b)
-        b.set_defaults(func=module.run)
+    for name, module, text in BENCHES:
+        benches.add_parser(name, help=text, fill=partial(_fill_bench, module))
+
+
+def _fill_bench(module_name: str, parser: argparse.ArgumentParser) -> None:
+    module = importlib.import_module(f"coordinator.bench.{module_name}")
+    module.add_arguments(parser)
+    add_threads(parser)
+    parser.set_defaults(func=module.run)
 
 
 def add_threads(p: argparse.ArgumentParser) -> None:
@@ -122,6 +149,7 @@ def add_threads(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="moeshard", description="Run mixture-of-experts models larger than RAM.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"moeshard {_version()}")
     sub = parser.add_subparsers(
         dest="command",
         required=True,
@@ -155,9 +183,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    """The installed distribution's version ("unknown" when run from a tree not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("moeshard")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print("moeshard: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     try:
         configure_process(args)
         return args.func(args)

@@ -16,37 +16,54 @@ import numpy as np
 from coordinator.decode import MAX_LAG, ROLLBACK_STEPS, Decoder, LieTooFarBack, Verifier
 from coordinator.profile import DecodeProfile, format_profile
 from coordinator.sampling import SamplingOptions
-from moe.errors import MoeshardError
+from moe.errors import MoeshardError, Terminated  # noqa: F401  (Terminated: re-exported)
 from moe.storage.traces import DECODE, PREFILL
 
 __all__ = [
     "MAX_LAG", "ROLLBACK_STEPS", "DecodeProfile", "GenerationResult", "LieTooFarBack",
     "SamplingOptions", "Terminated", "Verifier", "format_profile", "generate",
-    "terminate_on_sigterm",
+    "stop_between_steps",
 ]  # fmt: skip
 
 
-class Terminated(BaseException):
-    """SIGTERM arrived during a generation (raised like KeyboardInterrupt for SIGINT, so no
-    `except Exception` swallows it); the CLI exits 143 after writing the partial result."""
+_PENDING: list[BaseException] = []  # a stop asked for by a signal, taken at the next step
+_ASKED: list[int] = []  # signals seen in the block (a second one raises at once)
 
 
 @contextmanager
-def terminate_on_sigterm() -> Iterator[None]:
-    """Within the block, SIGTERM raises Terminated in the main thread (default: the process
-    dies at once and the tokens so far are lost)."""
+def stop_between_steps() -> Iterator[None]:
+    """Within the block, SIGINT and SIGTERM stop the generation between two steps: the
+    handler only notes the signal, and the step loop raises KeyboardInterrupt or Terminated
+    where nothing is half done (default: SIGTERM kills the process with the tokens so far,
+    and SIGINT raises at whatever line runs, which inside grpc can leave one of its locks
+    held and the process hung at exit, or a thread's traceback on the terminal).  A second
+    signal raises at once, as before.  Outside the main thread: nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
-        raise Terminated("terminated (SIGTERM)")
+        exc = KeyboardInterrupt() if signum == signal.SIGINT else Terminated("terminated (SIGTERM)")
+        if _ASKED:  # asked twice: stop now
+            raise exc
+        _ASKED.append(signum)
+        _PENDING.append(exc)
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
+        _raise_pending()  # (a signal after the last step still counts)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        _PENDING.clear()
+        _ASKED.clear()
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _raise_pending() -> None:
+    """Raise the stop a signal asked for, once."""
+    if _PENDING:
+        raise _PENDING.pop()
 
 
 @dataclass
@@ -154,6 +171,7 @@ class _Loop:
         seq, result, opts, profile = self.seq, self.result, self.seq.opts, self.profile
         verifier = self.decoder.verifier
         while True:
+            _raise_pending()  # Ctrl-C or SIGTERM (stop_between_steps)
             if profile:
                 profile.begin_step()
             if self.on_forward:

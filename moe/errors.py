@@ -15,3 +15,8 @@ class CheckpointError(MoeshardError):
 
 class StoreError(MoeshardError):
     """A model directory or shard file is malformed, truncated, corrupted or foreign."""
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived during a generation (raised like KeyboardInterrupt for SIGINT, so no
+    `except Exception` swallows it); the CLI exits 143 after writing the partial result."""

@@ -7,6 +7,8 @@ says once, and in the JSON, that the output is degraded."""
 from __future__ import annotations
 
 import json
+import os
+import select
 import signal
 import subprocess
 import sys
@@ -210,14 +212,27 @@ def test_bad_generate_input_is_one_line_before_loading(demo, capsys, args):
     assert _error_line(capsys).startswith("moeshard: error: ")
 
 
-def test_sigterm_outside_a_generation_keeps_its_default(demo):
-    """The SIGTERM handler is only there while tokens are made."""
-    from coordinator.generate import terminate_on_sigterm
+def test_signals_outside_a_generation_keep_their_handlers(demo):
+    """The SIGINT and SIGTERM handlers are only there while tokens are made."""
+    from coordinator.generate import stop_between_steps
 
-    before = signal.getsignal(signal.SIGTERM)
-    with terminate_on_sigterm():
-        assert signal.getsignal(signal.SIGTERM) is not before
-    assert signal.getsignal(signal.SIGTERM) is before
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    with stop_between_steps():
+        assert all(signal.getsignal(sig) is not h for sig, h in before.items())
+    assert all(signal.getsignal(sig) is h for sig, h in before.items())
+
+
+def test_a_signal_is_taken_between_steps_and_a_second_one_at_once():
+    from coordinator.generate import Terminated, stop_between_steps
+
+    with pytest.raises(Terminated), stop_between_steps():
+        os.kill(os.getpid(), signal.SIGTERM)  # noted, not raised here
+        time.sleep(0.05)
+    with pytest.raises(KeyboardInterrupt), stop_between_steps():
+        os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):  # the second: at once
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
 
 
 class _InterruptedInKernel:
@@ -246,3 +261,33 @@ def test_a_signal_inside_a_compiled_kernel_still_stops_as_that_signal():
         generate(_InterruptedInKernel(KeyboardInterrupt()), [1], SamplingOptions(max_tokens=2))
     with pytest.raises(SystemError):  # any other SystemError stays what it is
         generate(_InterruptedInKernel(ValueError("x")), [1], SamplingOptions(max_tokens=2))
+
+
+def test_ctrl_c_at_any_moment_of_a_network_generation_is_one_line_and_130(demo, tmp_path):
+    """SIGINT while the command line is read, while the runtime starts, and between tokens of
+    a generation through a real node: exit 130, "moeshard: interrupted" last, no traceback
+    (a SIGINT raised inside grpc's code once left a thread's traceback, or a lock held and the
+    process hung at exit)."""
+    plan = shard_model(demo, 1, 1, tmp_path / "shards")
+    node = NodeProcess(plan["nodes"][0]["dir"], advertise=False, insecure=True).wait_ready()
+    try:
+        for moment in ("0.05", "0.5", "text"):
+            proc = _moeshard(
+                "generate", str(demo), "--prompt", PROMPT, "--max-tokens", "250", "--insecure",
+                "--peers", node.addr,
+            )  # fmt: skip
+            try:
+                if moment == "text":  # the streamed text has begun: between two tokens
+                    ready, _, _ = select.select([proc.stdout], [], [], 120)
+                    assert ready, "no text within 120 s"
+                else:
+                    time.sleep(float(moment))
+                proc.send_signal(signal.SIGINT)
+                _, err = proc.communicate(timeout=60)
+            finally:
+                proc.kill()
+            assert proc.returncode == 130, (moment, err)
+            assert "Traceback" not in err, (moment, err)
+            assert err.strip().splitlines()[-1] == "moeshard: interrupted", (moment, err)
+    finally:
+        node.stop()

@@ -19,18 +19,27 @@ def configure_process(args) -> None:
     """What a moeshard process sets up before its command runs (also the engine process
     `serve` starts): logging, BLAS's helper threads, the kernels' threads (--threads)."""
     import logging
+    import os
+    import sys
 
     from moe.errors import MoeshardError
-    from moe.kernels import quant
-    from moe.kernels.blas import limit_blas_threads
 
     logging.basicConfig(
         level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    limit_blas_threads(1)  # see moe/kernels/blas.py: small products stall on busy BLAS helpers
+    # see moe/kernels/blas.py: small products stall on busy BLAS helpers.  Before numpy is
+    # imported the variable does it (and a command that needs no numpy does not import it)
+    if "numpy" in sys.modules:
+        from moe.kernels.blas import limit_blas_threads
+
+        limit_blas_threads(1)
+    else:
+        os.environ["OPENBLAS_NUM_THREADS"] = "1"
     threads = getattr(args, "threads", None)
     if threads is not None:
+        from moe.kernels import quant
+
         try:
             quant.set_threads(threads)
         except ValueError as exc:

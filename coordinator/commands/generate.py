@@ -6,8 +6,6 @@ import json
 import math
 import sys
 
-import numpy as np
-
 from coordinator.chat import chat_prompt
 from coordinator.commands import EXIT_OK
 from coordinator.commands.network import add_audit_options, add_peer_options
@@ -110,7 +108,7 @@ def cmd_generate(args) -> int:
         SamplingOptions,
         format_profile,
         generate,
-        terminate_on_sigterm,
+        stop_between_steps,
     )
     from coordinator.runtime import load_tokenizer
     from moe.kernels import quant
@@ -178,7 +176,7 @@ def cmd_generate(args) -> int:
             monitor.start(rt.store, stream, len(prompt_ids))
         on_forward = recorder.mark if recorder else None
         on_rollback = stream.rollback if stream else None
-        with terminate_on_sigterm():
+        with stop_between_steps():
             result = generate(
                 rt.transformer,
                 prompt_ids,
@@ -203,6 +201,8 @@ def cmd_generate(args) -> int:
             monitor.finish(stats)
             _report_streaming(args, rt, stats)
         if args.dump_logits and result.logits:
+            import numpy as np
+
             np.save(args.dump_logits, np.stack(result.logits).astype(np.float32))
         _print_result(args, rt, result, stats)
     finally:

@@ -10,6 +10,13 @@ from moe.errors import MoeshardError
 
 
 def add_convert(sub) -> None:
+    help = "Hugging Face checkpoint directory -> model directory"
+    sub.add_parser("convert", help=help, fill=_convert_arguments)
+
+
+def _convert_arguments(p) -> None:
+    """(Filled when `convert` is used: the formats come from the converter, which imports the
+    kernels.)"""
     from moe.convert.converter import (
         DEFAULT_EXPERT_FORMAT,
         DEFAULT_TRUNK_FORMAT,
@@ -17,7 +24,6 @@ def add_convert(sub) -> None:
         TRUNK_FORMATS,
     )
 
-    p = sub.add_parser("convert", help="Hugging Face checkpoint directory -> model directory")
     p.add_argument("src", help="checkpoint directory (config.json + *.safetensors)")
     p.add_argument("out", help="model directory to create")
     p.add_argument(
@@ -80,9 +86,14 @@ def cmd_inspect(args) -> int:
 
 
 def add_synth(sub) -> None:
+    help = "write a large random-weight model (streaming benchmarks)"
+    sub.add_parser("synth", help=help, fill=_synth_arguments)
+
+
+def _synth_arguments(p) -> None:
+    """(Filled when `synth` is used: its presets come from moe.convert.synth.)"""
     from moe.convert.synth import ALL_PRESETS
 
-    p = sub.add_parser("synth", help="write a large random-weight model (streaming benchmarks)")
     p.add_argument("out", help="model directory to create")
     p.add_argument(
         "--preset",

@@ -145,24 +145,50 @@ def cmd_node(args) -> int:
 
 def add_keys(sub) -> None:
     p = sub.add_parser("keygen", help="write a new identity key (Ed25519, PEM, mode 0600)")
-    p.add_argument("file", help="key file to create (never overwritten)")
+    p.add_argument(
+        "file", help="key file to create (never overwritten; its directory is made if missing)"
+    )
     p.set_defaults(func=cmd_keygen)
-    p = sub.add_parser("id", help="print the id of an identity key")
-    p.add_argument("file", help="key file")
+    p = sub.add_parser(
+        "id",
+        help="print the id of an identity key (the client's own by default, made on first use): "
+        "what nodes' --allow and coordinators' --peers name",
+    )
+    p.add_argument(
+        "file",
+        nargs="?",
+        help="key file (default: this client's key, key.pem in $MOESHARD_HOME or "
+        "~/.config/moeshard, made if there is none yet)",
+    )
     p.set_defaults(func=cmd_id)
 
 
 def cmd_keygen(args) -> int:
+    from pathlib import Path
+
     from moe.identity.keys import generate
 
+    parent = Path(args.file).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        raise MoeshardError(f"{parent}: cannot make the key's directory ({exc.strerror})") from None
     print(generate(args.file).id)
     return EXIT_OK
 
 
 def cmd_id(args) -> int:
-    from moe.identity.keys import load
+    from moe.identity.keys import CLIENT_KEY, home, load, load_or_create
 
-    print(load(args.file).id)
+    if args.file:
+        print(load(args.file).id)
+        return EXIT_OK
+    path = home() / CLIENT_KEY
+    made = not path.exists()
+    identity = load_or_create(path)
+    if made:
+        print(f"moeshard: made this client's key, {path}", file=sys.stderr)
+    print(identity.id)
     return EXIT_OK
 
 

@@ -181,6 +181,8 @@ class ForwardStream:
                     unsolicited += 1
         except grpc.RpcError:
             pass  # cancelled at the deadline, or the node ended it with an error
+        except ValueError:
+            pass  # grpc's "call error 8": closed meanwhile by the client's end (Ctrl-C)
         finally:
             timer.cancel()
             self.replies.cancel()
