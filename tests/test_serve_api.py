@@ -258,6 +258,51 @@ def test_bad_requests_are_openai_400s(client):
     assert err.value.status_code == 413
 
 
+def _raw(base: str, method: str, path: str, body: dict | None = None):
+    """(status, headers, parsed JSON) of one request with the API key."""
+    conn = http.client.HTTPConnection("127.0.0.1", int(base.rsplit(":", 1)[1]), timeout=30)
+    try:
+        data = json.dumps(body).encode() if body is not None else None
+        conn.request(method, path, data, {"Authorization": f"Bearer {KEY}"})
+        r = conn.getresponse()
+        return r.status, dict(r.getheaders()), json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def test_every_error_has_openais_shape_and_model_is_required(server):
+    """404 and 405 from the router, and a request without "model" (OpenAI requires it), are
+    OpenAI error objects like every other error of the server."""
+    for method, path, status in [("GET", "/v1/nothing", 404), ("DELETE", "/v1/models", 405),
+                                 ("GET", "/v1/completions", 405)]:  # fmt: skip
+        got, headers, body = _raw(server, method, path)
+        assert got == status, (method, path, got, body)
+        assert set(body["error"]) == {"message", "type", "param", "code"}, body
+        assert body["error"]["type"] in ("not_found_error", "invalid_request_error")
+        if status == 405:
+            assert "GET" in headers.get("allow", "") or "POST" in headers.get("allow", "")
+    got, _, body = _raw(server, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+    assert got == 400 and body["error"]["param"] == "model", body
+    assert "'demo'" in body["error"]["message"]
+
+
+def test_a_busy_port_is_one_line_and_exit_2_before_loading(demo):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "coordinator.cli", "serve", str(demo), "--port", str(port)],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"moeshard: error: cannot listen on 127.0.0.1:{port}: Address already in use (another "
+        "server is on it: choose a --port)"
+    ]
+    assert "serving" not in done.stdout + done.stderr
+
+
 def test_the_api_key_is_required(server):
     wrong = openai.OpenAI(base_url=server + "/v1", api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

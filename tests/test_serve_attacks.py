@@ -65,7 +65,9 @@ def post(base: str, path: str, body: bytes, key: str | None = KEY, timeout: floa
 
 def normal(base: str) -> tuple[str, float]:
     """A normal request (8 greedy tokens): its text and how long it took."""
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 8, "temperature": 0}).encode()
+    body = json.dumps(
+        {"model": "demo", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    ).encode()
     status, answer, seconds = post(base, "/v1/completions", body)
     assert status == 200, answer
     return answer["choices"][0]["text"], seconds
@@ -91,7 +93,9 @@ def test_half_open_connections_are_closed_and_requests_answered_meanwhile(server
     want, _ = normal(server)
     port, held = port_of(server), []
     kept = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 8, "temperature": 0}).encode()
+    body = json.dumps(
+        {"model": "demo", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    ).encode()
 
     def on_kept() -> str:
         kept.request("POST", "/v1/completions", body, {"Authorization": f"Bearer {KEY}"})
@@ -202,7 +206,9 @@ def test_huge_prompts_are_refused_before_tokenizing_and_health_keeps_answering(s
     tokenizing alone would take ~2 s, on the event loop in the original server), while
     /health and a normal request keep answering within a second, with the same text."""
     want, _ = normal(server)
-    big = json.dumps({"prompt": "word " * 780_000, "max_tokens": 8}).encode()  # 3.9 MB
+    big = json.dumps(
+        {"model": "demo", "prompt": "word " * 780_000, "max_tokens": 8}
+    ).encode()  # 3.9 MB
     stop, answers = threading.Event(), []
 
     def attacker() -> None:

@@ -307,7 +307,9 @@ class Server:
         """A normal request: its text (None: no answer) and seconds; on a new connection, or
         (`keep`) on the one kept open from the last such request, as a client with a
         connection pool sends it (a new one if there is none or it failed)."""
-        body = json.dumps({"prompt": PROMPT, "max_tokens": 8, "temperature": 0}).encode()
+        body = json.dumps(
+            {"model": "demo", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+        ).encode()
         t0 = time.perf_counter()
         conn = self.kept if keep and self.kept is not None else None
         self.kept = None
@@ -489,7 +491,7 @@ def _statuses(statuses: dict[int, int]) -> str:
 
 def big_prompts(port: int, stop, report) -> None:
     words = "word " * (BIG_PROMPT_BYTES // 5)
-    body = json.dumps({"prompt": words, "max_tokens": 8}).encode()
+    body = json.dumps({"model": "demo", "prompt": words, "max_tokens": 8}).encode()
     _posting(port, stop, report, body, f"prompts of {len(body) / 1e6:.1f} MB", {400, 413})
 
 

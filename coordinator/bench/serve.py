@@ -38,6 +38,8 @@ PROMPTS = [
     "The following example shows",
 ]
 
+SERVED = "bench"  # the name the server is given, and the requests ask for
+
 
 def add_arguments(p) -> None:
     p.add_argument("model", help="model directory")
@@ -99,7 +101,8 @@ def _one(base: str, prompt: str | list[int], tokens: int) -> dict:
     """One streamed greedy completion: its first-token and end times, token count (the usage
     the server reports at the end: a chunk's text may hold no token or several) and the gaps
     between its successive chunks."""
-    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
+    body = {"model": SERVED, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+            "stream": True}  # fmt: skip
     body["stream_options"] = {"include_usage": True}
     request = urllib.request.Request(
         base + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
@@ -205,7 +208,7 @@ def run(args) -> int:
         return _run_engine_only(args, model, levels, requests, ids)
     cmd = [sys.executable, "-m", "coordinator.cli", "serve", args.model, "--port", str(port),
            "--max-batch", str(top), "--max-queue", str(top), "--context", str(args.context),
-           "--no-eos"]  # fmt: skip  # (every request makes all its tokens)
+           "--no-eos", "--name", SERVED]  # fmt: skip  # (every request makes all its tokens)
     if args.ram:
         cmd += ["--ram", args.ram]
     if args.prefill_chunk is not None:

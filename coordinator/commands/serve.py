@@ -119,7 +119,7 @@ def cmd_serve(args) -> int:
         raise MoeshardError("serve needs uvicorn and starlette (pip install moeshard)") from None
     from coordinator.runtime import load_tokenizer
     from coordinator.serve.app import ServerState, create_app
-    from coordinator.serve.connections import serve_http
+    from coordinator.serve.connections import listening_socket, serve_http
     from coordinator.serve.engine import Engine
     from coordinator.serve.engine_process import EngineProcess
     from moe.model.model_dir import ModelDir
@@ -134,10 +134,11 @@ def cmd_serve(args) -> int:
         raise MoeshardError("--max-connections must be >= 1, --max-prompt-chars >= 0")
     if not (args.header_timeout > 0 and args.body_timeout > 0):
         raise MoeshardError("--header-timeout and --body-timeout must be > 0")
-    guard = _connection_guard(args)
     if args.ram and (args.peers or args.discover):
         raise MoeshardError("--ram streams experts from this machine's SSD; not with nodes")
     model = ModelDir(args.model)
+    guard = _connection_guard(args)
+    sock = listening_socket(args.host, args.port)  # a busy port: one line, before loading
     if not (args.peers or args.discover):
         model.require_experts("serve with --peers or --discover, or use the full model directory")
     engine_kwargs = {"max_batch": args.max_batch, "max_queue": args.max_queue}
@@ -163,15 +164,16 @@ def cmd_serve(args) -> int:
         max_prompt_chars=args.max_prompt_chars or 0,
         guard=guard,
     )
+    port = sock.getsockname()[1]  # (--port 0: the one given)
     print(
-        f"serving {state.model_name} on http://{args.host}:{args.port} (OpenAI API at /v1; "
+        f"serving {state.model_name} on http://{args.host}:{port} (OpenAI API at /v1; "
         f"max batch {args.max_batch}, queue {args.max_queue}; connections "
         f"{guard.max_connections}, header timeout {guard.header_timeout:g} s)",
         file=sys.stderr,
         flush=True,
     )
     try:
-        serve_http(create_app(state), args.host, args.port, guard)
+        serve_http(create_app(state), sock, guard)
     finally:
         engine.close()
         close()

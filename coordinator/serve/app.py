@@ -421,6 +421,7 @@ def new_id(prefix: str) -> str:
 def create_app(state: ServerState):
     """The Starlette application over `state` (its engine already running)."""
     from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect
     from starlette.requests import Request as HttpRequest
     from starlette.responses import (
@@ -467,7 +468,12 @@ def create_app(state: ServerState):
             raise BadRequest("the client went away before its request was read") from None
         body = await off_loop(parse_body, bytes(raw))
         model = body.get("model")
-        if model is not None and model != state.model_name:
+        if model is None:  # (OpenAI's API requires it, and its clients always send it)
+            raise BadRequest(
+                f"you must provide a model parameter (this server serves {state.model_name!r})",
+                "model",
+            )
+        if model != state.model_name:
             raise BadRequest(f"model {model!r} is not served here ({state.model_name!r} is)",
                              "model", 404, "not_found_error")  # fmt: skip
         return body
@@ -706,7 +712,22 @@ def create_app(state: ServerState):
         Route("/metrics", metrics, methods=["GET"]),
         Route("/", page, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan(worker))
+
+    async def http_error(request: HttpRequest, exc: HTTPException) -> JSONResponse:
+        """Starlette's own errors (404 for an unknown path, 405 for a method a path does not
+        take) in OpenAI's error shape, as every other error of the server is."""
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        if exc.status_code == 404:
+            message = f"no route {request.url.path} (the API is under /v1)"
+        body = error_body(message, kind, None)
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    return Starlette(
+        routes=routes,
+        lifespan=lifespan(worker),
+        exception_handlers={HTTPException: http_error},
+    )
 
 
 def lifespan(worker: ThreadPoolExecutor):

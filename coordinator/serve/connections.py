@@ -238,9 +238,37 @@ def descriptors_for(max_connections: int) -> int:
     return max(1, min(max_connections, soft - reserve))
 
 
-def serve_http(app, host: str, port: int, guard: ConnectionGuard) -> None:
-    """Run `app` under uvicorn, as `uvicorn.run` does, with the guarded protocol and the
-    accept batch and listen queue above (the queue set after asyncio's `listen`)."""
+def listening_socket(host: str, port: int):
+    """A socket listening on host:port (port 0: a free one), or a MoeshardError saying why
+    not: made before the model is loaded, so that a busy port is one line and exit 2, not a
+    "serving ..." line and a failure after the model's start-up (connections that come
+    meanwhile wait in the listen queue)."""
+    import socket
+
+    from moe.errors import MoeshardError
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise MoeshardError(f"--host {host}: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn does)
+        sock.bind(address)
+        sock.listen(LISTEN_QUEUE)  # (two bound sockets not listening may share a port)
+    except OSError as exc:
+        sock.close()
+        hint = " (another server is on it: choose a --port)" if exc.errno == 98 else ""
+        raise MoeshardError(f"cannot listen on {host}:{port}: {exc.strerror}{hint}") from None
+    return sock
+
+
+def serve_http(app, sock, guard: ConnectionGuard) -> None:
+    """Run `app` on the bound socket `sock` under uvicorn, as `uvicorn.run` does, with the
+    guarded protocol and the accept batch and listen queue above (the queue set after
+    asyncio's `listen`)."""
     import gc
     import socket
 
@@ -261,13 +289,14 @@ def serve_http(app, host: str, port: int, guard: ConnectionGuard) -> None:
                     with socket.fromfd(sock.fileno(), sock.family, sock.type) as dup:
                         dup.listen(LISTEN_QUEUE)
 
+    host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
         app, host=host, port=port, log_level="warning", http=guarded_protocol(guard),
         backlog=ACCEPTS_PER_PASS,
     )  # fmt: skip
     server = Server(config)
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass
     if not server.started:
