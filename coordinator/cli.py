@@ -99,7 +99,27 @@ class Parser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         self._filled()
+        if self._subparsers is None:  # a command's own options: which given ones are not
+            given = sys.argv[1:] if args is None else args
+            known = list(self._option_string_actions)  # (argparse takes unique prefixes too)
+            self._unknown = [
+                a for a in given
+                if a.startswith("--") and not any(k.startswith(a.split("=")[0]) for k in known)
+            ]  # fmt: skip
         return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        """An option the command does not have is named first (argparse would complain of a
+        required option missing before it names a misspelled one: `--promt`), with the
+        nearest one it has."""
+        unknown = getattr(self, "_unknown", [])
+        if unknown:
+            import difflib
+
+            name = unknown[0].split("=")[0]
+            near = difflib.get_close_matches(name, list(self._option_string_actions), 1)
+            message = f"unknown option {name}" + (f" (did you mean {near[0]}?)" if near else "")
+        super().error(message)
 
     def format_help(self) -> str:
         self._filled()

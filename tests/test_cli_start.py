@@ -64,3 +64,22 @@ def test_keygen_makes_its_directory_and_never_overwrites(tmp_path, capsys):
     assert key.exists() and len(made.strip()) == 26
     assert main(["keygen", str(key)]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+def test_a_misspelled_option_is_named_before_a_missing_required_one(capsys):
+    from coordinator.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "out/demo", "--promt", "hi"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "moeshard generate: error: unknown option --promt (did you mean --prompt?)"
+
+
+def test_a_hugging_face_checkpoint_is_told_to_be_converted_first(capsys):
+    from coordinator.cli import main
+
+    checkpoint = ROOT / "models" / "demo-hf"
+    assert main(["generate", str(checkpoint), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert f"a Hugging Face checkpoint, to convert first: moeshard convert {checkpoint}" in err

@@ -89,11 +89,28 @@ def write_manifest(directory: Path, manifest: dict) -> None:
     os.replace(tmp, Path(directory) / MANIFEST)
 
 
+def _hint(directory: Path) -> str:
+    """What to do with a directory that is no model directory, when it looks like one thing
+    a user may hand over instead."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return "" if directory.exists() else ": no such directory"
+    if (directory / "config.json").exists() and any(directory.glob("*.safetensors")):
+        return (
+            f": a Hugging Face checkpoint, to convert first: moeshard convert {directory} MODEL_DIR"
+        )
+    if any(directory.glob("*.gguf")):
+        return ": a GGUF file's directory; moeshard reads Hugging Face checkpoints (convert)"
+    return ""
+
+
 def read_manifest(directory: Path) -> dict:
     """The manifest of a model or shard directory, checked for version and required keys."""
     path = Path(directory) / MANIFEST
     if not path.exists():
-        raise StoreError(f"{directory}: not a moeshard model directory (no {MANIFEST})")
+        raise StoreError(
+            f"{directory}: not a moeshard model directory (no {MANIFEST}){_hint(directory)}"
+        )
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
