@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from coordinator.remote.config import RemoteConfig, RemoteError
+from coordinator.remote.reach import why_unreachable
 from coordinator.remote.reputation import rank_weight
 from coordinator.remote.transport import ForwardStream, PeerSpec, PinError, Watchdog, dial
 from moe.identity.signed import check_info
@@ -124,7 +125,8 @@ class PeerSet:
             self._connect(spec)
         if not any(p.up for p in self.peers):
             for peer in self.peers:
-                self.ignored.setdefault(peer.addr, "unreachable")
+                why = why_unreachable(peer.addr, self.tls is not None, config.connect_timeout_s)
+                self.ignored.setdefault(peer.addr, why)
                 peer.close()
             reasons = "; ".join(f"{a}: {r}" for a, r in self.ignored.items()) or "none given"
             raise RemoteError(f"no usable expert nodes ({reasons})")
