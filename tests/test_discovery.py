@@ -178,6 +178,13 @@ def test_cluster_report_waits_for_the_expected_nodes_and_flags_missing_experts(
     assert full.returncode == 0, full.stderr
     assert all(n.node_id in full.stdout for n in cluster)
     assert "0 with 0 live replicas" in full.stdout
+    listed = run([*cli, "--discover", "--expect", "3", "--discover-timeout", "1", "--peers-list",
+                  *key])  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    specs = listed.stdout.strip().split(",")  # what --peers takes, for the next command
+    assert sorted(specs) == sorted(str(n.spec) for n in cluster), listed.stdout
+    again = run([*cli, "--peers", listed.stdout.strip(), "--peers-list", *key])
+    assert again.returncode == 0 and sorted(again.stdout.strip().split(",")) == sorted(specs)
     one = run([*cli, "--peers", str(cluster[0].spec), *key])
     assert one.returncode == 3 and "have no live node" in one.stderr
     missing = run([*cli, "--discover", "--expect", "9", "--discover-timeout", "0.5", *key])

@@ -281,7 +281,13 @@ def add_cluster(sub) -> None:
         help="reputation database to show each node's record from (default: reputation.sqlite "
         "in $MOESHARD_HOME or ~/.config/moeshard, if there is one)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    out.add_argument(
+        "--peers-list",
+        action="store_true",
+        help="print only the live nodes as ID@HOST:PORT,... (what --peers takes), on one line",
+    )
     p.set_defaults(func=cmd_cluster)
 
 
@@ -391,7 +397,11 @@ def cmd_cluster(args) -> int:
         report = cluster_report(model, peers, config, reputation=reputation)
     finally:
         reputation.close()
-    print(json.dumps(report, indent=2) if args.json else format_cluster(report))
+    if args.peers_list:
+        live = [n for n in report["nodes"] if n["up"]]
+        print(",".join(f"{n['node_id']}@{n['addr']}" if n["node_id"] else n["addr"] for n in live))
+    else:
+        print(json.dumps(report, indent=2) if args.json else format_cluster(report))
     uncovered = report["coverage"]["0"]
     if uncovered:
         print(f"moeshard: {uncovered} experts have no live node", file=sys.stderr)
