@@ -7,10 +7,12 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -571,3 +573,25 @@ def test_a_queued_request_whose_client_hangs_up_leaves_the_queue(demo, stream):
         assert health(base)["engine"]["finished"] == {"cancelled": 3}
         assert metrics(base)["moeshard_prompt_tokens_total", ()] == 4  # the first's alone
         assert metrics(base).get(("moeshard_requests_rejected_total", ()), 0) == 0
+
+
+def test_ctrl_c_at_any_moment_of_serve_leaves_no_traceback(demo):
+    """SIGINT while serve starts and once it serves: 130 and "moeshard: interrupted", or
+    (once uvicorn has taken the signal over) a normal stop, 0; never a traceback or a hang."""
+    cmd = [sys.executable, "-m", "coordinator.cli", "serve", str(demo), "--port", "0"]
+    for moment in (0.1, 0.6, "serving"):
+        proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        try:
+            if moment == "serving":  # its one line on stderr says it serves
+                line = proc.stderr.readline()
+                assert line.startswith("serving "), line
+            else:
+                time.sleep(moment)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+        assert "Traceback" not in err, (moment, err)
+        assert proc.returncode in (0, 130), (moment, proc.returncode, err)  # stopped, or
+        if proc.returncode == 130:  # interrupted before uvicorn took the signal over
+            assert err.strip().splitlines()[-1] == "moeshard: interrupted", (moment, err)
