@@ -46,7 +46,10 @@ moeshard shard "$model" --nodes 3 --replicas 2 --out "$shards" --force >/dev/nul
 # Compile the kernels once (numba keeps them in its disk cache) before four processes would
 # each compile them at the same time: on a fresh clone that is 1-2 minutes of one process
 # instead of several minutes of four, and the nodes then start serving in about a second.
+echo "demo: compiling the kernels (first run only: numba keeps them in its disk cache)..." >&2
+started=$SECONDS
 "$py" -c "from moe.kernels import quant; from moe.model import fused; quant.warmup(); fused.warmup()"
+echo "demo: kernels ready in $((SECONDS - started)) s; starting 3 nodes" >&2
 for i in 0 1 2; do
     port=$((base_port + i))
     # the python process itself in the background (not a function's subshell), so that
