@@ -31,6 +31,7 @@ from moe.storage import merkle
 from moe.storage.io import copy_file
 from moe.storage.manifest import (
     FORMAT_VERSION,
+    SHARD_MAX_BYTES,
     TRUNK_FILE,
     config_digest,
     content_id,
@@ -46,7 +47,6 @@ EXPERT_FORMATS = ("f32", "bf16", "q8_0", "q4_0", "mxfp4")
 TRUNK_FORMATS = ("f32", "bf16", "q8_0")
 DEFAULT_EXPERT_FORMAT = "q4_0"
 DEFAULT_TRUNK_FORMAT = "bf16"
-SHARD_MAX_BYTES = 4 << 30  # a new expert shard file starts at the next layer past this size
 COPIED_FILES = (
     "config.json",
     "generation_config.json",

@@ -33,6 +33,7 @@ from moe.storage.manifest import (
     FORMAT_VERSION,
     ROLE_COORDINATOR,
     ROLE_NODE,
+    SHARD_MAX_BYTES,
     TRUNK_FILE,
     write_manifest,
 )
@@ -44,7 +45,6 @@ COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
 # (configs, tokenizer, the chat template in tokenizer_config.json) and the roots
 COORDINATOR_DIR = "coordinator"
 COORDINATOR_FILES = (TRUNK_FILE, *MODEL_FILES, ROOTS_FILE)
-SHARD_MAX_BYTES = 2 << 30  # one shard file holds at most this many record bytes
 
 
 def read_trace(path: str | Path, keys, model_id: str | None = None) -> dict[tuple[int, int], float]:

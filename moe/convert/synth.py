@@ -39,6 +39,7 @@ from moe.storage import merkle
 from moe.storage.io import write_file
 from moe.storage.manifest import (
     FORMAT_VERSION,
+    SHARD_MAX_BYTES,
     TRUNK_FILE,
     config_digest,
     content_id,
@@ -49,8 +50,6 @@ from moe.storage.shards import ShardWriter
 from moe.storage.trunk_file import TrunkWriter, as_matrix
 
 log = logging.getLogger(__name__)
-
-SHARD_MAX_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)

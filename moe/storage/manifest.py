@@ -33,6 +33,7 @@ from moe.storage.io import write_file
 
 # 2: q4_0/q8_0 matrices in interleaved groups of eight rows (`moe.kernels.quant`)
 FORMAT_VERSION = 2
+SHARD_MAX_BYTES = 4 << 30  # an expert shard file holds at most about this many record bytes
 MANIFEST = "moeshard.json"
 TRUNK_FILE = "trunk.gguf"
 PLACEHOLDER_ID = "0" * 64  # the model id written first and replaced once the data is hashed
