@@ -444,7 +444,7 @@ def test_the_work_gate_queues_in_order_and_refuses_at_once_when_full():
     with pytest.raises(Busy, match="node busy"):  # the queue is full of its own: refused at once
         with gate.hold(one, 1, 5):
             pass
-    assert time.perf_counter() - t0 < 0.1
+    assert time.perf_counter() - t0 < 2.5  # not after its 5 s wait (a loaded CI: no tighter)
     release.set()
     for thread in threads:
         thread.join()

@@ -141,7 +141,7 @@ def test_the_deadline_covers_the_whole_stream(model, honest):
         t0 = time.perf_counter()
         err = refused(lambda: fetch(stub, model, (1, 0), timeout_s=0.002))
         assert (err.code, err.evidence) == ("DEADLINE_EXCEEDED", False), err.why
-        assert time.perf_counter() - t0 < 0.5
+        assert time.perf_counter() - t0 < 5.0  # the 2 ms deadline, not the 10 s default
 
 
 def test_the_buffer_must_take_the_record():
