@@ -74,6 +74,7 @@ class FairGate:
         self.free, self.queue, self.what = slots, queue, what
         self.big_free = slots if big_slots is None else big_slots
         self.waiting: list[_Waiter] = []
+        self.left = threading.Condition(self.lock)  # notified when a waiter leaves `waiting`
         self.vtime = 0.0  # the start tag of the last holder let in (address level)
         self.addr_finish: dict[str, float] = {}  # address -> finish tag of its last holder
         self.addr_vtime: dict[str, float] = {}  # address -> key-level virtual time
@@ -108,7 +109,14 @@ class FairGate:
                 return
             if waiter in self.waiting:
                 self.waiting.remove(waiter)
+                self.left.notify_all()
         raise Busy(waiter.refused or f"node busy: no {self.what} slot within {wait_s:.3g} s")
+
+    def wait_none_waiting(self, flow: Flow, wait_s: float) -> bool:
+        """Wait (at most `wait_s`) until no request of `flow` waits for a place; False if one
+        still does."""
+        with self.left:
+            return self.left.wait_for(lambda: all(w.flow != flow for w in self.waiting), wait_s)
 
     def _leave(self, big: bool) -> None:
         with self.lock:
@@ -121,6 +129,7 @@ class FairGate:
                 self.waiting.remove(nxt)
                 self._grant(nxt)
                 nxt.event.set()
+                self.left.notify_all()
 
     # -- under self.lock ------------------------------------------------------------------------
 
@@ -165,6 +174,7 @@ class FairGate:
             raise Busy(f"node busy: {len(self.waiting)} requests already wait for {self.what}")
         victim = max((w for w in self.waiting if w.flow == top), key=lambda w: w.seq)
         self.waiting.remove(victim)
+        self.left.notify_all()
         victim.refused = (
             f"node busy: dropped from the {self.what} queue for a client with fewer requests "
             f"waiting"

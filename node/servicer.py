@@ -220,6 +220,8 @@ class ExpertNodeServicer:
             with self._refusals(context):
                 client = self._caller(context)
                 with self.guard.admit(client, kind, context.peer()) as handle:
+                    if kind == "call":  # (a Forward: read once this client has no other waiting)
+                        self.guard.before_reading(handle.flow, context.time_remaining(), handle)
                     request = self.guard.read(requests, handle=handle)
                     if request is None:
                         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "no request message")
@@ -312,7 +314,11 @@ class ExpertNodeServicer:
         with self._refusals(context):
             client = self._caller(context)
             with self.guard.admit(client, "stream", context.peer()) as handle:
-                while (raw := self.guard.read(requests, handle=handle)) is not None:
+                while True:
+                    self.guard.before_reading(handle.flow, handle=handle)  # (see its docstring)
+                    raw = self.guard.read(requests, handle=handle)
+                    if raw is None:
+                        break
                     self.guard.charge(client)
                     rows = self._wire_rows(raw)
                     with self.guard.computing(handle.flow, rows):

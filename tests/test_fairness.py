@@ -125,3 +125,34 @@ def test_a_big_request_leaves_a_place_for_small_ones():
 def test_flows_count_ipv6_by_its_64(peer, want):
     assert flow_of("k", peer) == Flow(want, "k")
     assert flow_of("", peer).key == peer  # no identity: the whole peer string is the key
+
+
+def test_a_flows_next_request_waits_unread_while_one_of_its_own_waits():
+    """`Guard.before_reading`: while a request of a flow waits for a compute place, that
+    flow's next message is not read (another flow's is); it is read once the waiting one is
+    let in, or refused "node busy" unread after the queue wait."""
+    from node.limits import Guard, Limits, Refused
+
+    guard = Guard(Limits(max_active=1, max_queue=4, queue_wait_s=0.5).resolve(1 << 30, 1024, 4))
+    greedy, other = Flow("198.51.100.7", "greedy"), Flow("203.0.113.9", "other")
+    release, holding = threading.Event(), threading.Event()
+
+    def hold(flow) -> None:
+        with guard.work.hold(flow, 1, 10):  # (waits longer than before_reading's 0.5 s)
+            holding.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold, args=(greedy,))
+    holder.start()
+    holding.wait(5)
+    waiter = threading.Thread(target=hold, args=(greedy,))  # queued behind the holder
+    waiter.start()
+    wait_until(lambda: guard.work.waiting, 5, what="the greedy flow's second request to queue")
+    guard.before_reading(other)  # another flow: read at once
+    with pytest.raises(Refused, match="earlier request still waits"):
+        guard.before_reading(greedy)  # its own waits: not read, then refused
+    release.set()
+    wait_until(lambda: not guard.work.waiting, 5, what="the waiter let in")
+    guard.before_reading(greedy)  # nothing of its own waits any more
+    holder.join()
+    waiter.join()

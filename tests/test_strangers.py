@@ -93,7 +93,9 @@ def test_large_requests_from_many_keys_do_not_starve_a_small_one(
     public_node, cluster_model, cluster_reference, tmp_path
 ):
     """8 keys keep 16 Forwards of the most rows the node takes in flight, more than its queue
-    holds; an honest generation through it is never refused and gives the reference tokens."""
+    holds; an honest generation through it is never refused and gives the reference tokens.
+    The strangers' calls beyond one waiting per key wait unread (`Guard.before_reading`), and
+    theirs are computed too, in their turn."""
     stubs = strangers(public_node, 8, tmp_path)
     info = stubs[0].Info(pb.InfoRequest(), timeout=10)
     big = forward_request(info, info.max_rows, layer=min(h.layer for h in info.holdings))
@@ -119,7 +121,7 @@ def test_large_requests_from_many_keys_do_not_starve_a_small_one(
             t.join()
     assert tokens == cluster_reference.tokens
     assert peer.failures == 0 and peer.busy == 0  # never refused: fair tags let it in
-    assert grpc.StatusCode.RESOURCE_EXHAUSTED in seen  # while the strangers were refused
+    assert OK in seen  # the strangers were served too, in their turn
 
 
 def test_streams_that_never_read_are_bounded_and_ended(
