@@ -8,9 +8,11 @@ A node keeps serving well-behaved clients whatever a few others do:
   be over CHUNK_ROWS rows, so a small request always finds a place), `max_queue` more wait
   their turn (at most `queue_wait_s`), let in by fair tags per client (`node.fairness`); when
   the queue is full the largest client's newest waiter gives way to a smaller client, else the
-  newcomer is refused with RESOURCE_EXHAUSTED "node busy". Compute itself goes in turns of at
-  most CHUNK_ROWS rows, also by fair tags, so one client's large request delays another's small
-  one by a chunk, not by the whole request;
+  newcomer is refused with RESOURCE_EXHAUSTED "node busy". A client's next Forward is read
+  only once none of its own waits in that queue (`Guard.before_reading`), so a client sending
+  faster than the node computes for it is held by HTTP/2 flow control, not received and then
+  refused. Compute itself goes in turns of at most CHUNK_ROWS rows, also by fair tags, so one
+  client's large request delays another's small one by a chunk, not by the whole request;
 - calls: at most `max_calls` unary calls and `max_streams` ForwardStreams are open at once, and a
   client (its key's id; its address under --insecure) has at most `per_client` of them together.
   When a pool is full, a call or stream that has waited for its next message for EVICT_IDLE_S
