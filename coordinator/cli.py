@@ -8,13 +8,26 @@ the parser and maps errors to exit codes."""
 
 from __future__ import annotations
 
-import argparse
-import importlib
+import signal
 import sys
-import textwrap
-from functools import partial
 
-from coordinator.commands import (
+
+def quiet_interrupt(signum, frame) -> None:
+    """Ctrl-C while the program's modules are imported: one line and 130, no traceback
+    (`main` gives SIGINT back to Python once the command line is read)."""
+    print("moeshard: interrupted", file=sys.stderr)
+    raise SystemExit(130)
+
+
+if __name__ == "__main__":  # `python -m coordinator.cli` (the `moeshard` script: entry.py)
+    signal.signal(signal.SIGINT, quiet_interrupt)
+
+import argparse  # noqa: E402
+import importlib  # noqa: E402
+import textwrap  # noqa: E402
+from functools import partial  # noqa: E402
+
+from coordinator.commands import (  # noqa: E402
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
     EXIT_OK,
@@ -28,7 +41,7 @@ from coordinator.commands import (
     serve,
     traces,
 )
-from moe.errors import MoeshardError, Terminated
+from moe.errors import MoeshardError, Terminated  # noqa: E402
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -219,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("moeshard: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    if signal.getsignal(signal.SIGINT) is quiet_interrupt:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the command's own handling
     try:
         configure_process(args)
         return args.func(args)

@@ -85,6 +85,7 @@ class NameRecords:
     """The records heard under one instance name (from anyone answering for it)."""
 
     first_seen: float
+    promised: bool = False  # its SRV was heard with its PTR (a responder, not a bare name)
     txts: deque = field(default_factory=lambda: deque(maxlen=MAX_PER_NAME))  # TXT payloads
     srvs: deque = field(default_factory=lambda: deque(maxlen=MAX_PER_NAME))  # (port, host key)
 
@@ -136,21 +137,35 @@ class Records(RecordUpdateListener):
         """Follow `name` and query its records for up to `resolve_s`; False if the table is
         full of names that answered (then the newcomer is dropped, and counted)."""
         key = name.lower()
+        promised = self._srv_heard(name)
         with self.lock:
             if key in self.names:
                 return True
             if len(self.names) >= MAX_NAMES:
-                silent = next((k for k, r in self.names.items() if not r.answered), None)
+                silent = next(
+                    (k for k, r in self.names.items() if not r.answered and not r.promised), None
+                )
                 if silent is None:
                     self.dropped += 1
                     return False
                 del self.names[silent], self.display[silent]  # the oldest that never answered
-            self.names[key] = NameRecords(time.monotonic())
+            self.names[key] = NameRecords(time.monotonic(), promised)
             self.display[key] = name
         asking = asyncio.run_coroutine_threadsafe(self._ask(name, resolve_s), self.zc.loop)
         with self.lock:
             self.asking = {f for f in self.asking if not f.done()} | {asking}
         return True
+
+    def _srv_heard(self, name: str) -> bool:
+        """Whether zeroconf's cache holds an SRV record of `name` already. A node answers a
+        browse with its PTR, SRV and TXT in one packet, so its name has one when the browser
+        reports it; a flood of bare PTR names has none. Such a name is not evicted as silent
+        before its records are taken from the cache on the event loop, which, busy with the
+        flood, may come after hundreds of newer names (a real node went missing so)."""
+        try:
+            return bool(self.zc.cache.get_all_by_details(name, _TYPE_SRV, _CLASS_IN))
+        except RuntimeError:  # (the cache changed under the read: as if not heard)
+            return False
 
     async def _ask(self, name: str, resolve_s: float) -> None:
         """Take what zeroconf's cache already holds for `name`, then query the network for
