@@ -22,16 +22,14 @@ RUN apt-get update -qq \
     && mkdir -p /data /shards /claims /client /checkpoints "$NUMBA_CACHE_DIR" \
     && chown moeshard /data /shards /claims /client "$NUMBA_CACHE_DIR"
 # The package first (dependencies change rarely), then the demo inputs and the role scripts.
-# It is built from /tmp/src and the sources dropped, so the only `moe` is the installed one:
-# numba keys its cache on the source file's path, and a warm-up importing ./moe (python -c puts
+# It is built from /tmp/src and the sources dropped, so the only `moeshard` is the installed one:
+# numba keys its cache on the source file's path, and a warm-up importing ./moeshard (python -c puts
 # the working directory first on sys.path) would fill a cache the installed package never reads.
 COPY pyproject.toml README.md /tmp/src/
-COPY moe /tmp/src/moe
-COPY node /tmp/src/node
-COPY coordinator /tmp/src/coordinator
+COPY moeshard /tmp/src/moeshard
 RUN pip install /tmp/src \
     && rm -rf /tmp/src \
-    && python -c "from moe.kernels import quant; from moe.model import fused; \
+    && python -c "from moeshard.moe.kernels import quant; from moeshard.moe.model import fused; \
 print(f'numba kernels compiled in {quant.warmup() + fused.warmup():.1f} s')" \
     && chown -R moeshard "$NUMBA_CACHE_DIR"
 # The numba kernels are compiled above into $NUMBA_CACHE_DIR, keyed by the installed source

@@ -9,7 +9,7 @@ DEMO_SRC := models/demo-hf
 DEMO_OUT := out/demo
 PROMPT ?= The function returns
 
-.PHONY: all test lint demo demo-local demo-ppl k3-demo serve-demo fixtures ref-venv proto clean \
+.PHONY: all test lint demo demo-local demo-ppl k3-demo serve-demo fixtures ref-venv proto clean readme results \
 	testbed compose-check compose-test
 
 all: test
@@ -23,8 +23,8 @@ $(VENV)/.stamp: pyproject.toml
 venv: $(VENV)/.stamp
 
 lint: $(VENV)/.stamp
-	$(VENV)/bin/ruff check moe node coordinator tests tools
-	$(VENV)/bin/ruff format --check moe node coordinator tests tools
+	$(VENV)/bin/ruff check moeshard tests tools
+	$(VENV)/bin/ruff format --check moeshard tests tools
 	$(VENV)/bin/lint-imports  # the dependency rule: pyproject.toml [tool.importlinter]
 
 test: $(VENV)/.stamp lint
@@ -76,11 +76,11 @@ demo-ppl: $(VENV)/.stamp
 	$(VENV)/bin/moeshard perplexity $(DEMO_SRC) --text $(DEMO_SRC)/val.txt --experts f32,q4_0
 
 # Regenerate the committed protobuf/gRPC modules (tests/test_wire.py checks they are current).
-PROTO_OUT ?= moe/wire
+PROTO_OUT ?= moeshard/moe/wire
 proto: $(VENV)/.stamp
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) \
 		proto/moeshard.proto proto/health.proto
-	sed -i -E 's/^import (moeshard|health)_pb2 as/from moe.wire import \1_pb2 as/' \
+	sed -i -E 's/^import (moeshard|health)_pb2 as/from moeshard.moe.wire import \1_pb2 as/' \
 		$(PROTO_OUT)/moeshard_pb2_grpc.py $(PROTO_OUT)/health_pb2_grpc.py
 
 # Coordinator + 3 nodes in network namespaces on one bridge: zeroconf discovery, faults, latency
@@ -99,3 +99,12 @@ compose-test: $(VENV)/.stamp
 
 clean:
 	rm -rf out build *.egg-info
+
+# The README's runnable blocks (```sh run / ```python run), top to bottom as a reader would.
+readme: $(VENV)/.stamp
+	$(PY) tools/run_readme.py README.md
+
+# Re-run the commands of docs/results.md's generated blocks and write their output in place
+# (several minutes: benches on the demo model). RESULTS_ONLY=TEXT: only blocks naming TEXT.
+results: $(DEMO_OUT)/moeshard.json
+	$(PY) tools/update_results.py docs/results.md $(if $(RESULTS_ONLY),--only "$(RESULTS_ONLY)")

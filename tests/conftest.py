@@ -8,15 +8,26 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from helpers import PROMPT, TOKENS, checkpoint_in_dialect, start_nodes
+from helpers import PROMPT, ROOT, TOKENS, checkpoint_in_dialect, start_nodes
 
-from coordinator.generate import SamplingOptions, generate
-from coordinator.runtime import open_local
-from moe.convert.converter import convert
-from moe.convert.placement import shard_model
+from moeshard.coordinator.generate import SamplingOptions, generate
+from moeshard.coordinator.runtime import open_local
+from moeshard.moe.convert.converter import convert
+from moeshard.moe.convert.placement import shard_model
 
 # Keys, ledgers and reputations the tests' processes make by default stay out of the real home.
 os.environ["MOESHARD_HOME"] = tempfile.mkdtemp(prefix="moeshard-test-home-")
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory) -> Path:
+    """The committed demo model (models/demo-hf) converted as `make demo` converts it (q4_0
+    experts, bf16 trunk), once for the session. Tests read it and never change it; one that
+    changes a model directory converts or copies its own. (A module that wants the model
+    open overrides this fixture with its own `demo(demo)`.)"""
+    out = tmp_path_factory.mktemp("demo") / "model"
+    convert(ROOT / "models" / "demo-hf", out, progress=False)
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -23,12 +23,12 @@ from typing import TypeVar
 
 import numpy as np
 
-from coordinator.remote.config import RemoteConfig
-from coordinator.remote.experts import RemoteExperts
-from coordinator.remote.transport import PeerSpec
-from moe.identity.keys import Identity, generate
-from moe.kernels import quant
-from moe.model.model_dir import ModelDir
+from moeshard.coordinator.remote.config import RemoteConfig
+from moeshard.coordinator.remote.experts import RemoteExperts
+from moeshard.coordinator.remote.transport import PeerSpec
+from moeshard.moe.identity.keys import Identity, generate
+from moeshard.moe.kernels import quant
+from moeshard.moe.model.model_dir import ModelDir
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -173,7 +173,7 @@ class NodeProcess:
         flags: tuple[str, ...] = (),
         allow_any: bool = False,
     ):
-        cmd = [sys.executable, "-X", "faulthandler", "-m", "coordinator.cli", "node", str(path)]
+        cmd = [sys.executable, "-X", "faulthandler", "-m", "moeshard", "node", str(path)]
         cmd += ["--port", str(port)] + ([] if advertise else ["--no-advertise"]) + list(flags)
         cmd += ["--name", name] if name else []
         if insecure:
@@ -281,7 +281,7 @@ def remote_runtime(model_dir, specs, insecure: bool = False, trust_dir=None, **c
 def generate_on_nodes(model_dir, plan: dict, prompt: list[int], opts):
     """Start a node for each of the plan's shard directories, generate through them, stop
     them: (the GenerationResult, each node's call count)."""
-    from coordinator.generate import generate
+    from moeshard.coordinator.generate import generate
 
     nodes = [node_process(n["dir"]) for n in plan["nodes"]]
     try:
@@ -304,7 +304,7 @@ def node_process(
     (`allow`: these ids instead; `allow_any`: every authenticated client; `insecure`)."""
     quant.warmup()  # compile once here into numba's disk cache; the node then just loads it
     node = NodeProcess.__new__(NodeProcess)
-    cmd = [sys.executable, "-X", "faulthandler", "-m", "coordinator.cli", "node", str(path)]
+    cmd = [sys.executable, "-X", "faulthandler", "-m", "moeshard", "node", str(path)]
     cmd += ["--port", "0", "--no-advertise", *flags]
     if insecure or allow_any:
         cmd += ["--insecure" if insecure else "--allow-any"]
@@ -331,3 +331,11 @@ def memory_mib(pid: int) -> dict[str, float]:
 def reset_peak_memory(pid: int) -> None:
     """Start VmHWM over from the current RSS (Linux: clear_refs 5)."""
     Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def moeshard_run(*args, home) -> subprocess.CompletedProcess:
+    """`python -m moeshard ARGS` in a process of its own with `$MOESHARD_HOME` at `home`
+    (its keys, ledgers and reputations kept there), its output captured."""
+    env = dict(os.environ, MOESHARD_HOME=str(home))
+    cmd = [sys.executable, "-m", "moeshard", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)

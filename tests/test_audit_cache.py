@@ -1,5 +1,5 @@
 """The audit cache (`coordinator/remote/records.py`) and the recomputation it feeds
-(`moe.experts.compute.recompute_partial_sum`): any grouping of a call's experts into waves
+(`moeshard.moe.experts.compute.recompute_partial_sum`): any grouping of a call's experts into waves
 gives the bits every backend gives; the cache evicts least recently used records, frees a slot
 whose load failed, and two auditor threads using it at once each get their own records."""
 
@@ -10,12 +10,12 @@ import threading
 import numpy as np
 import pytest
 
-from coordinator.remote.records import RecordCache, default_budget
-from moe.experts.compute import recompute_partial_sum
-from moe.experts.local import LocalExperts
-from moe.experts.store import ExpertStore
-from moe.model.model_dir import ModelDir
-from moe.storage.shards import ShardSet
+from moeshard.coordinator.remote.records import RecordCache, default_budget
+from moeshard.moe.experts.compute import recompute_partial_sum
+from moeshard.moe.experts.local import LocalExperts
+from moeshard.moe.experts.store import ExpertStore
+from moeshard.moe.model.model_dir import ModelDir
+from moeshard.moe.storage.shards import ShardSet
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import ROOT
 
-from coordinator.decode import Decoder
-from coordinator.remote.policy import AUDIT_RATE, VETTING_AUDITS, AuditBudget, rate_for
-from coordinator.runtime import open_local
-from coordinator.sampling import SamplingOptions
-from moe.convert.converter import convert
+from moeshard.coordinator.decode import Decoder
+from moeshard.coordinator.remote.policy import AUDIT_RATE, VETTING_AUDITS, AuditBudget, rate_for
+from moeshard.coordinator.runtime import open_local
+from moeshard.coordinator.sampling import SamplingOptions
 
 
 def test_new_and_suspect_nodes_are_audited_on_every_call():
@@ -65,10 +63,9 @@ class _Verifier:
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("decode") / "demo"
-    convert(ROOT / "models" / "demo-hf", out, progress=False)
-    return open_local(out).transformer
+def demo(demo):
+    """The session's demo model, open (this module's own: its tests run it)."""
+    return open_local(demo).transformer
 
 
 def _run(decoder, seq, steps):

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 
-from coordinator.cli import main
-from moe.errors import MoeshardError
-from moe.storage import traces
+from moeshard.cli import main
+from moeshard.moe.errors import MoeshardError
+from moeshard.moe.storage import traces
 
 DEMO = ROOT / "models" / "demo-hf"
 

@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import ROOT
 
-from coordinator.runtime import open_local
-from moe.convert.converter import convert
-from moe.kernels import quant
+from moeshard.coordinator.runtime import open_local
+from moeshard.moe.kernels import quant
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("batching") / "demo"
-    convert(ROOT / "models" / "demo-hf", out, progress=False)
-    return open_local(out).transformer
+def demo(demo):
+    """The session's demo model, open (this module's own: its tests run it)."""
+    return open_local(demo).transformer
 
 
 def alone(model, steps):
@@ -59,7 +56,7 @@ def test_a_sequence_in_a_batch_gets_its_alone_bits(demo, attention, monkeypatch)
 
 @pytest.fixture(scope="module")
 def k3(tmp_path_factory):
-    from moe.convert.synth import synth
+    from moeshard.moe.convert.synth import synth
 
     out = tmp_path_factory.mktemp("batching") / "k3"
     synth(out, "k3")  # MXFP4 experts, every K3 part

@@ -10,11 +10,11 @@ import sys
 import pytest
 from helpers import ROOT
 
-from coordinator.chat import chat_prompt, k3_prompt
-from coordinator.tokenizer import load as load_text_tokenizer
-from moe.convert.converter import convert
-from moe.convert.synth import synth
-from moe.errors import MoeshardError
+from moeshard.coordinator.chat import chat_prompt, k3_prompt
+from moeshard.coordinator.tokenizer import load as load_text_tokenizer
+from moeshard.moe.convert.converter import convert
+from moeshard.moe.convert.synth import synth
+from moeshard.moe.errors import MoeshardError
 
 # ChatML as Qwen publishes it (the common shape: a loop over messages, a generation prompt)
 CHATML = (
@@ -88,7 +88,7 @@ def test_generate_chat_on_a_k3_encodes_the_turn_markers_as_special_tokens(tmp_pa
     synth(tmp_path / "ckpt", "k3", checkpoint=True)
     convert(tmp_path / "ckpt", tmp_path / "model", progress=False)
     model = tmp_path / "model"
-    cmd = [sys.executable, "-m", "coordinator.cli", "generate", str(model), "--max-tokens", "1"]
+    cmd = [sys.executable, "-m", "moeshard", "generate", str(model), "--max-tokens", "1"]
     out = subprocess.run(
         [*cmd, "--prompt", "Hi?", "--chat", "--system", "Be brief.", "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,

@@ -8,8 +8,8 @@ import argparse
 
 import pytest
 
-from coordinator.cli import build_parser
-from moe.convert.converter import DEFAULT_EXPERT_FORMAT, DEFAULT_TRUNK_FORMAT
+from moeshard.cli import build_parser
+from moeshard.moe.convert.converter import DEFAULT_EXPERT_FORMAT, DEFAULT_TRUNK_FORMAT
 
 
 def _parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("moeshard",)):

@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
-from coordinator.cli import main
+from moeshard.cli import main
 
 DEMO = ROOT / "models" / "demo-hf"
 # what a checkpoint copy needs (the demo's loss.png, train_log.json and val.txt are left out)

@@ -25,7 +25,7 @@ def _run(code: str, env: dict | None = None) -> subprocess.CompletedProcess:
 )
 def test_help_and_version_import_nothing_heavy(argv):
     code = (
-        "import sys\nfrom coordinator.cli import main\n"
+        "import sys\nfrom moeshard.cli import main\n"
         f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
         f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
     )
@@ -35,12 +35,12 @@ def test_help_and_version_import_nothing_heavy(argv):
 
 
 def test_version_names_the_installed_distribution():
-    done = _run("from coordinator.cli import main; main(['--version'])")
+    done = _run("from moeshard.cli import main; main(['--version'])")
     assert done.stdout.startswith("moeshard ") and done.returncode == 0, done
 
 
 def test_id_makes_the_client_key_on_first_use_then_reads_it(tmp_path, capsys, monkeypatch):
-    from coordinator.cli import main
+    from moeshard.cli import main
 
     home = tmp_path / "no" / "such" / "home"
     monkeypatch.setenv("MOESHARD_HOME", str(home))
@@ -56,7 +56,7 @@ def test_id_makes_the_client_key_on_first_use_then_reads_it(tmp_path, capsys, mo
 
 
 def test_keygen_makes_its_directory_and_never_overwrites(tmp_path, capsys):
-    from coordinator.cli import main
+    from moeshard.cli import main
 
     key = tmp_path / "a" / "b" / "node.pem"
     assert main(["keygen", str(key)]) == 0
@@ -67,7 +67,7 @@ def test_keygen_makes_its_directory_and_never_overwrites(tmp_path, capsys):
 
 
 def test_a_misspelled_option_is_named_before_a_missing_required_one(capsys):
-    from coordinator.cli import main
+    from moeshard.cli import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["generate", "out/demo", "--promt", "hi"])
@@ -77,7 +77,7 @@ def test_a_misspelled_option_is_named_before_a_missing_required_one(capsys):
 
 
 def test_a_hugging_face_checkpoint_is_told_to_be_converted_first(capsys):
-    from coordinator.cli import main
+    from moeshard.cli import main
 
     checkpoint = ROOT / "models" / "demo-hf"
     assert main(["generate", str(checkpoint), "--prompt", "hi"]) == 2

@@ -28,16 +28,16 @@ from helpers import (
     wait_until,
 )
 
-from coordinator.generate import SamplingOptions, generate
-from coordinator.remote.config import RemoteError
-from coordinator.runtime import open_local
-from moe.convert.placement import shard_model
-from moe.kernels import quant
-from moe.model.model_dir import ModelDir
-from moe.storage.shards import ShardFile
-from moe.wire import codec
-from moe.wire import moeshard_pb2 as pb
-from moe.wire import moeshard_pb2_grpc as pb_grpc
+from moeshard.coordinator.generate import SamplingOptions, generate
+from moeshard.coordinator.remote.config import RemoteError
+from moeshard.coordinator.runtime import open_local
+from moeshard.moe.convert.placement import shard_model
+from moeshard.moe.kernels import quant
+from moeshard.moe.model.model_dir import ModelDir
+from moeshard.moe.storage.shards import ShardFile
+from moeshard.moe.wire import codec
+from moeshard.moe.wire import moeshard_pb2 as pb
+from moeshard.moe.wire import moeshard_pb2_grpc as pb_grpc
 
 # -- placement -----------------------------------------------------------------------------
 
@@ -103,7 +103,7 @@ def test_many_experts_per_token_give_the_same_bits_as_one_machine(tmp_path):
     another model: its own conversion, with its own id, on its own nodes.)"""
     import shutil
 
-    from moe.convert.converter import convert
+    from moeshard.moe.convert.converter import convert
 
     src = tmp_path / "top4-hf"
     shutil.copytree(FIXTURES / "qwen3_moe", src)
@@ -232,7 +232,7 @@ def test_sigterm_finishes_in_flight_calls_and_exits_0(cluster_model):
 def test_health_command(cluster, tmp_path):
     """Over TLS with a client key of its own (not on the node's allow list: health is
     answered to every authenticated client); the node's id is shown and can be pinned."""
-    cli = [sys.executable, "-m", "coordinator.cli", "health"]
+    cli = [sys.executable, "-m", "moeshard", "health"]
     env = dict(os.environ, MOESHARD_HOME=str(tmp_path))
     run = functools.partial(subprocess.run, capture_output=True, text=True, cwd=ROOT, env=env)
     ok = run([*cli, cluster[0].addr])

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from helpers import PROMPT, TOKENS, NodeProcess, client_key, remote_runtime
 
-from coordinator.generate import SamplingOptions, generate
-from coordinator.remote.config import UncoveredError
-from coordinator.runtime import open_local
-from coordinator.serve.engine import Engine
-from moe.convert.placement import _write_node_dir
-from moe.model.model_dir import ModelDir
-from node import failpoints
+from moeshard.coordinator.generate import SamplingOptions, generate
+from moeshard.coordinator.remote.config import UncoveredError
+from moeshard.coordinator.runtime import open_local
+from moeshard.coordinator.serve.engine import Engine
+from moeshard.moe.convert.placement import _write_node_dir
+from moeshard.moe.model.model_dir import ModelDir
+from moeshard.node import failpoints
 
 LONG = 24  # tokens
 
@@ -195,18 +195,18 @@ def test_a_node_claiming_another_cpu_gets_no_tolerance(
     """A node that says it runs other kernels on another CPU level used to be compared within
     a tolerance it had chosen, so a x(1 + 5e-6) lie passed every audit. Bits are compared
     whatever a node claims: it is caught."""
-    import node.servicer
-    from node.daemon import Node, NodeConfig
+    from moeshard.node import servicer
+    from moeshard.node.daemon import Node, NodeConfig
 
     monkeypatch.setenv(failpoints.ENV, "lie=scale:1.000005")
-    monkeypatch.setattr(node.servicer, "cpu_level", lambda: "baseline")
-    monkeypatch.setattr(node.servicer, "kernel_build", lambda: "0123456789abcdef")
+    monkeypatch.setattr(servicer, "cpu_level", lambda: "baseline")
+    monkeypatch.setattr(servicer, "kernel_build", lambda: "0123456789abcdef")
     liar = Node(
         NodeConfig(path=str(cluster_model), name="claims", allow=frozenset({client_key().id}))
     )
     port = liar.start()
     try:
-        from coordinator.remote.transport import PeerSpec
+        from moeshard.coordinator.remote.transport import PeerSpec
 
         specs = [n.spec for n in cluster] + [PeerSpec(f"127.0.0.1:{port}", liar.identity.node_id)]
         result, audit, peers = _generate(cluster_model, specs, trust_dir=coordinator_dir)

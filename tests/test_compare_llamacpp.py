@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from coordinator.bench import llamacpp
-from coordinator.bench.compare_llamacpp import (
+from moeshard.bench import llamacpp
+from moeshard.bench.compare_llamacpp import (
     GOALS,
     Goal,
     Row,
@@ -130,7 +130,7 @@ def test_goal_lines_say_met_or_not_met():
 def test_bad_options_fail_before_anything_is_built(tmp_path, args, message):
     cache = tmp_path / "cache"
     proc = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "bench", "compare-llamacpp",
+        [sys.executable, "-m", "moeshard", "bench", "compare-llamacpp",
          "--cache", str(cache), *args],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip

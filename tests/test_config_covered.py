@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 
-from coordinator.cli import main
-from moe.errors import StoreError
-from moe.model.model_dir import ModelDir
+from moeshard.cli import main
+from moeshard.moe.errors import StoreError
+from moeshard.moe.model.model_dir import ModelDir
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 from helpers import FIXTURES
 from safetensors.numpy import load_file, save_file
 
-from coordinator.cli import main
+from moeshard.cli import main
 
 SRC = FIXTURES / "qwen3_moe"
 
@@ -141,7 +141,7 @@ def test_existing_output_is_kept(tmp_path, capsys):
 def test_failure_midway_removes_temporary_directory(tmp_path, capsys, monkeypatch):
     """A crash while writing (here: an I/O error no real disk here can be made to give) leaves
     neither OUT nor the temporary dir. A real full disk: tests/test_convert_faults.py."""
-    from moe.storage import gguf_file
+    from moeshard.moe.storage import gguf_file
 
     def io_error(self, data):
         raise OSError(5, "Input/output error")

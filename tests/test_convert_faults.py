@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.cli import main
-from moe.convert.converter import Progress, convert
+from moeshard.cli import main
+from moeshard.moe.convert.converter import Progress, convert
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "models" / "demo-hf"  # converts to ~10.6 MB: trunk 4.8 MB, experts 5.5 MB
@@ -103,7 +103,7 @@ def test_convert_on_a_full_disk_in_a_subprocess(tmp_path):
     with tmpfs(tmp_path / "mnt", "8M") as mnt:
         out = mnt / "out"
         done = subprocess.run(
-            [sys.executable, "-m", "coordinator.cli", "convert", str(DEMO), str(out)],
+            [sys.executable, "-m", "moeshard", "convert", str(DEMO), str(out)],
             capture_output=True,
             text=True,
             cwd=ROOT,
@@ -170,7 +170,7 @@ def test_file_size_limit_is_one_line(tmp_path):
     kernel, the rest is retried, and that write fails with EFBIG."""
     out = tmp_path / "out"
     done = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "convert", str(DEMO), str(out), "--quiet"],
+        [sys.executable, "-m", "moeshard", "convert", str(DEMO), str(out), "--quiet"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -188,7 +188,7 @@ def test_write_all_continues_a_short_write(tmp_path):
     path = tmp_path / "f"
     code = (
         "import errno, sys\n"
-        "from moe.storage.io import write_file\n"
+        "from moeshard.moe.storage.io import write_file\n"
         "try:\n"
         f"    write_file({str(path)!r}, bytes(20000))\n"
         "except OSError as e:\n"

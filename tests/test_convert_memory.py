@@ -9,8 +9,8 @@ from helpers import ROOT
 
 PEAK_RSS = (
     "import resource, sys\n"
-    "from moe.kernels import quant\n"
-    "from moe.convert.converter import convert\n"
+    "from moeshard.moe.kernels import quant\n"
+    "from moeshard.moe.convert.converter import convert\n"
     "quant.warmup()\n"
     "if len(sys.argv) > 1: convert(sys.argv[1], sys.argv[2], 'q4_0', 'bf16', progress=False)\n"
     "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n"

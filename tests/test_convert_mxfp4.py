@@ -18,14 +18,14 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 from helpers import ROOT
 
-from coordinator.generate import SamplingOptions, generate
-from coordinator.runtime import open_local
-from moe.convert import mxfp4
-from moe.convert.checkpoint import Checkpoint, write_safetensors
-from moe.convert.converter import convert, expert_shapes, plan_conversion
-from moe.errors import CheckpointError
-from moe.kernels import quant
-from moe.model.families import family_for, load_config
+from moeshard.coordinator.generate import SamplingOptions, generate
+from moeshard.coordinator.runtime import open_local
+from moeshard.moe.convert import mxfp4
+from moeshard.moe.convert.checkpoint import Checkpoint, write_safetensors
+from moeshard.moe.convert.converter import convert, expert_shapes, plan_conversion
+from moeshard.moe.errors import CheckpointError
+from moeshard.moe.kernels import quant
+from moeshard.moe.model.families import family_for, load_config
 
 FIXTURE = ROOT / "tests" / "fixtures" / "qwen3_moe"
 SCHEME = {

@@ -18,17 +18,17 @@ import numpy as np
 import pytest
 from helpers import PROMPT, ROOT, TOKENS, client_key, node_process, remote_runtime
 
-from coordinator.chat import chat_prompt
-from coordinator.cli import main
-from coordinator.generate import SamplingOptions, generate
-from coordinator.remote.config import RemoteConfig
-from coordinator.runtime import open_local, open_remote
-from coordinator.tokenizer import load as load_tokenizer
-from moe.convert.placement import directory_bytes, shard_model
-from moe.errors import StoreError
-from moe.model.model_dir import ModelDir
-from moe.storage import merkle
-from moe.storage.manifest import MANIFEST, write_manifest
+from moeshard.cli import main
+from moeshard.coordinator.chat import chat_prompt
+from moeshard.coordinator.generate import SamplingOptions, generate
+from moeshard.coordinator.remote.config import RemoteConfig
+from moeshard.coordinator.runtime import open_local, open_remote
+from moeshard.coordinator.tokenizer import load as load_tokenizer
+from moeshard.moe.convert.placement import directory_bytes, shard_model
+from moeshard.moe.errors import StoreError
+from moeshard.moe.model.model_dir import ModelDir
+from moeshard.moe.storage import merkle
+from moeshard.moe.storage.manifest import MANIFEST, write_manifest
 
 DEMO = ROOT / "models" / "demo-hf"
 NO_RECORDS = "holds no expert records (a coordinator directory made by `moeshard shard`)"
@@ -205,7 +205,7 @@ def test_open_remote_on_the_coordinator_directory_audits_from_fetched_records(
 
 
 def test_generate_cli_from_the_coordinator_directory(coord, nodes, reference):
-    cmd = [sys.executable, "-m", "coordinator.cli", "generate", str(coord)]
+    cmd = [sys.executable, "-m", "moeshard", "generate", str(coord)]
     cmd += ["--peers", peers(nodes), "--key", str(client_key().path), "--audit", "0"]
     cmd += ["--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", str(TOKENS), "--json"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -265,7 +265,7 @@ def test_the_runtime_refuses_local_experts_from_the_coordinator_directory(coord)
     ],
 )
 def test_a_process_on_the_coordinator_directory_exits_2_with_one_line(coord, argv):
-    cmd = [sys.executable, "-m", "coordinator.cli", *(str(coord) if a == "@" else a for a in argv)]
+    cmd = [sys.executable, "-m", "moeshard", *(str(coord) if a == "@" else a for a in argv)]
     # (a node that would serve it never exits: 60 s is a failure, not a hang)
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stdout + done.stderr

@@ -8,15 +8,15 @@ import json
 import pytest
 from helpers import ROOT
 
-from coordinator.generate import SamplingOptions, generate
-from coordinator.runtime import open_local
+from moeshard.coordinator.generate import SamplingOptions, generate
+from moeshard.coordinator.runtime import open_local
 
 DEMO = ROOT / "models" / "demo-hf"
 
 
 @pytest.fixture(scope="module")
 def demo_f32(tmp_path_factory):
-    from moe.convert.converter import convert
+    from moeshard.moe.convert.converter import convert
 
     out = tmp_path_factory.mktemp("demo") / "f32"
     convert(DEMO, out, "f32", "f32", progress=False)

@@ -15,18 +15,18 @@ import grpc
 import pytest
 from helpers import PROMPT, ROOT, TOKENS, client_key, wait_until
 
-from coordinator.generate import SamplingOptions, generate
-from coordinator.remote.config import RemoteConfig
-from coordinator.remote.discovery import address_rank, browse, local_networks
-from coordinator.remote.experts import RemoteExperts
-from coordinator.remote.transport import PeerSpec, dial
-from coordinator.runtime import open_local
-from moe.identity.tls import client_tls
-from moe.model.model_dir import ModelDir
-from moe.wire import moeshard_pb2 as pb
-from moe.wire import moeshard_pb2_grpc as pb_grpc
-from node.announce import advertised_addresses
-from node.daemon import Node, NodeConfig
+from moeshard.coordinator.generate import SamplingOptions, generate
+from moeshard.coordinator.remote.config import RemoteConfig
+from moeshard.coordinator.remote.discovery import address_rank, browse, local_networks
+from moeshard.coordinator.remote.experts import RemoteExperts
+from moeshard.coordinator.remote.transport import PeerSpec, dial
+from moeshard.coordinator.runtime import open_local
+from moeshard.moe.identity.tls import client_tls
+from moeshard.moe.model.model_dir import ModelDir
+from moeshard.moe.wire import moeshard_pb2 as pb
+from moeshard.moe.wire import moeshard_pb2_grpc as pb_grpc
+from moeshard.node.announce import advertised_addresses
+from moeshard.node.daemon import Node, NodeConfig
 
 BROWSE_S = 1.5  # one zeroconf browse; a wait repeats it (mDNS answers can be late)
 CLIENT = client_key()
@@ -127,7 +127,7 @@ def test_node_started_later_joins_a_running_generation(converted, tmp_path):
     admitted (its id not doubled), and once the first node dies the late one carries the
     generation to the same tokens as one machine. A model id of its own keeps other tests'
     nodes out of the picture."""
-    from coordinator.runtime import open_remote
+    from moeshard.coordinator.runtime import open_remote
 
     path = converted("qwen3_moe", experts="q8_0")
     local = open_local(path)
@@ -171,7 +171,7 @@ def test_cluster_report_waits_for_the_expected_nodes_and_flags_missing_experts(
 ):
     """`cluster --discover --expect 3` finds the three nodes (none missed on a first browse)
     and exits 0; one node alone of a two-replica split leaves experts uncovered: exit 3."""
-    cli = [sys.executable, "-m", "coordinator.cli", "cluster", str(cluster_model)]
+    cli = [sys.executable, "-m", "moeshard", "cluster", str(cluster_model)]
     key = ["--key", str(CLIENT.path)]
     run = functools.partial(subprocess.run, capture_output=True, text=True, cwd=ROOT)
     full = run([*cli, "--discover", "--expect", "3", "--discover-timeout", "1", *key])
@@ -196,7 +196,7 @@ def test_the_address_dialled_is_on_a_network_that_is_up_here():
     first, then one of an interface that is down, then the rest (record order breaks ties)."""
     from ipaddress import ip_network
 
-    from coordinator.remote import discovery
+    from moeshard.coordinator.remote import discovery
 
     nets = [(ip_network("192.0.2.0/24"), True), (ip_network("172.17.0.0/16"), False)]
     real = discovery.local_networks
@@ -214,8 +214,8 @@ def _impostor(tmp_path):
     a replayed announcement sends its readers."""
     from concurrent import futures
 
-    from moe.identity.keys import load_or_create
-    from moe.identity.tls import node_tls
+    from moeshard.moe.identity.keys import load_or_create
+    from moeshard.moe.identity.tls import node_tls
 
     tls = node_tls(load_or_create(tmp_path / "impostor-key.pem"))
     server = grpc.server(futures.ThreadPoolExecutor(2))
@@ -235,8 +235,8 @@ def test_a_replayed_announcement_from_another_address_does_not_hide_the_node(con
     `--discover` uses it (the issue's attack: 2 of 3 discoveries dialled the attacker)."""
     from zeroconf import IPVersion, ServiceInfo, Zeroconf
 
-    from coordinator.remote.discovery import Discovery, address_rank, local_networks
-    from coordinator.runtime import open_remote
+    from moeshard.coordinator.remote.discovery import Discovery, address_rank, local_networks
+    from moeshard.coordinator.runtime import open_remote
 
     path = converted("qwen3_moe", experts="q4_0")  # a model id no other test's nodes serve
     local = open_local(path)
@@ -300,7 +300,7 @@ def _ptr_flood(names: list[str], stop) -> None:
     from zeroconf import DNSOutgoing, DNSPointer, IPVersion, Zeroconf
     from zeroconf.const import _CLASS_IN, _FLAGS_AA, _FLAGS_QR_RESPONSE, _TYPE_PTR
 
-    from moe.wire.constants import SERVICE_TYPE
+    from moeshard.moe.wire.constants import SERVICE_TYPE
 
     zc = Zeroconf(ip_version=IPVersion.V4Only)
     try:
@@ -328,9 +328,9 @@ def test_ptr_only_names_do_not_slow_discovery_or_grow_without_bound(
     import threading
     import time
 
-    from coordinator.remote.discovery import PIN_TIMEOUT_S
-    from coordinator.remote.discovery_records import MAX_NAMES
-    from moe.wire.constants import SERVICE_TYPE
+    from moeshard.coordinator.remote.discovery import PIN_TIMEOUT_S
+    from moeshard.coordinator.remote.discovery_records import MAX_NAMES
+    from moeshard.moe.wire.constants import SERVICE_TYPE
 
     tag = os.urandom(3).hex()
     names = [f"fake-{tag}-{i}.{SERVICE_TYPE}" for i in range(count)]
@@ -350,7 +350,7 @@ def test_ptr_only_names_do_not_slow_discovery_or_grow_without_bound(
         fake_lines = [r for r in caplog.records if f"fake-{tag}" in r.getMessage()]
         assert len(fake_lines) <= 2, [r.getMessage() for r in fake_lines]
         if count > MAX_NAMES:
-            from coordinator.remote.discovery import Discovery
+            from moeshard.coordinator.remote.discovery import Discovery
 
             d = Discovery(model_id, tls, resolve_s=BROWSE_S)
             try:

@@ -7,12 +7,12 @@ import shutil
 import numpy as np
 import pytest
 
-from coordinator.generate import SamplingOptions, generate
-from moe.errors import MoeshardError, StoreError
-from moe.experts.local import LocalExperts
-from moe.experts.store import ExpertStore
-from moe.experts.usage import read_usage, write_profile
-from moe.model.model_dir import ModelDir
+from moeshard.coordinator.generate import SamplingOptions, generate
+from moeshard.moe.errors import MoeshardError, StoreError
+from moeshard.moe.experts.local import LocalExperts
+from moeshard.moe.experts.store import ExpertStore
+from moeshard.moe.experts.usage import read_usage, write_profile
+from moeshard.moe.model.model_dir import ModelDir
 
 PROMPT = [3, 17, 42, 5, 99, 7]
 
@@ -177,7 +177,7 @@ def test_corrupted_record_names_expert(converted, tmp_path):
 def test_a_replay_of_the_run_has_the_store_hits(model, policy):
     """The replays (`coact`, `simulate`) score records with the store's own policy module:
     replaying the layer calls of a real run gives exactly the store's hits, at several sizes."""
-    from moe.analysis.cachesim import policy_hits
+    from moeshard.moe.analysis.cachesim import policy_hits
 
     c = model.config
     counts = None

@@ -1,5 +1,5 @@
-"""The gated unit's exp and tanh (`moe.kernels.fixedmath`): numba and numpy give the same bits,
-and both stay within a stated number of ulps of numpy's (libm-like) exp and tanh.
+"""The gated unit's exp and tanh (`moeshard.moe.kernels.fixedmath`): numba and numpy give the same
+bits, and both stay within a stated number of ulps of numpy's (libm-like) exp and tanh.
 
 A coordinator recomputes a node's expert output and requires equal bits, so these functions
 are part of the audit contract: the numba version runs in the kernels (`entry._glu_mul`), the
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from moe.kernels import entry, fixedmath, quant
+from moeshard.moe.kernels import entry, fixedmath, quant
 
 EDGES = [
     0.0,

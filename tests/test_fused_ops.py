@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from numba import njit
 
-from moe.model import fused
-from moe.model.layers import (
+from moeshard.moe.model import fused
+from moeshard.moe.model.layers import (
     apply_rope,
     attend,
     rms_norm,

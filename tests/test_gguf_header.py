@@ -1,4 +1,4 @@
-"""moe.storage.gguf_header: our own GGUF header reader, checked against gguf.GGUFReader."""
+"""moeshard.moe.storage.gguf_header: our own GGUF header reader, checked against gguf.GGUFReader."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
-from moe.storage.gguf_header import HeaderError, TensorInfo, read_header
+from moeshard.moe.storage.gguf_header import HeaderError, TensorInfo, read_header
 
 U32, U64, ARR, STR = (
     GGUFValueType.UINT32,

@@ -8,8 +8,8 @@ import zlib
 import numpy as np
 import pytest
 
-from moe.errors import StoreError
-from moe.storage import io
+from moeshard.moe.errors import StoreError
+from moeshard.moe.storage import io
 
 
 @pytest.fixture
@@ -80,7 +80,7 @@ def test_buffered_fallback(data_file):
 
 
 def test_busy_throughput_counts_overlapping_reads_once():
-    from moe.storage.io import busy_throughput
+    from moeshard.moe.storage.io import busy_throughput
 
     # two overlapping reads (0-1 s, 0.5-2 s), a gap, one more (3-4 s); one read before start
     timeline = [(-1.0, -0.5, 999), (0.0, 1.0, 100), (0.5, 2.0, 100), (3.0, 4.0, 100)]

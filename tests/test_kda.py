@@ -1,4 +1,5 @@
-"""`moe.model.kda` against transformers' kimi_linear KDA layer (`KimiLinearDeltaAttention`).
+"""`moeshard.moe.model.kda` against transformers' kimi_linear KDA layer
+(`KimiLinearDeltaAttention`).
 
 The fixture (`tools/make_kda_fixture.py`, transformers 5.24.0, float32) holds one layer's
 weights, 9 input tokens, transformers' output for the whole sequence at once (its chunked
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 from helpers import ROOT
 
-from moe.model.kda import KdaState, KdaWeights, kda_forward
+from moeshard.moe.model.kda import KdaState, KdaWeights, kda_forward
 
 FIXTURE = ROOT / "tests" / "fixtures" / "kda" / "kimi_linear_kda.npz"
 

@@ -4,10 +4,11 @@ A node's reply for one expert and one activation row must be the same bits whate
 in the call (how many rows, in which order, how many threads), so the sharded network's logits
 equal one machine's and an auditor can re-run a call elsewhere and expect equal bits.  For
 q4_0/q8_0 the kernels must also equal, bit for bit, a numpy float32 emulation of the arithmetic
-documented in `moe.kernels.dots` (8 lanes, per-block sums scaled once, never an FMA, a fixed
-halving tree): that pins the arithmetic itself, not just its consistency.  Both ways of taking
-activations are pinned: the default 8-bit one with integer dot products (`moe.kernels.idots`)
-and exact float32 (`quant.use_activations("f32")`); and the f32/bf16 rows of `moe.kernels.fdots`.
+documented in `moeshard.moe.kernels.dots` (8 lanes, per-block sums scaled once, never an FMA, a
+fixed halving tree): that pins the arithmetic itself, not just its consistency.  Both ways of taking
+activations are pinned: the default 8-bit one with integer dot products
+(`moeshard.moe.kernels.idots`) and exact float32 (`quant.use_activations("f32")`); and the
+f32/bf16 rows of `moeshard.moe.kernels.fdots`.
 See docs/kernels.md.
 """
 
@@ -15,7 +16,7 @@ import numba
 import numpy as np
 import pytest
 
-from moe.kernels import quant
+from moeshard.moe.kernels import quant
 
 BATCHES = (1, 2, 3, 4, 5, 7, 8, 17, 33)
 # (rows, cols): one block; odd block counts (3, 5, 65, 129: the q4_0 tail block, also after
@@ -128,7 +129,7 @@ def test_matmul_row_does_not_depend_on_batch(fmt, n_threads, run):
 def test_float_rows_with_a_column_tail_do_not_depend_on_batch(fmt, n_threads, run):
     """f32/bf16 rows of any width: columns past the last 16 (summed one by one), and widths
     on both sides of `fdots.NARROW_COLS` (four activation rows at a time at or below it)."""
-    from moe.kernels.fdots import NARROW_COLS
+    from moeshard.moe.kernels.fdots import NARROW_COLS
 
     shapes = [(5, 40), (3, 264), (9, NARROW_COLS), (6, NARROW_COLS + 8), (4, 8)]
     check_matmul_rows_independent(fmt, shapes, n_threads, run)
@@ -225,8 +226,8 @@ def codes_and_scales(data: np.ndarray, fmt: str, rows: int, cols: int):
 
 def emulation(e: np.ndarray, d: np.ndarray, x: np.ndarray) -> np.ndarray:
     """x float32 [b, cols] times the rows of codes e [rows, cols] and scales d [rows, nb], the
-    way the float-activation q4_0/q8_0 kernels compute it (`moe.kernels.dots`): lane l holds
-    columns l, l + 8, ...; per block, t = ((p0 + p1) + p2) + p3 over the lane's four products,
+    way the float-activation q4_0/q8_0 kernels compute it (`moeshard.moe.kernels.dots`): lane l
+    holds columns l, l + 8, ...; per block, t = ((p0 + p1) + p2) + p3 over the lane's four products,
     then acc = acc + d * t; finally the 8 lanes are halved, (l, l + 4), (l, l + 2), (l, l + 1).
     Every numpy operation here rounds to float32 on its own, so nothing is fused."""
     b, cols = x.shape
@@ -256,8 +257,8 @@ def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 
 
 def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Step 1 of `moe.kernels.idots`: x float32 [b, cols] -> int codes [b, cols] and float32
-    block scales [b, nb], written from the module's description, in numpy."""
+    """Step 1 of `moeshard.moe.kernels.idots`: x float32 [b, cols] -> int codes [b, cols] and
+    float32 block scales [b, nb], written from the module's description, in numpy."""
     b, cols = x.shape
     xb = x.reshape(b, cols // 32, 32)  # [b, nb, 32]
     amax = np.abs(xb).max(axis=2)  # [b, nb]; nan if the block holds a nan
@@ -272,7 +273,7 @@ def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def int_emulation(e: np.ndarray, d: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """The integer path (`moe.kernels.idots`): x quantised per block, each block's products
+    """The integer path (`moeshard.moe.kernels.idots`): x quantised per block, each block's products
     summed exactly as integers, then acc = fma(dw * dx, sum, acc) per block in order; one
     accumulator per row."""
     xq, dx = quantize_x(x)
@@ -307,7 +308,8 @@ def test_quantised_matmul_equals_numpy_emulation(fmt, run, mode):
 
 
 def float_emulation(w: np.ndarray, x: np.ndarray, fmt: str) -> np.ndarray:
-    """The f32/bf16 rows of `moe.kernels.fdots` in numpy: two sets of 8 lanes over 16-column
+    """The f32/bf16 rows of `moeshard.moe.kernels.fdots` in numpy: two sets of 8 lanes over
+    16-column
     steps (f32: set s lane l takes column 8s + l of the step; bf16: column 2l + s), each step
     one FMA; the sets added, the lanes halved; the last cols % 16 columns FMA'd in order onto
     the sum."""
@@ -349,7 +351,7 @@ def test_float_matmul_equals_numpy_emulation(fmt, run, mode):
 def test_decode_weighted_sum_equals_the_parts_combined(fmt, run):
     """One decode row through `decode_weighted_sum` (one fused kernel call) gives the bits of
     `run_experts` + `weighted_sum` (per-expert outputs, weighted, added in float64)."""
-    from moe.experts.compute import decode_weighted_sum, run_experts, weighted_sum
+    from moeshard.moe.experts.compute import decode_weighted_sum, run_experts, weighted_sum
 
     hidden, inter, n = 160, 96, 6
     recs = [expert_record(fmt, hidden, inter, seed=s) for s in range(n)]
@@ -417,7 +419,7 @@ def test_rows_weighted_sum_equals_the_parts_combined(fmt, run):
     """Several rows through `rows_weighted_sum` (pairs grouped by expert in one kernel, the
     experts on their rows in another, summed in a third) give the bits of `run_experts` +
     `weighted_sum`, with unused slots (-1) and experts some rows share and some skip."""
-    from moe.experts.compute import rows_weighted_sum, run_experts, weighted_sum
+    from moeshard.moe.experts.compute import rows_weighted_sum, run_experts, weighted_sum
 
     hidden, inter, n = 160, 96, 7
     recs = [expert_record(fmt, hidden, inter, seed=s) for s in range(n)]
@@ -445,7 +447,7 @@ def test_rows_weighted_sum_equals_the_parts_combined(fmt, run):
 
 WORKQUEUE_PROBE = """
 import threading, numpy as np
-from moe.kernels import quant
+from moeshard.moe.kernels import quant
 rng = np.random.default_rng(0)
 data = quant.pack(rng.standard_normal((1024, 1024)).astype(np.float32), "q4_0")
 xs = [rng.standard_normal((4, 1024)).astype(np.float32) for _ in range(4)]

@@ -8,7 +8,7 @@ MOESHARD_KERNEL_ISA), compile for
 
 * ``generic``: LLVM's generic x86-64 CPU;
 * ``sse2``: baseline x86-64 with SSE and SSE2 only (no FMA, no AVX);
-* ``portable-int``: this CPU, with `moe.kernels.idots`' portable integer step
+* ``portable-int``: this CPU, with `moeshard.moe.kernels.idots`' portable integer step
   (MOESHARD_KERNEL_ISA=generic) instead of AVX2's vpmaddubsw/vpmaddwd (the other two children
   use the portable form as well: their CPUs have no AVX2).
 
@@ -16,8 +16,8 @@ Each child computes every case below and must give this process's bits: `idots.i
 every format, batch size, odd block counts, a partial row group and a non-finite activation;
 the expert FFN (`expert_ffn`, `experts_ffn_b1`, `experts_ffn_b1_sum`, `experts_ffn_rows`) of
 every weight format with SwiGLU and with Kimi K3's SiTU; and the gated unit's exp and tanh
-(`moe.kernels.fixedmath`) on values over their whole range.  Each child also reads the machine
-code it compiled for `entry._glu_mul`: no FMA instruction, no call to libm's exp or tanh (or
+(`moeshard.moe.kernels.fixedmath`) on values over their whole range.  Each child also reads the
+machine code it compiled for `entry._glu_mul`: no FMA instruction, no call to libm's exp or tanh (or
 to SVML).  The children run at the same time; compiling the kernels is most of their time.
 """
 
@@ -31,8 +31,8 @@ import numpy as np
 import pytest
 from test_fixedmath import numba_exp, numba_tanh, values
 
-from moe.kernels import entry, idots, quant
-from moe.kernels.entry import _matrix_views
+from moeshard.moe.kernels import entry, idots, quant
+from moeshard.moe.kernels.entry import _matrix_views
 
 SHAPES = [(5, 96), (9, 2080), (13, 256)]  # (rows, cols): odd and even block counts
 BATCHES = (1, 2, 3)
@@ -48,7 +48,7 @@ CHILD = """
 import json, sys
 import numpy as np
 sys.path.insert(0, {tests!r})
-from moe.kernels import idots
+from moeshard.moe.kernels import idots
 from test_kernel_isa import all_outputs, glu_machine_code_problems
 assert idots.ISA == "generic", idots.ISA
 np.savez({out!r}, **all_outputs())
@@ -234,7 +234,7 @@ def test_gated_unit_compiles_without_fma_or_libm(level, children):
 def test_forced_isa_must_be_known(tmp_path):
     env = dict(os.environ, MOESHARD_KERNEL_ISA="avx9", NUMBA_CACHE_DIR=str(tmp_path))
     child = subprocess.run(
-        [sys.executable, "-c", "import moe.kernels.idots"],
+        [sys.executable, "-c", "import moeshard.moe.kernels.idots"],
         env=env,
         capture_output=True,
         text=True,

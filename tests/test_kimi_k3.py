@@ -12,17 +12,17 @@ import numpy as np
 import pytest
 from k3_reference import Reference
 
-from coordinator.generate import SamplingOptions, generate
-from coordinator.runtime import open_local, open_streaming
-from moe.convert import mxfp4
-from moe.convert.checkpoint import Checkpoint
-from moe.convert.converter import convert
-from moe.convert.synth import synth
-from moe.errors import ConfigError
-from moe.kernels import quant
-from moe.model.families import load_config
-from moe.model.kda import KdaState, KdaWeights, kda_forward
-from moe.model.kimi_k3 import attention_residual
+from moeshard.coordinator.generate import SamplingOptions, generate
+from moeshard.coordinator.runtime import open_local, open_streaming
+from moeshard.moe.convert import mxfp4
+from moeshard.moe.convert.checkpoint import Checkpoint
+from moeshard.moe.convert.converter import convert
+from moeshard.moe.convert.synth import synth
+from moeshard.moe.errors import ConfigError
+from moeshard.moe.kernels import quant
+from moeshard.moe.model.families import load_config
+from moeshard.moe.model.kda import KdaState, KdaWeights, kda_forward
+from moeshard.moe.model.kimi_k3 import attention_residual
 
 PROMPT = [72, 101, 108, 108, 111, 32, 75, 51, 33, 10, 84, 104]  # "Hello K3!\nTh"
 
@@ -130,7 +130,7 @@ def test_mxfp4_and_bf16_versions_agree_closely(k3):
 def test_released_layout_converts_to_what_synth_writes_directly(k3, tmp_path):
     """The checkpoint's conversion and `synth --preset k3` (a model directory) are the same
     model: the same id, so the same config, trunk values and expert records."""
-    from moe.model.model_dir import ModelDir
+    from moeshard.moe.model.model_dir import ModelDir
 
     _, converted = k3
     synth(tmp_path / "direct", "k3")
@@ -138,7 +138,7 @@ def test_released_layout_converts_to_what_synth_writes_directly(k3, tmp_path):
 
 
 def test_convert_skips_the_vision_tower_and_says_so(k3):
-    from moe.storage.manifest import read_manifest
+    from moeshard.moe.storage.manifest import read_manifest
 
     _, converted = k3
     skipped = read_manifest(converted())["skipped_tensors"]
@@ -147,7 +147,7 @@ def test_convert_skips_the_vision_tower_and_says_so(k3):
 
 
 def test_inspect_describes_k3(k3):
-    from moe.model.report import describe
+    from moeshard.moe.model.report import describe
 
     _, converted = k3
     text, ok = describe(converted())
@@ -163,7 +163,7 @@ def test_three_nodes_and_a_ram_budget_give_the_same_tokens(k3, tmp_path):
     and the same tokens streaming under a budget that holds a fraction of the experts."""
     from helpers import generate_on_nodes
 
-    from moe.convert.placement import shard_model
+    from moeshard.moe.convert.placement import shard_model
 
     _, converted = k3
     model = converted()
@@ -174,8 +174,8 @@ def test_three_nodes_and_a_ram_budget_give_the_same_tokens(k3, tmp_path):
     assert remote.tokens == local.tokens
     assert all(np.array_equal(a, b) for a, b in zip(remote.logits, local.logits, strict=True))
     assert all(c > 0 for c in calls)
-    from moe.model.model_dir import ModelDir
-    from moe.storage.budget import plan_budget
+    from moeshard.moe.model.model_dir import ModelDir
+    from moeshard.moe.storage.budget import plan_budget
 
     minimum = plan_budget(ModelDir(model), 1 << 40, 64).minimum  # 8 slots: a streamed trunk
     for budget in (minimum, minimum + (64 << 10)):  # 16 of the 64 records cached

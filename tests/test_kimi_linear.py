@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from helpers import FIXTURES, reference
 
-from coordinator.generate import SamplingOptions, generate
-from coordinator.runtime import open_local
-from moe.errors import ConfigError
-from moe.model.families import load_config
+from moeshard.coordinator.generate import SamplingOptions, generate
+from moeshard.coordinator.runtime import open_local
+from moeshard.moe.errors import ConfigError
+from moeshard.moe.model.families import load_config
 
 SRC = FIXTURES / "kimi_linear"
 
@@ -85,9 +85,9 @@ def test_default_formats_generate_close_to_f32(converted):
 
 
 def test_convert_refuses_a_checkpoint_missing_a_kda_tensor(tmp_path):
-    from moe.convert.checkpoint import Checkpoint, write_safetensors
-    from moe.convert.converter import convert
-    from moe.errors import CheckpointError
+    from moeshard.moe.convert.checkpoint import Checkpoint, write_safetensors
+    from moeshard.moe.convert.converter import convert
+    from moeshard.moe.errors import CheckpointError
 
     src = tmp_path / "ckpt"
     shutil.copytree(SRC, src)
@@ -101,7 +101,7 @@ def test_convert_refuses_a_checkpoint_missing_a_kda_tensor(tmp_path):
 
 
 def test_inspect_shows_the_layer_map(converted):
-    from moe.model.report import describe
+    from moeshard.moe.model.report import describe
 
     text, _ = describe(converted("kimi_linear"))
     assert "attention  (layers from 0) KDA 0,1,3 (2 heads of 16, state 9.38 KiB); MLA 2" in text
@@ -112,7 +112,7 @@ def test_through_two_nodes_equals_one_machine(converted, tmp_path):
     process (the coordinator keeps the KDA states and MLA caches; nodes see expert rows)."""
     from helpers import generate_on_nodes
 
-    from moe.convert.placement import shard_model
+    from moeshard.moe.convert.placement import shard_model
 
     model = converted("kimi_linear")
     plan = shard_model(model, 2, 1, tmp_path / "shards")

@@ -8,18 +8,16 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
-import sys
 
 import grpc
 import numpy as np
 import pytest
-from helpers import ROOT, client_key, flip_byte, node_process
+from helpers import client_key, flip_byte, moeshard_run, node_process
 
-from coordinator.remote.accounts import Accounts
-from coordinator.remote.transport import PeerSpec, dial
-from moe.identity.keys import generate
-from moe.identity.receipts import (
+from moeshard.coordinator.remote.accounts import Accounts
+from moeshard.coordinator.remote.transport import PeerSpec, dial
+from moeshard.moe.identity.keys import generate
+from moeshard.moe.identity.receipts import (
     Totals,
     check_receipt,
     check_settlement,
@@ -27,9 +25,9 @@ from moe.identity.receipts import (
     make_settlement,
     receipt_mismatch,
 )
-from moe.identity.tls import client_tls
-from moe.kernels.build import ARITHMETIC
-from moe.ledger import (
+from moeshard.moe.identity.tls import client_tls
+from moeshard.moe.kernels.build import ARITHMETIC
+from moeshard.moe.ledger import (
     LedgerError,
     LedgerWriter,
     audit_body,
@@ -39,10 +37,10 @@ from moe.ledger import (
     summary,
     verify,
 )
-from moe.model.model_dir import ModelDir
-from moe.wire import codec
-from moe.wire import moeshard_pb2 as pb
-from moe.wire import moeshard_pb2_grpc as pb_grpc
+from moeshard.moe.model.model_dir import ModelDir
+from moeshard.moe.wire import codec
+from moeshard.moe.wire import moeshard_pb2 as pb
+from moeshard.moe.wire import moeshard_pb2_grpc as pb_grpc
 
 MODEL = "ab" * 32  # a model id
 RECORD = 3 << 12  # bytes of one expert record (made up)
@@ -306,7 +304,7 @@ def test_summary_counts_work_and_flags_a_settlement_that_disagrees(tmp_path, key
 
 def test_accounts_check_receipts_off_the_hot_path_and_settle(tmp_path, keys):
     node, other = keys["node"], keys["other"]
-    path = tmp_path / "coordinator.jsonl"
+    path = tmp_path / "moeshard.coordinator.jsonl"
     accounts = Accounts(keys["coordinator"], MODEL, path, record_nbytes=RECORD)
     accounts.learn(node.id, node.public_raw)
     for i in range(1, 4):
@@ -334,28 +332,22 @@ def test_accounts_check_receipts_off_the_hot_path_and_settle(tmp_path, keys):
 # -- the command line -------------------------------------------------------------------------
 
 
-def cli(*args, home):
-    env = dict(os.environ, MOESHARD_HOME=str(home))
-    cmd = [sys.executable, "-m", "coordinator.cli", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
-
-
 def test_ledger_verify_exit_codes(tmp_path, keys):
     path = tmp_path / "ledger.jsonl"
     n, _ = small_ledger(path, keys)
-    ok = cli("ledger", "verify", path, home=tmp_path)
+    ok = moeshard_run("ledger", "verify", path, home=tmp_path)
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.startswith(f"{path}: OK, {n} entries") and len(ok.stdout.splitlines()) == 1
     data = path.read_bytes()
     flip_byte(path, len(data) // 2)
-    bad = cli("ledger", "verify", path, home=tmp_path)
+    bad = moeshard_run("ledger", "verify", path, home=tmp_path)
     line = bad_line_of(data, len(data) // 2)
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr == f"{path}: entry {line - 1} (line {line}): {verify(path).why}\n"
 
 
 def test_ledger_summary_command_and_errors(tmp_path, keys, capsys, monkeypatch):
-    from coordinator.cli import main
+    from moeshard.cli import main
 
     monkeypatch.setenv("MOESHARD_HOME", str(tmp_path))
     path = tmp_path / "ledger.jsonl"
@@ -398,7 +390,7 @@ def ledger_node(converted, tmp_path_factory):
 def test_a_node_signs_receipts_and_keeps_settlements_in_its_ledger(ledger_node, tmp_path):
     node, stub, model, node_ledger = ledger_node
     info = stub.Info(pb.InfoRequest(nonce=os.urandom(16)), timeout=5)
-    accounts = Accounts(client_key(), model.model_id, tmp_path / "coordinator.jsonl")
+    accounts = Accounts(client_key(), model.model_id, tmp_path / "moeshard.coordinator.jsonl")
     layer, H = model.config.moe_layers[0], model.config.hidden_size
     rng = np.random.default_rng(0)
     requests = [
@@ -464,11 +456,11 @@ def test_a_node_signs_receipts_and_keeps_settlements_in_its_ledger(ledger_node, 
     copy = tmp_path / "copy.jsonl"
     copy.write_bytes(data)
     flip_byte(copy, len(data) // 2)
-    assert cli("ledger", "verify", copy, home=tmp_path).returncode == 2
+    assert moeshard_run("ledger", "verify", copy, home=tmp_path).returncode == 2
 
 
 def test_a_node_refuses_to_start_on_a_ledger_it_cannot_continue(converted, tmp_path, keys):
-    from node.daemon import Node, NodeConfig
+    from moeshard.node.daemon import Node, NodeConfig
 
     path = tmp_path / "theirs.jsonl"
     small_ledger(path, keys, receipts=1)  # the coordinator's, not this node's

@@ -17,19 +17,19 @@ import numpy as np
 import pytest
 from helpers import client_key, node_process
 
-from coordinator.remote.accounts import Accounts
-from coordinator.remote.transport import PeerSpec, dial
-from moe.identity.keys import generate
-from moe.identity.receipts import Totals, make_settlement
-from moe.identity.tls import client_tls
-from moe.ledger import LedgerWriter, receipt_body, settlement_body, summary, verify
-from moe.ledger.read import Report, entries
-from moe.model.model_dir import ModelDir
-from moe.wire import codec
-from moe.wire import moeshard_pb2 as pb
-from moe.wire import moeshard_pb2_grpc as pb_grpc
-from node.limits import Refused
-from node.settlements import SETTLE_BURST, Settlements
+from moeshard.coordinator.remote.accounts import Accounts
+from moeshard.coordinator.remote.transport import PeerSpec, dial
+from moeshard.moe.identity.keys import generate
+from moeshard.moe.identity.receipts import Totals, make_settlement
+from moeshard.moe.identity.tls import client_tls
+from moeshard.moe.ledger import LedgerWriter, receipt_body, settlement_body, summary, verify
+from moeshard.moe.ledger.read import Report, entries
+from moeshard.moe.model.model_dir import ModelDir
+from moeshard.moe.wire import codec
+from moeshard.moe.wire import moeshard_pb2 as pb
+from moeshard.moe.wire import moeshard_pb2_grpc as pb_grpc
+from moeshard.node.limits import Refused
+from moeshard.node.settlements import SETTLE_BURST, Settlements
 
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 ALREADY_EXISTS = grpc.StatusCode.ALREADY_EXISTS
@@ -226,7 +226,7 @@ def test_the_coordinator_settles_each_session_once_and_a_lost_reply_counts_as_de
     info = stub.Info(pb.InfoRequest(nonce=os.urandom(16)), timeout=5)
     sessions = []
     for run in range(3):
-        accounts = Accounts(client_key(), model.model_id, tmp_path / "coordinator.jsonl")
+        accounts = Accounts(client_key(), model.model_id, tmp_path / "moeshard.coordinator.jsonl")
         sessions.append(accounts.session)
         for i in range(1, 3):
             request = forward(model, accounts.session, i)
@@ -246,7 +246,7 @@ def test_the_coordinator_settles_each_session_once_and_a_lost_reply_counts_as_de
     assert kinds == {
         (kind, run): n for kind, n in (("receipt", 2), ("settlement", 1)) for run in range(3)
     }
-    work = summary(tmp_path / "coordinator.jsonl").nodes[node.node_id]
+    work = summary(tmp_path / "moeshard.coordinator.jsonl").nodes[node.node_id]
     assert (work.calls, work.settled_calls, work.settlements, work.agrees) == (6, 6, 3, True)
 
 
@@ -254,7 +254,7 @@ def test_the_coordinator_settles_each_session_once_and_a_lost_reply_counts_as_de
 
 
 def receipt(key, model_id: str, session: bytes, request_id: int) -> pb.Receipt:
-    from moe.identity.receipts import make_receipt
+    from moeshard.moe.identity.receipts import make_receipt
 
     rng = np.random.default_rng(request_id)
     request = pb.ForwardRequest(
@@ -280,7 +280,7 @@ def test_self_signed_receipts_show_as_unsettled_and_nothing_agrees_about_them(tm
     """A node's ledger: 3 receipts of a session its coordinator settled, then 1,000 receipts
     the node signed for work nobody asked (half in sessions never settled, half appended to the
     settled session after its settlement)."""
-    from coordinator.commands.ledger import _table
+    from moeshard.commands.ledger import _table
 
     node, coordinator, model_id, path, writer = node_ledger(tmp_path)
     session, totals = os.urandom(16), Totals()

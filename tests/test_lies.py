@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from helpers import PROMPT, TOKENS, NodeProcess, remote_runtime
 
-from coordinator.generate import SamplingOptions, generate
-from coordinator.runtime import open_local
-from node import failpoints
+from moeshard.coordinator.generate import SamplingOptions, generate
+from moeshard.coordinator.runtime import open_local
+from moeshard.node import failpoints
 
 LONG = 40  # tokens: enough calls for a part-time liar's first lie (its 4th call) to come
 
@@ -148,8 +148,8 @@ def test_a_liar_caught_while_banned_is_still_named(caplog):
     import threading
     import types
 
-    from coordinator.remote.peers import Peer, PeerSet
-    from coordinator.remote.transport import PeerSpec
+    from moeshard.coordinator.remote.peers import Peer, PeerSet
+    from moeshard.coordinator.remote.transport import PeerSpec
 
     peer = Peer(PeerSpec("127.0.0.1:1"), node_id="ab" * 32, name="tb-liar")
     twin = Peer(PeerSpec("127.0.0.1:2"), node_id="ab" * 32, name="tb-liar", up=True)
@@ -158,7 +158,7 @@ def test_a_liar_caught_while_banned_is_still_named(caplog):
         lock=threading.Lock(), disqualified={}, peers=[peer, twin, other]
     )
     assert not peer.up
-    with caplog.at_level(logging.WARNING, logger="coordinator.remote.peers"):
+    with caplog.at_level(logging.WARNING, logger="moeshard.coordinator.remote.peers"):
         PeerSet.disqualify(peers, peer, "1 reply(ies) to no request (a duplicate?)")
         PeerSet.disqualify(peers, peer, "caught again")
     named = [r.getMessage() for r in caplog.records if "disqualified" in r.getMessage()]
@@ -169,7 +169,7 @@ def test_a_liar_caught_while_banned_is_still_named(caplog):
 
 
 def test_the_audit_line_says_what_was_recomputed_and_where_the_records_came_from():
-    from coordinator.commands.generate import format_audits
+    from moeshard.commands.generate import format_audits
 
     audit = {
         "picked": 228, "passed": 227, "failed": 1, "withheld": 0, "pending": 0,
@@ -184,7 +184,7 @@ def test_the_audit_line_says_what_was_recomputed_and_where_the_records_came_from
 
 def _altered(proof, where: str):
     """A copy of `proof` with one byte of `where` changed (its first byte's bits inverted)."""
-    from moe.wire import moeshard_pb2 as pb
+    from moeshard.moe.wire import moeshard_pb2 as pb
 
     copy = pb.FraudProof()
     copy.CopyFrom(proof)
@@ -207,7 +207,7 @@ def test_a_conviction_leaves_a_fraud_proof_anyone_can_check(cluster_model, clust
     import subprocess
     import sys
 
-    from moe.ledger import fraud
+    from moeshard.moe.ledger import fraud
 
     evidence = tmp_path / "evidence"
     result, stats, bad, _ = _run_with_liar(
@@ -215,7 +215,7 @@ def test_a_conviction_leaves_a_fraud_proof_anyone_can_check(cluster_model, clust
     )
     proofs = stats["audit"]["proofs"]
     assert bad.disqualified and len(proofs) == 1, stats["audit"]
-    cli = [sys.executable, "-m", "coordinator.cli", "ledger", "check-fraud"]
+    cli = [sys.executable, "-m", "moeshard", "ledger", "check-fraud"]
     run = subprocess.run([*cli, proofs[0], str(cluster_model)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith(f"proven: node {bad.node_id} signed a reply to layer "), run.stdout

@@ -24,19 +24,19 @@ from helpers import (
     wait_until,
 )
 
-from coordinator.cli import build_parser
-from coordinator.generate import SamplingOptions, generate
-from coordinator.remote.transport import CHANNEL_OPTIONS, PeerSpec, dial
-from coordinator.runtime import open_local
-from moe.identity import keys
-from moe.identity.tls import client_tls
-from moe.model.model_dir import ModelDir
-from moe.wire import codec, health_pb2, health_pb2_grpc
-from moe.wire import moeshard_pb2 as pb
-from moe.wire import moeshard_pb2_grpc as pb_grpc
-from node.daemon import Node, NodeConfig, resolve_limits
-from node.fairness import Busy, FairGate, Flow
-from node.limits import Limits
+from moeshard.cli import build_parser
+from moeshard.coordinator.generate import SamplingOptions, generate
+from moeshard.coordinator.remote.transport import CHANNEL_OPTIONS, PeerSpec, dial
+from moeshard.coordinator.runtime import open_local
+from moeshard.moe.identity import keys
+from moeshard.moe.identity.tls import client_tls
+from moeshard.moe.model.model_dir import ModelDir
+from moeshard.moe.wire import codec, health_pb2, health_pb2_grpc
+from moeshard.moe.wire import moeshard_pb2 as pb
+from moeshard.moe.wire import moeshard_pb2_grpc as pb_grpc
+from moeshard.node.daemon import Node, NodeConfig, resolve_limits
+from moeshard.node.fairness import Busy, FairGate, Flow
+from moeshard.node.limits import Limits
 
 H = 64  # hidden size of the qwen3_moe fixture (8 experts per MoE layer)
 IDLE_S = 5.0  # idle timeout of the attacked node

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from helpers import wait_until
 
-from moe.convert.placement import shard_model
-from moe.experts.local import LocalExperts
-from moe.model.model_dir import ModelDir
-from moe.wire import codec, health_pb2, health_pb2_grpc
-from moe.wire import moeshard_pb2 as pb
-from moe.wire import moeshard_pb2_grpc as pb_grpc
-from node.daemon import Node, NodeConfig
+from moeshard.moe.convert.placement import shard_model
+from moeshard.moe.experts.local import LocalExperts
+from moeshard.moe.model.model_dir import ModelDir
+from moeshard.moe.wire import codec, health_pb2, health_pb2_grpc
+from moeshard.moe.wire import moeshard_pb2 as pb
+from moeshard.moe.wire import moeshard_pb2_grpc as pb_grpc
+from moeshard.node.daemon import Node, NodeConfig
 
 H = 64  # hidden size of the qwen3_moe fixture
 

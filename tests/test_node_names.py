@@ -10,13 +10,13 @@ import sys
 import pytest
 from helpers import ROOT, client_key
 
-from coordinator.remote.config import RemoteConfig
-from coordinator.remote.experts import RemoteExperts
-from coordinator.remote.transport import PeerSpec
-from moe.errors import MoeshardError
-from moe.model.model_dir import ModelDir
-from moe.wire.names import name_problem, safe_node_name
-from node.daemon import Node, NodeConfig
+from moeshard.coordinator.remote.config import RemoteConfig
+from moeshard.coordinator.remote.experts import RemoteExperts
+from moeshard.coordinator.remote.transport import PeerSpec
+from moeshard.moe.errors import MoeshardError
+from moeshard.moe.model.model_dir import ModelDir
+from moeshard.moe.wire.names import name_problem, safe_node_name
+from moeshard.node.daemon import Node, NodeConfig
 
 CLIENT = client_key()
 EVIL = "evil\nmoeshard_requests_total 999999"
@@ -37,7 +37,7 @@ def test_a_node_refuses_a_bad_name(converted, bad):
 
 def test_the_node_command_exits_2_with_one_line(converted):
     out = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "node", str(converted("qwen3_moe"))]
+        [sys.executable, "-m", "moeshard", "node", str(converted("qwen3_moe"))]
         + ["--name", EVIL, "--allow-any", "--no-advertise"],
         capture_output=True,
         text=True,

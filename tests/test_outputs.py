@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import FIXTURES
 
-from coordinator.cli import main
+from moeshard.cli import main
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -99,7 +99,7 @@ def test_shard_never_replaces_its_model_or_another_directory(capsys, ckpt, tmp_p
 
 
 def test_an_output_under_a_file_or_a_shard_set_of_empty_nodes_is_refused(tmp_path, capsys):
-    from coordinator.cli import main
+    from moeshard.cli import main
 
     (tmp_path / "file").write_text("x")
     model = tmp_path / "model"

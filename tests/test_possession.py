@@ -27,21 +27,21 @@ from helpers import (
     wait_until,
 )
 
-from coordinator import generate as decode
-from coordinator.remote import patrol as patrol_module
-from coordinator.remote import possession
-from coordinator.remote.transport import PeerSpec, dial
-from moe.convert.placement import shard_model
-from moe.errors import StoreError
-from moe.identity.keys import generate
-from moe.identity.tls import client_tls
-from moe.model.model_dir import ModelDir
-from moe.storage import merkle
-from moe.storage.manifest import read_manifest, write_manifest
-from moe.wire import moeshard_pb2 as pb
-from moe.wire import moeshard_pb2_grpc as pb_grpc
-from node import failpoints
-from node.daemon import Node, NodeConfig
+from moeshard.coordinator import generate as decode
+from moeshard.coordinator.remote import patrol as patrol_module
+from moeshard.coordinator.remote import possession
+from moeshard.coordinator.remote.transport import PeerSpec, dial
+from moeshard.moe.convert.placement import shard_model
+from moeshard.moe.errors import StoreError
+from moeshard.moe.identity.keys import generate
+from moeshard.moe.identity.tls import client_tls
+from moeshard.moe.model.model_dir import ModelDir
+from moeshard.moe.storage import merkle
+from moeshard.moe.storage.manifest import read_manifest, write_manifest
+from moeshard.moe.wire import moeshard_pb2 as pb
+from moeshard.moe.wire import moeshard_pb2_grpc as pb_grpc
+from moeshard.node import failpoints
+from moeshard.node.daemon import Node, NodeConfig
 
 BS = merkle.BLOCK_SIZE
 SIZES = [1, 100, BS - 1, BS, BS + 1, 2 * BS, 3 * BS, 5 * BS + 17, 7 * BS, 13 * BS - 5]
@@ -218,7 +218,7 @@ def stub_of(node: Node, tls: bool):
 def audit_cli(model, *peers, args=()):
     """`moeshard audit MODEL --peers ...` as the tests' client."""
     env = dict(os.environ, MOESHARD_HOME=str(client_key().path.parent))
-    cmd = [sys.executable, "-m", "coordinator.cli", "audit", str(model), "--peers", ",".join(peers)]
+    cmd = [sys.executable, "-m", "moeshard", "audit", str(model), "--peers", ",".join(peers)]
     return subprocess.run([*cmd, *args], capture_output=True, text=True, cwd=ROOT, env=env)
 
 

@@ -11,22 +11,14 @@ import sys
 import numpy as np
 import pytest
 
-from coordinator.cli import main
-from coordinator.generate import DecodeProfile, SamplingOptions, generate
-from coordinator.runtime import open_local
-from moe.model.trunk import Linear
+from moeshard.coordinator.generate import DecodeProfile, SamplingOptions, generate
+from moeshard.coordinator.runtime import open_local
+from moeshard.moe.model.trunk import Linear
 from tests.helpers import ROOT
 
 DEMO = ROOT / "models" / "demo-hf"
 PROMPT_IDS = [7, 42, 199, 3, 88]
 TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo") / "model"
-    assert main(["convert", str(DEMO), str(out), "--quiet"]) == 0
-    return out
 
 
 def test_profile_parts_add_up_and_change_no_token(demo):
@@ -61,7 +53,7 @@ def test_profile_is_undone_when_the_generation_fails(demo):
 
 def test_generate_profile_prints_the_table_and_the_json(demo):
     proc = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "generate", str(demo), "--prompt",
+        [sys.executable, "-m", "moeshard", "generate", str(demo), "--prompt",
          "The function returns", "--max-tokens", "6", "--profile", "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip

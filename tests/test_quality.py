@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from coordinator.quality import eval_windows, log_softmax
+from moeshard.coordinator.quality import eval_windows, log_softmax
 
 
 @pytest.mark.parametrize("n, window", [(10, 4), (256, 256), (1000, 256), (3, 8), (513, 256)])
@@ -26,7 +26,7 @@ def test_log_softmax_is_normalised():
 def test_quality_command_reports_agreement(capsys):
     from helpers import FIXTURES
 
-    from coordinator.cli import main
+    from moeshard.cli import main
 
     args = ["quality", str(FIXTURES / "qwen3_moe"), "--prompt-ids", "294,221,81,85"]
     assert main(args + ["--tokens", "8", "--experts", "q8_0,f32"]) == 0

@@ -1,4 +1,5 @@
-"""moe.quant: ggml bit-exactness, the packed layout, and the kernels against numpy twins."""
+"""moeshard.moe.quant: ggml bit-exactness, the packed layout, and the kernels against numpy
+twins."""
 
 import json
 import subprocess
@@ -9,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 from helpers import ROOT, positive
 
-from moe.kernels import quant
+from moeshard.moe.kernels import quant
 
 QTYPE = {
     "f32": GGMLQuantizationType.F32,
@@ -235,7 +236,7 @@ def test_expert_record_layout():
 WARMUP_THEN_EVERY_FORMAT = """
 import json
 import numpy as np
-from moe.kernels import entry, quant
+from moeshard.moe.kernels import entry, quant
 names = ("matmul_kernel", "expert_ffn_kernel", "experts_b1_kernel")  # every entry point
 kernels = {name: getattr(entry, name) for name in names}
 def signatures():

@@ -6,19 +6,9 @@ from __future__ import annotations
 
 import socket
 
-import pytest
-
-from coordinator.cli import main
-from coordinator.remote.reach import speaks_tls
-from moe.convert.converter import convert
-from tests.helpers import ROOT, NodeProcess
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reach") / "demo"
-    convert(ROOT / "models" / "demo-hf", out, progress=False)
-    return out
+from moeshard.cli import main
+from moeshard.coordinator.remote.reach import speaks_tls
+from tests.helpers import NodeProcess
 
 
 def _free_port() -> int:

@@ -16,23 +16,23 @@ import numpy as np
 import pytest
 from helpers import NodeProcess, client_key, flip_byte, node_process, wait_until
 
-from coordinator.cli import build_parser
-from coordinator.remote.fetch import FetchError, default_deadline_s, fetch_record
-from coordinator.remote.transport import CHANNEL_OPTIONS, dial
-from moe.convert.placement import shard_model
-from moe.convert.synth import synth
-from moe.identity import keys
-from moe.identity.tls import client_tls
-from moe.model.model_dir import ModelDir
-from moe.storage import merkle
-from moe.wire import codec
-from moe.wire import moeshard_pb2 as pb
-from moe.wire import moeshard_pb2_grpc as pb_grpc
-from node import failpoints
-from node.daemon import Node, NodeConfig
-from node.limits import Limits
-from node.records import CHUNK_BYTES
-from node.servicer import SERVICE
+from moeshard.cli import build_parser
+from moeshard.coordinator.remote.fetch import FetchError, default_deadline_s, fetch_record
+from moeshard.coordinator.remote.transport import CHANNEL_OPTIONS, dial
+from moeshard.moe.convert.placement import shard_model
+from moeshard.moe.convert.synth import synth
+from moeshard.moe.identity import keys
+from moeshard.moe.identity.tls import client_tls
+from moeshard.moe.model.model_dir import ModelDir
+from moeshard.moe.storage import merkle
+from moeshard.moe.wire import codec
+from moeshard.moe.wire import moeshard_pb2 as pb
+from moeshard.moe.wire import moeshard_pb2_grpc as pb_grpc
+from moeshard.node import failpoints
+from moeshard.node.daemon import Node, NodeConfig
+from moeshard.node.limits import Limits
+from moeshard.node.records import CHUNK_BYTES
+from moeshard.node.servicer import SERVICE
 
 MiB = 1 << 20
 RECORD_NBYTES = 3_342_336  # the model's records: 3 chunks of 1 MiB and a partial one
@@ -543,7 +543,7 @@ def test_a_client_may_fetch_the_records_the_node_computed_with_for_it_beyond_its
     """Record credit (`Guard.credit_records`): the bytes of the records a node's replies to a
     client used may be fetched by that client on top of its record rate, as a coordinator's
     audits need them; another client, which had nothing computed, has its rate alone."""
-    from node.limits import Guard, Refused
+    from moeshard.node.limits import Guard, Refused
 
     mib = 1 << 20
     guard = Guard(Limits(record_rate=4 * mib).resolve(1 << 30, 4096, 2))

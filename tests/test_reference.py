@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from helpers import DIALECTS, FAMILY_FIXTURES, reference
 
-from coordinator.cli import main
-from coordinator.generate import SamplingOptions, generate
-from coordinator.runtime import open_local
+from moeshard.cli import main
+from moeshard.coordinator.generate import SamplingOptions, generate
+from moeshard.coordinator.runtime import open_local
 
 TOLERANCE = 1e-4  # max abs error relative to the reference logit range
 

@@ -17,8 +17,8 @@ import time
 import pytest
 from helpers import ROOT, client_key, node_process
 
-from coordinator.cli import main
-from coordinator.remote.reputation import DB_NAME, Reputation, ReputationError, rank_weight
+from moeshard.cli import main
+from moeshard.coordinator.remote.reputation import DB_NAME, Reputation, ReputationError, rank_weight
 
 LIAR, HONEST, NEW = "l" * 26, "h" * 26, "n" * 26  # node ids (any string is one)
 
@@ -232,7 +232,7 @@ def test_coordinators_flushing_at_once_in_two_processes(tmp_path):
     Reputation(path).close()
     script = textwrap.dedent(
         f"""
-        from coordinator.remote.reputation import Reputation
+        from moeshard.coordinator.remote.reputation import Reputation
         rep = Reputation({str(path)!r})
         for i in range(300):
             rep.record_call({HONEST!r}, True, 1.0)
@@ -302,7 +302,7 @@ def test_a_bad_database_file_is_one_line_naming_it(tmp_path):
 def test_cluster_shows_each_nodes_reputation(cluster_model, tmp_path, capsys):
     node = node_process(cluster_model)
     try:
-        cli = [sys.executable, "-m", "coordinator.cli", "cluster", str(cluster_model)]
+        cli = [sys.executable, "-m", "moeshard", "cluster", str(cluster_model)]
         cli += ["--peers", str(node.spec), "--key", str(client_key().path)]
         env = dict(os.environ, MOESHARD_HOME=str(tmp_path))
         run = functools.partial(subprocess.run, capture_output=True, text=True, cwd=ROOT, env=env)

@@ -1,4 +1,4 @@
-"""`coordinator.sampling.adjust_logits` and `sample`: OpenAI's logit_bias, presence and
+"""`moeshard.coordinator.sampling.adjust_logits` and `sample`: OpenAI's logit_bias, presence and
 frequency penalties, checked against the definition written out token by token."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.sampling import SamplingOptions, adjust_logits, sample
+from moeshard.coordinator.sampling import SamplingOptions, adjust_logits, sample
 
 VOCAB = 50
 

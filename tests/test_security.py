@@ -7,8 +7,6 @@ import logging
 import os
 import socket
 import stat
-import subprocess
-import sys
 import time
 
 import grpc
@@ -17,43 +15,39 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from helpers import ROOT, client_key, remote_runtime, wait_until
+from helpers import client_key, moeshard_run, remote_runtime, wait_until
 
-from coordinator.remote.config import RemoteError
-from coordinator.remote.transport import PeerSpec, PinError, dial, parse_peers
-from moe.errors import MoeshardError
-from moe.identity import keys, signed, tls
-from moe.identity.tls import TLS_NAME, certificate_identity, client_tls, node_tls
-from moe.kernels.build import ARITHMETIC
-from moe.storage.manifest import FORMAT_VERSION
-from moe.wire import health_pb2, health_pb2_grpc
-from moe.wire import moeshard_pb2 as pb
-from moe.wire import moeshard_pb2_grpc as pb_grpc
-from node.daemon import Node, NodeConfig
-
-
-def cli(*args, home):
-    env = dict(os.environ, MOESHARD_HOME=str(home))
-    cmd = [sys.executable, "-m", "coordinator.cli", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+from moeshard.coordinator.remote.config import RemoteError
+from moeshard.coordinator.remote.transport import PeerSpec, PinError, dial, parse_peers
+from moeshard.moe.errors import MoeshardError
+from moeshard.moe.identity import keys, signed, tls
+from moeshard.moe.identity.tls import TLS_NAME, certificate_identity, client_tls, node_tls
+from moeshard.moe.kernels.build import ARITHMETIC
+from moeshard.moe.storage.manifest import FORMAT_VERSION
+from moeshard.moe.wire import health_pb2, health_pb2_grpc
+from moeshard.moe.wire import moeshard_pb2 as pb
+from moeshard.moe.wire import moeshard_pb2_grpc as pb_grpc
+from moeshard.node.daemon import Node, NodeConfig
 
 
 def test_keygen_writes_a_private_key_and_id_prints_its_id(tmp_path):
     path = tmp_path / "k.pem"
-    made = cli("keygen", path, home=tmp_path)
+    made = moeshard_run("keygen", path, home=tmp_path)
     assert made.returncode == 0, made.stderr
     key_id = made.stdout.strip()
     assert keys.looks_like_id(key_id) and len(key_id) == keys.ID_LENGTH
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert path.read_text().startswith("-----BEGIN PRIVATE KEY-----")
-    shown = cli("id", path, home=tmp_path)
+    shown = moeshard_run("id", path, home=tmp_path)
     assert shown.returncode == 0 and shown.stdout.strip() == key_id
     assert keys.load(path).id == key_id == keys.key_id(keys.load(path).public)
-    again = cli("keygen", path, home=tmp_path)  # never overwritten
+    again = moeshard_run("keygen", path, home=tmp_path)  # never overwritten
     assert again.returncode == 2 and "already exists" in again.stderr
-    assert cli("id", tmp_path / "missing.pem", home=tmp_path).returncode == 2
+    assert moeshard_run("id", tmp_path / "missing.pem", home=tmp_path).returncode == 2
     (tmp_path / "junk.pem").write_text("not a key")
-    assert "not a PEM private key" in cli("id", tmp_path / "junk.pem", home=tmp_path).stderr
+    assert (
+        "not a PEM private key" in moeshard_run("id", tmp_path / "junk.pem", home=tmp_path).stderr
+    )
 
 
 def test_ids_differ_per_key_and_a_forged_binding_is_refused(tmp_path):
@@ -109,7 +103,7 @@ def tls_node(converted, tmp_path_factory):
 def test_pinned_node_answers_and_sees_the_client_id(tls_node):
     """...and states the kernel build and CPU level its arithmetic depends on (this process
     runs the same kernels on the same CPU, so it must state the same ones)."""
-    from moe.kernels.build import cpu_level, kernel_build
+    from moeshard.moe.kernels.build import cpu_level, kernel_build
 
     node, addr = tls_node
     channel, seen = dial(PeerSpec(addr, node.identity.node_id), client_tls(client_key()), 5)
@@ -207,8 +201,8 @@ def test_forged_and_expired_announcements_are_ignored_by_discovery(tmp_path, cap
     one and an unsigned one are ignored with one warning each; a good one is found."""
     from zeroconf import IPVersion, ServiceInfo, Zeroconf
 
-    from coordinator.remote.discovery import browse
-    from moe.wire.constants import SERVICE_TYPE
+    from moeshard.coordinator.remote.discovery import browse
+    from moeshard.moe.wire.constants import SERVICE_TYPE
 
     good, victim = keys.generate(tmp_path / "g"), keys.generate(tmp_path / "v")
     model_id = "e" * 64
@@ -281,8 +275,8 @@ def test_info_is_signed_for_the_callers_nonce(tls_node):
 
 def test_a_coordinator_refused_by_every_node_says_so(tls_node, tmp_path):
     """A client the node does not allow: not 'unreachable' (and retried) but refused."""
-    from coordinator.remote.config import RemoteConfig, RemoteError
-    from coordinator.remote.experts import RemoteExperts
+    from moeshard.coordinator.remote.config import RemoteConfig, RemoteError
+    from moeshard.coordinator.remote.experts import RemoteExperts
 
     node, addr = tls_node
     stranger = keys.generate(tmp_path / "stranger")
@@ -297,9 +291,9 @@ def test_a_node_computing_another_arithmetic_is_refused_not_audited(converted, m
     """A node of another moeshard version (its kernels compute another arithmetic: say float32
     activations where we quantise them) would give replies an auditor finds wrong by far more
     than its tolerance: it is refused at admission, with the reason, instead of accused."""
-    import node.servicer
+    from moeshard.node import servicer
 
-    monkeypatch.setattr(node.servicer, "ARITHMETIC", 0)
+    monkeypatch.setattr(servicer, "ARITHMETIC", 0)
     config = NodeConfig(path=str(converted("qwen3_moe")), advertise=False, insecure=True)
     old = Node(config)
     port = old.start()

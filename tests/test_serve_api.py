@@ -22,10 +22,9 @@ import openai
 import pytest
 from helpers import ROOT, wait_until
 
-from coordinator.chat import chat_prompt
-from coordinator.generate import SamplingOptions, generate
-from coordinator.runtime import open_local
-from moe.convert.converter import convert
+from moeshard.coordinator.chat import chat_prompt
+from moeshard.coordinator.generate import SamplingOptions, generate
+from moeshard.coordinator.runtime import open_local
 
 KEY = "sk-test-moeshard"
 PROMPT = "The function returns"
@@ -37,13 +36,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("serve") / "demo"
-    convert(ROOT / "models" / "demo-hf", out, progress=False)
-    return out
-
-
 @contextmanager
 def serving(demo, *flags: str):
     """A `moeshard serve DEMO --name demo FLAGS...` subprocess on a free port, up: its base URL.
@@ -52,7 +44,7 @@ def serving(demo, *flags: str):
     port = free_port()
     log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "serve", str(demo), "--port", str(port),
+        [sys.executable, "-m", "moeshard", "serve", str(demo), "--port", str(port),
          "--name", "demo", *flags],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
@@ -294,7 +286,7 @@ def test_a_busy_port_is_one_line_and_exit_2_before_loading(demo):
         taken.listen(1)
         port = taken.getsockname()[1]
         done = subprocess.run(
-            [sys.executable, "-m", "coordinator.cli", "serve", str(demo), "--port", str(port)],
+            [sys.executable, "-m", "moeshard", "serve", str(demo), "--port", str(port)],
             cwd=ROOT, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
     assert done.returncode == 2, done.stderr
@@ -457,7 +449,7 @@ def test_bench_serve_runs(demo, engine_only):
     """`moeshard bench serve`: a server process and its clients, or (--engine-only) the
     clients submitting to the engine in-process; one line per level."""
     out = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "bench", "serve", str(demo),
+        [sys.executable, "-m", "moeshard", "bench", "serve", str(demo),
          "--concurrency", "1,2", "--tokens", "4", "--requests", "2"]
         + ["--engine-only"] * engine_only,
         cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -481,7 +473,7 @@ def test_bench_serve_long_prompts_in_chunks(demo):
     """`--prompt-tokens` prompts read `--prefill-chunk` tokens a step, clients started over
     `--ramp`: every token is still made, and the gaps between a stream's chunks are reported."""
     out = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "bench", "serve", str(demo), "--engine-only",
+        [sys.executable, "-m", "moeshard", "bench", "serve", str(demo), "--engine-only",
          "--concurrency", "1,2", "--tokens", "6", "--requests", "2", "--prompt-tokens", "40",
          "--prefill-chunk", "8", "--ramp", "0.05"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -494,7 +486,7 @@ def test_bench_serve_long_prompts_in_chunks(demo):
         gaps = line.split("gaps p50")[1].split("ms")[0]
         assert float(gaps) > 0, line
     too_long = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "bench", "serve", str(demo), "--engine-only",
+        [sys.executable, "-m", "moeshard", "bench", "serve", str(demo), "--engine-only",
          "--prompt-tokens", "250", "--tokens", "8", "--context", "256"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -578,7 +570,7 @@ def test_a_queued_request_whose_client_hangs_up_leaves_the_queue(demo, stream):
 def test_ctrl_c_at_any_moment_of_serve_leaves_no_traceback(demo):
     """SIGINT while serve starts and once it serves: 130 and "moeshard: interrupted", or
     (once uvicorn has taken the signal over) a normal stop, 0; never a traceback or a hang."""
-    cmd = [sys.executable, "-m", "coordinator.cli", "serve", str(demo), "--port", "0"]
+    cmd = [sys.executable, "-m", "moeshard", "serve", str(demo), "--port", "0"]
     for moment in (0.1, 0.6, "serving"):
         proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
         try:

@@ -21,20 +21,13 @@ import pytest
 from helpers import ROOT, wait_until
 from test_serve_api import authorised, metrics, serving
 
-from coordinator.serve.app import label_value, too_deep
-from moe.convert.converter import convert
+from moeshard.coordinator.serve.metrics import label_value
+from moeshard.coordinator.serve.requests import too_deep
 
 KEY = "sk-attack-test"
 PROMPT = "The function returns"
 CAP = 200  # the server's --max-connections
 HEADER_TIMEOUT = 2.0  # its --header-timeout and --body-timeout
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("serve-attacks") / "demo"
-    convert(ROOT / "models" / "demo-hf", out, progress=False)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +146,7 @@ def test_a_body_sent_too_slowly_is_cut_at_the_body_timeout(server):
 ACCEPT_SERVER = textwrap.dedent(
     """
     import asyncio, logging, resource, sys
-    from coordinator.serve.connections import AcceptErrors
+    from moeshard.coordinator.serve.connections import AcceptErrors
 
     logging.basicConfig(stream=sys.stderr, format="%(name)s %(message)s")
     resource.setrlimit(resource.RLIMIT_NOFILE, (48, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
@@ -294,8 +287,8 @@ def test_a_node_name_cannot_write_lines_into_metrics(demo):
     refuses such a --name, so it is set in-process, as a hostile node's code would): /metrics
     shows one label value, the safe form the coordinator admits it under (the original server
     let the sample through as a line of its own)."""
-    from moe.wire.names import safe_node_name
-    from node.daemon import Node, NodeConfig
+    from moeshard.moe.wire.names import safe_node_name
+    from moeshard.node.daemon import Node, NodeConfig
 
     evil = 'evil"\nmoeshard_requests_total 999999'
     node = Node(NodeConfig(path=str(demo), name="fine", insecure=True, advertise=False))
@@ -320,7 +313,7 @@ def test_a_node_name_cannot_write_lines_into_metrics(demo):
 def test_the_http_attack_bench_makes_its_rows(demo):
     """`http_attack_rows` (what `moeshard bench attack` calls), two attacks, a second each:
     a row per attack, met goals, and the attackers' answers in the notes."""
-    from coordinator.bench.attack_http import http_attack_rows
+    from moeshard.bench.attack_http import http_attack_rows
 
     rows = http_attack_rows(demo, 1.0, ("nested-json", "unauthenticated-scrape"))
     assert [r.metric for r in rows] == ["p99 s", "p99 s"]

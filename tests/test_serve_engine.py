@@ -9,21 +9,18 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import ROOT
 
-from coordinator.generate import SamplingOptions, generate
-from coordinator.runtime import open_local
-from coordinator.serve.engine import Engine, QueueFull
-from moe.convert.converter import convert
+from moeshard.coordinator.generate import SamplingOptions, generate
+from moeshard.coordinator.runtime import open_local
+from moeshard.coordinator.serve.engine import Engine, QueueFull
 
 PROMPTS = [[1, 5, 9, 2, 7], [42], [100, 200, 300], [7] * 8, [3, 1, 4, 1, 5, 9, 2, 6], [77, 88]]
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    out = tmp_path_factory.mktemp("engine") / "demo"
-    convert(ROOT / "models" / "demo-hf", out, progress=False)
-    return open_local(out).transformer
+def demo(demo):
+    """The session's demo model, open (this module's own: its tests run it)."""
+    return open_local(demo).transformer
 
 
 class CountingExperts:
@@ -198,7 +195,7 @@ def test_latency_histograms_count_every_token_and_request(demo):
 
 
 def test_histogram_buckets_are_cumulative_and_inclusive():
-    from coordinator.serve.histogram import Histogram
+    from moeshard.coordinator.serve.histogram import Histogram
 
     h = Histogram((0.01, 0.1, 1.0))
     for seconds in (0.005, 0.01, 0.05, 0.5, 2.0):

@@ -1,5 +1,5 @@
-"""The batching engine in a child process (`coordinator.serve.engine_process`), as `moeshard
-serve` runs it: the same tokens as the engine in-process, refusals and counters across the
+"""The batching engine in a child process (`moeshard.coordinator.serve.engine_process`), as
+`moeshard serve` runs it: the same tokens as the engine in-process, refusals and counters across the
 pipe, a cancel that reaches the child, and requests that end with "error" when the child
 dies.  (tests/test_serve_api.py drives a whole server, which runs its engine this way.)"""
 
@@ -10,31 +10,31 @@ import os
 import signal
 
 import pytest
-from helpers import ROOT, wait_until
+from helpers import wait_until
 
-from coordinator.commands.serve import open_runtime
-from coordinator.generate import SamplingOptions, generate
-from coordinator.runtime import open_local
-from coordinator.serve.engine import QueueFull
-from coordinator.serve.engine_process import EngineProcess
-from moe.convert.converter import convert
-from moe.errors import MoeshardError
+from moeshard.cli import build_parser
+from moeshard.commands.serve import open_runtime
+from moeshard.coordinator.generate import SamplingOptions, generate
+from moeshard.coordinator.runtime import open_local
+from moeshard.coordinator.serve.engine import QueueFull
+from moeshard.coordinator.serve.engine_process import EngineProcess
+from moeshard.moe.errors import MoeshardError
 
 PROMPTS = [[1, 5, 9, 2, 7], [42], [100, 200, 300], [7] * 8]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("engine-process") / "demo"
-    convert(ROOT / "models" / "demo-hf", out, progress=False)
-    return out
+def model_dir(demo):
+    return demo
 
 
 def serve_args(model_dir, **fields) -> argparse.Namespace:
-    """What `moeshard serve MODEL` parses, for `open_runtime`."""
-    values = {"model": str(model_dir), "ram": None, "context": 64, "max_batch": 4}
-    values |= {"peers": None, "discover": False, "discover_timeout": 2.0}
-    return argparse.Namespace(**(values | fields))
+    """What `moeshard serve MODEL --context 64 --max-batch 4` parses (the real parser), with
+    `fields` set on top, for `open_runtime`."""
+    args = build_parser().parse_args(
+        ["serve", str(model_dir), "--context", "64", "--max-batch", "4"]
+    )
+    return argparse.Namespace(**(vars(args) | fields))
 
 
 def start(model_dir, **engine_kwargs) -> EngineProcess:

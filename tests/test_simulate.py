@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from helpers import parse_bench_disk, positive
 
-from moe.analysis import simulate
-from moe.analysis.disk import DISK_PROFILES, Disk
-from moe.errors import MoeshardError
-from moe.storage.traces import DECODE, FORMAT, Trace
+from moeshard.moe.analysis import simulate
+from moeshard.moe.analysis.disk import DISK_PROFILES, Disk
+from moeshard.moe.errors import MoeshardError
+from moeshard.moe.storage.traces import DECODE, FORMAT, Trace
 
 
 def synthetic_trace(tokens=60, layers=(0, 1, 2), n_experts=64, k=4, seed=0) -> Trace:
@@ -85,8 +85,8 @@ def test_every_effect_points_the_right_way():
 
 def test_validation_replays_a_real_streaming_run(tmp_path):
     """The side-by-side command runs a real budgeted generation and its simulation."""
-    from coordinator.bench import sim_validate
-    from moe.convert.synth import synth
+    from moeshard.bench import sim_validate
+    from moeshard.moe.convert.synth import synth
 
     model = tmp_path / "tiny"
     synth(model, "tiny")
@@ -136,7 +136,7 @@ def simulate_table(out: str, disk: Path) -> dict[tuple[str, bool, bool], dict[st
 def test_bench_disk_writes_a_profile_that_simulate_reads(tmp_path, capsys):
     """`bench disk --profile-out` measures this disk and writes the points `simulate --disk`
     takes; a malformed profile is refused with exit code 2 and a message."""
-    from coordinator.cli import main
+    from moeshard.cli import main
 
     profile = tmp_path / "disk.json"
     argv = ["bench", "disk", "--dir", str(tmp_path), "--file-size", "32M", "--sizes", "1M"]

@@ -10,13 +10,13 @@ import pytest
 from gguf import GGUFReader
 from helpers import flip_byte
 
-from coordinator.cli import main
-from moe.errors import StoreError
-from moe.experts.local import LocalExperts
-from moe.kernels import quant
-from moe.model.model_dir import ModelDir
-from moe.storage.gguf_file import ALIGNMENT
-from moe.storage.manifest import FORMAT_VERSION
+from moeshard.cli import main
+from moeshard.moe.errors import StoreError
+from moeshard.moe.experts.local import LocalExperts
+from moeshard.moe.kernels import quant
+from moeshard.moe.model.model_dir import ModelDir
+from moeshard.moe.storage.gguf_file import ALIGNMENT
+from moeshard.moe.storage.manifest import FORMAT_VERSION
 
 
 @pytest.fixture
@@ -114,7 +114,7 @@ def test_missing_manifest(model):
 @pytest.mark.parametrize("experts", ["q4_0", "q8_0", "bf16"])
 def test_quantised_experts_track_f32(converted, experts):
     """Each expert format runs end to end; its logits stay close to the f32 conversion's."""
-    from coordinator.runtime import open_local
+    from moeshard.coordinator.runtime import open_local
 
     ids = np.array([294, 221, 81, 85, 288, 75, 263])
     logits = {}
@@ -127,7 +127,7 @@ def test_quantised_experts_track_f32(converted, experts):
 
 
 def test_truncated_trunk(model):
-    from coordinator.runtime import open_local
+    from moeshard.coordinator.runtime import open_local
 
     path = model / "trunk.gguf"
     with open(path, "r+b") as f:
@@ -137,7 +137,7 @@ def test_truncated_trunk(model):
 
 
 def test_add_rows_matches_np_add_at_with_and_without_repeats():
-    from moe.experts.compute import add_rows
+    from moeshard.moe.experts.compute import add_rows
 
     rng = np.random.default_rng(0)
     for rows in (np.array([0, 2, 3]), np.array([1, 1, 3]), np.array([2])):

@@ -19,14 +19,14 @@ import grpc
 import pytest
 from helpers import PROMPT, TOKENS, NodeProcess, memory_mib, remote_runtime, wait_until
 
-from coordinator.bench.attacker import forward_request
-from coordinator.generate import SamplingOptions, generate
-from coordinator.remote.transport import dial
-from moe.identity.keys import generate as new_key
-from moe.identity.tls import client_tls
-from moe.wire import moeshard_pb2 as pb
-from moe.wire import moeshard_pb2_grpc as pb_grpc
-from node import failpoints
+from moeshard.bench.attacker import forward_request
+from moeshard.coordinator.generate import SamplingOptions, generate
+from moeshard.coordinator.remote.transport import dial
+from moeshard.moe.identity.keys import generate as new_key
+from moeshard.moe.identity.tls import client_tls
+from moeshard.moe.wire import moeshard_pb2 as pb
+from moeshard.moe.wire import moeshard_pb2_grpc as pb_grpc
+from moeshard.node import failpoints
 
 OK = grpc.StatusCode.OK
 

@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 from helpers import parse_bench_disk, positive
 
-from coordinator.generate import SamplingOptions, generate
-from coordinator.runtime import open_local, open_streaming
-from moe.convert.synth import synth
-from moe.errors import MoeshardError
-from moe.experts.store import ExpertStore
-from moe.experts.usage import read_usage, write_profile
-from moe.model.model_dir import ModelDir
-from moe.model.streaming_trunk import StreamingTrunk
-from moe.storage.budget import plan_budget
-from moe.storage.trunk_file import TrunkLayout
-from moe.units import parse_size
+from moeshard.coordinator.generate import SamplingOptions, generate
+from moeshard.coordinator.runtime import open_local, open_streaming
+from moeshard.moe.convert.synth import synth
+from moeshard.moe.errors import MoeshardError
+from moeshard.moe.experts.store import ExpertStore
+from moeshard.moe.experts.usage import read_usage, write_profile
+from moeshard.moe.model.model_dir import ModelDir
+from moeshard.moe.model.streaming_trunk import StreamingTrunk
+from moeshard.moe.storage.budget import plan_budget
+from moeshard.moe.storage.trunk_file import TrunkLayout
+from moeshard.moe.units import parse_size
 
 PROMPT = [1, 5, 9, 2, 7]
 OPTS = SamplingOptions(max_tokens=8, temperature=1.0, seed=0, keep_logits=True)
@@ -137,7 +137,7 @@ def test_streaming_trunk_matches_resident(tiny, reference):
 def test_cli_generate_ram_matches_unbudgeted(tiny, tmp_path, capsys):
     import json
 
-    from coordinator.cli import main
+    from moeshard.cli import main
 
     common = [str(tiny), "--prompt-ids", "1,5,9", "--max-tokens", "4", "--json"]
     assert main(["generate", *common]) == 0
@@ -232,7 +232,7 @@ def check_bench_stream(out: str, err: str, names: list[str], record_kib: float) 
 
 
 def test_bench_commands_run(tiny, tmp_path, capsys):
-    from coordinator.cli import main
+    from moeshard.cli import main
 
     record_kib = ModelDir(tiny).shard_set.record_nbytes / 1024
     argv = ["bench", "stream", str(tiny), "--ram", "49M", "--tokens", "4"]
@@ -290,8 +290,8 @@ def test_streamed_trunk_and_minimum_budget_on_fixtures(family, converted):
 def test_bench_stream_io_only_runs_no_expert_kernel(tiny, monkeypatch, capsys):
     """--io-only measures the I/O path alone: neither the per-expert nor the batched decode
     kernel may run (records are still read and checksummed)."""
-    from coordinator.cli import main
-    from moe.kernels import entry, quant
+    from moeshard.cli import main
+    from moeshard.moe.kernels import entry, quant
 
     def kernel_ran(*args, **kwargs):
         raise AssertionError("an expert kernel ran under --io-only")

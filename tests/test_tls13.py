@@ -14,8 +14,8 @@ import tempfile
 import pytest
 from helpers import ROOT, client_key
 
-from moe.identity.tls import TLS_NAME, client_tls, fetch_node_identity
-from node.daemon import Node, NodeConfig
+from moeshard.moe.identity.tls import TLS_NAME, client_tls, fetch_node_identity
+from moeshard.node.daemon import Node, NodeConfig
 
 CLIENT = client_key()
 
@@ -75,8 +75,8 @@ def test_a_node_whose_grpc_allows_tls12_refuses_to_start(converted):
     code = (
         "import os; os.environ.pop('GRPC_SSL_CIPHER_SUITES', None)\n"
         "import grpc\n"
-        "from moe.errors import MoeshardError\n"
-        "from node.daemon import Node, NodeConfig\n"
+        "from moeshard.moe.errors import MoeshardError\n"
+        "from moeshard.node.daemon import Node, NodeConfig\n"
         f"n = Node(NodeConfig(path={str(converted('qwen3_moe'))!r}, allow_any=True,"
         " advertise=False))\n"
         "try:\n    n.start()\n"

@@ -1,4 +1,5 @@
-"""Kimi's tiktoken tokenizer (`coordinator.tokenizer.KimiTiktoken`) against a plain reference.
+"""Kimi's tiktoken tokenizer (`moeshard.coordinator.tokenizer.KimiTiktoken`) against a plain
+reference.
 
 The reference splits text with the `regex` package (another engine than tiktoken's Rust one,
 so the pattern's class intersections must mean the same in both) and runs byte-pair merging
@@ -16,9 +17,9 @@ import pytest
 import regex
 from helpers import ROOT
 
-from coordinator import tokenizer
-from moe.convert.converter import convert
-from moe.errors import StoreError
+from moeshard.coordinator import tokenizer
+from moeshard.moe.convert.converter import convert
+from moeshard.moe.errors import StoreError
 
 MERGES = [b"th", b"he", b"the", b" the", b"in", b"ing", b" thing", b"ll", b"'ll", b"is", b" is"]
 HAN = ["中", "文", "中文", "世界"]  # UTF-8 byte strings of Han characters, merged

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from coordinator.cli import main
-from moe.analysis import cachesim, coact
-from moe.storage import traces as trace
+from moeshard.cli import main
+from moeshard.moe.analysis import cachesim, coact
+from moeshard.moe.storage import traces as trace
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +119,9 @@ def test_skew_of_uniform_and_concentrated_usage():
 
 
 def test_pack_moves_records_and_keeps_output(traces, converted, tmp_path, capsys):
-    from coordinator.generate import SamplingOptions, generate
-    from coordinator.runtime import open_local
-    from moe.model.model_dir import ModelDir
+    from moeshard.coordinator.generate import SamplingOptions, generate
+    from moeshard.coordinator.runtime import open_local
+    from moeshard.moe.model.model_dir import ModelDir
 
     src = converted("deepseek_v3")
     out = tmp_path / "packed"
@@ -144,7 +144,7 @@ def test_pack_moves_records_and_keeps_output(traces, converted, tmp_path, capsys
 
 
 def test_seriation_puts_coactivated_experts_next_to_each_other():
-    from moe.analysis.coact import seriate
+    from moeshard.moe.analysis.coact import seriate
 
     coact_matrix = np.zeros((6, 6), dtype=np.int64)
     for i, j in ((0, 4), (4, 2), (2, 5), (5, 1), (1, 3)):
@@ -156,7 +156,7 @@ def test_seriation_puts_coactivated_experts_next_to_each_other():
 def test_pack_in_place(traces, converted, tmp_path):
     import shutil
 
-    from moe.model.model_dir import ModelDir
+    from moeshard.moe.model.model_dir import ModelDir
 
     model = tmp_path / "model"
     shutil.copytree(converted("deepseek_v3"), model)
@@ -169,8 +169,8 @@ def test_pack_in_place(traces, converted, tmp_path):
 
 
 def test_shard_placement_balances_by_a_real_trace(traces, converted, tmp_path):
-    from moe.convert.placement import shard_model
-    from moe.experts.usage import read_usage
+    from moeshard.moe.convert.placement import shard_model
+    from moeshard.moe.experts.usage import read_usage
 
     model = converted("deepseek_v3")
     usage = read_usage(traces[0])

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from helpers import ROOT
 
-from moe.wire import codec
-from moe.wire import moeshard_pb2 as pb
+from moeshard.moe.wire import codec
+from moeshard.moe.wire import moeshard_pb2 as pb
 
 
 def test_f32_and_i32_round_trip_exactly():
@@ -105,12 +105,14 @@ def test_generated_code_is_current(tmp_path):
         text = grpc_module.read_text()
         fixed = re.sub(
             r"^import (moeshard|health)_pb2 as",
-            r"from moe.wire import \1_pb2 as",
+            r"from moeshard.moe.wire import \1_pb2 as",
             text,
             flags=re.MULTILINE,
         )
         assert fixed != text, f"{grpc_module.name} does not import its messages as expected"
         grpc_module.write_text(fixed)
     names = ["moeshard_pb2.py", "moeshard_pb2_grpc.py", "health_pb2.py", "health_pb2_grpc.py"]
-    match, mismatch, errors = filecmp.cmpfiles(tmp_path, ROOT / "moe" / "wire", names, False)
+    match, mismatch, errors = filecmp.cmpfiles(
+        tmp_path, ROOT / "moeshard" / "moe" / "wire", names, False
+    )
     assert not mismatch and not errors, f"stale generated code: {mismatch + errors}; run make proto"

@@ -4,8 +4,8 @@
 
 Starts `moeshard node MODEL_DIR` on loopback (mutual TLS as a fresh client key unless
 --insecure; its record rate limit lifted so only the transfer is timed), then fetches every
-record of the model `--runs` times with `coordinator.remote.fetch.fetch_record` and prints the
-median of: the whole fetch (stream + checks + Merkle root), the stream alone (chunks copied into
+record of the model `--runs` times with `moeshard.coordinator.remote.fetch.fetch_record` and prints
+the median of: the whole fetch (stream + checks + Merkle root), the stream alone (chunks copied into
 the buffer, no root), and `merkle.root` over a record. The records come from the node's page
 cache after the first read: this is the network path, not the disk. A model with K3-sized
 records: `moeshard synth DIR --preset k3 --experts 4 --top-k 2 --layers 2 --latent 3072
@@ -29,21 +29,21 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's code, as the node it starts (cwd ROOT) runs
 
-from coordinator.remote.fetch import fetch_record  # noqa: E402
-from coordinator.remote.transport import PeerSpec, dial  # noqa: E402
-from moe.identity.keys import generate  # noqa: E402
-from moe.identity.tls import client_tls  # noqa: E402
-from moe.model.model_dir import ModelDir  # noqa: E402
-from moe.storage import merkle  # noqa: E402
-from moe.wire import moeshard_pb2 as pb  # noqa: E402
-from moe.wire import moeshard_pb2_grpc as pb_grpc  # noqa: E402
+from moeshard.coordinator.remote.fetch import fetch_record  # noqa: E402
+from moeshard.coordinator.remote.transport import PeerSpec, dial  # noqa: E402
+from moeshard.moe.identity.keys import generate  # noqa: E402
+from moeshard.moe.identity.tls import client_tls  # noqa: E402
+from moeshard.moe.model.model_dir import ModelDir  # noqa: E402
+from moeshard.moe.storage import merkle  # noqa: E402
+from moeshard.moe.wire import moeshard_pb2 as pb  # noqa: E402
+from moeshard.moe.wire import moeshard_pb2_grpc as pb_grpc  # noqa: E402
 
 log = logging.getLogger("bench_fetch")
 
 
 def start_node(model_dir: Path, client_id: str, home: str) -> tuple[subprocess.Popen, PeerSpec]:
     """A node process serving `model_dir`; its peer spec from the line it prints."""
-    cmd = [sys.executable, "-m", "coordinator.cli", "node", str(model_dir), "--port", "0"]
+    cmd = [sys.executable, "-m", "moeshard", "node", str(model_dir), "--port", "0"]
     cmd += ["--no-advertise", "--record-rate-mb", "1e6", "--key", f"{home}/node.pem"]
     cmd += ["--insecure"] if not client_id else ["--allow", client_id]
     env = dict(os.environ, MOESHARD_HOME=home)

@@ -11,7 +11,7 @@ model=${1:?usage: tools/demo_cluster.sh MODEL PROMPT [MAX_TOKENS]}
 prompt=${2:?usage: tools/demo_cluster.sh MODEL PROMPT [MAX_TOKENS]}
 max_tokens=${3:-48}
 py=${PY:-.venv/bin/python}
-moeshard() { "$py" -m coordinator.cli "$@"; }
+moeshard() { "$py" -m moeshard "$@"; }
 shards="$model-shards"
 base_port=${DEMO_PORT:-7171}
 pids=()
@@ -48,13 +48,13 @@ moeshard shard "$model" --nodes 3 --replicas 2 --out "$shards" --force >/dev/nul
 # instead of several minutes of four, and the nodes then start serving in about a second.
 echo "demo: compiling the kernels (first run only: numba keeps them in its disk cache)..." >&2
 started=$SECONDS
-"$py" -c "from moe.kernels import quant; from moe.model import fused; quant.warmup(); fused.warmup()"
+"$py" -c "from moeshard.moe.kernels import quant; from moeshard.moe.model import fused; quant.warmup(); fused.warmup()"
 echo "demo: kernels ready in $((SECONDS - started)) s; starting 3 nodes" >&2
 for i in 0 1 2; do
     port=$((base_port + i))
     # the python process itself in the background (not a function's subshell), so that
     # SIGTERM reaches the node daemon and `wait` gets its own exit code
-    "$py" -m coordinator.cli node "$shards/node-0$i" --host 127.0.0.1 --port "$port" \
+    "$py" -m moeshard node "$shards/node-0$i" --host 127.0.0.1 --port "$port" \
         --name "demo-$i" --allow "$client" >"$shards/node-0$i.log" 2>&1 &
     pids+=($!)
 done

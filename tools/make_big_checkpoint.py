@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moe.convert.checkpoint import write_safetensors
+from moeshard.moe.convert.checkpoint import write_safetensors
 
 
 def bf16(rng: np.random.Generator, shape: tuple[int, ...], scale: float) -> bytes:

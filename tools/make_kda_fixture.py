@@ -9,7 +9,7 @@ random weights (A_log and dt_bias drawn as transformers initialises them), run i
 * ``step_y`` [T, H]: the same tokens one at a time with a cache (its recurrent form), and the
   cache afterwards: ``conv_state`` [3 * 32, 4] and ``recurrent_state`` [2, 16, 16].
 
-`tests/test_kda.py` checks `moe.model.kda` against these.  Needs torch 2.13.0 and
+`tests/test_kda.py` checks `moeshard.moe.model.kda` against these.  Needs torch 2.13.0 and
 transformers 5.24.0 (`make ref-venv`); the test suite itself does not.
 """
 

@@ -27,18 +27,18 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's code, as the node it starts (cwd ROOT) runs
 
-from coordinator.remote.transport import PeerSpec, dial  # noqa: E402
-from moe.identity.keys import generate  # noqa: E402
-from moe.identity.receipts import Totals, make_settlement  # noqa: E402
-from moe.identity.tls import client_tls  # noqa: E402
-from moe.model.model_dir import ModelDir  # noqa: E402
-from moe.wire import codec  # noqa: E402
-from moe.wire import moeshard_pb2 as pb  # noqa: E402
-from moe.wire import moeshard_pb2_grpc as pb_grpc  # noqa: E402
+from moeshard.coordinator.remote.transport import PeerSpec, dial  # noqa: E402
+from moeshard.moe.identity.keys import generate  # noqa: E402
+from moeshard.moe.identity.receipts import Totals, make_settlement  # noqa: E402
+from moeshard.moe.identity.tls import client_tls  # noqa: E402
+from moeshard.moe.model.model_dir import ModelDir  # noqa: E402
+from moeshard.moe.wire import codec  # noqa: E402
+from moeshard.moe.wire import moeshard_pb2 as pb  # noqa: E402
+from moeshard.moe.wire import moeshard_pb2_grpc as pb_grpc  # noqa: E402
 
 
 def start_node(model_dir: Path, home: str) -> tuple[subprocess.Popen, PeerSpec]:
-    cmd = [sys.executable, "-m", "coordinator.cli", "node", str(model_dir), "--port", "0"]
+    cmd = [sys.executable, "-m", "moeshard", "node", str(model_dir), "--port", "0"]
     cmd += ["--no-advertise", "--allow-any", "--key", f"{home}/node.pem"]
     cmd += ["--ledger", f"{home}/node.jsonl"]
     env = dict(os.environ, MOESHARD_HOME=home)

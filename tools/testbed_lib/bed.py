@@ -16,7 +16,7 @@ FIXTURE = REPO / "tests" / "fixtures" / "qwen3_moe"
 NODES = ("n1", "n2", "n3")
 PORT = 50051
 RELAY_PORT = 50061
-MOESHARD = [sys.executable, "-m", "coordinator.cli"]
+MOESHARD = [sys.executable, "-m", "moeshard"]
 
 
 def log(msg: str) -> None:

@@ -16,9 +16,9 @@ FORGER = """
 import socket, sys, time
 from pathlib import Path
 from zeroconf import IPVersion, ServiceInfo, Zeroconf
-from moe.identity import keys, signed
-from moe.storage.manifest import FORMAT_VERSION
-from moe.wire.constants import SERVICE_TYPE
+from moeshard.moe.identity import keys, signed
+from moeshard.moe.storage.manifest import FORMAT_VERSION
+from moeshard.moe.wire.constants import SERVICE_TYPE
 key_path, addr, victim_id, model_id = sys.argv[1:5]
 liar = keys.load_or_create(key_path)
 fields = {"name": "tb-forged", "model_id": model_id, "fmt": str(FORMAT_VERSION), "wire": "1",
@@ -36,7 +36,7 @@ zc.close()
 
 PLAINTEXT = """
 import sys, grpc
-from moe.wire import health_pb2, health_pb2_grpc
+from moeshard.moe.wire import health_pb2, health_pb2_grpc
 with grpc.insecure_channel(sys.argv[1]) as channel:
     try:
         health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)

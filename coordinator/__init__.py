@@ -1,1 +1,0 @@
-import moe  # noqa: F401  (first: sets grpcio's TLS policy before grpc is imported)

@@ -1,0 +1,289 @@
+"""`moeshard bench kernels`: throughput of the packed-weight kernels vs this machine's DRAM.
+
+For each shape and format it reports GB/s of *packed weight bytes* consumed per second
+(median over several timed samples, after warm-up), at batch 1, 4 and 32, next to the DRAM
+read bandwidth measured in the same run (numpy sum over a large array, median) and the
+ratio.  Weights are cycled through a pool of copies larger than the last-level cache, so the
+numbers are from DRAM the way experts are in a real MoE forward pass, not from cache.
+
+Expert rows time `expert_ffn` (gate + up + down on one record); matrix rows time `matmul`.
+The decode-layer table times one layer's worth of experts at batch 1 both ways the store can
+run them: one `expert_ffn` call each, and one `experts_ffn_b1` call for all of them.
+JIT warm-up is measured in child processes with an empty and then a filled numba cache.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from moeshard.moe.errors import MoeshardError
+from moeshard.moe.kernels import quant
+
+# (label, kind, a, b): expert -> (hidden, inter); matrix -> (rows, cols)
+SHAPES = [
+    ("small expert h256 i128", "expert", 256, 128),
+    ("Qwen3-30B-A3B expert h2048 i768", "expert", 2048, 768),
+    ("Kimi-K2 expert h7168 i2048", "expert", 7168, 2048),
+    ("matrix 4096x14336", "matrix", 4096, 14336),
+]
+BATCHES = (1, 4, 32)
+POOL_BYTES = 256 << 20  # > L3, so every call streams its weights from DRAM
+
+
+def _samples(fn: Callable[[], object], n_samples: int, min_sample_s: float) -> np.ndarray:
+    """Per-call seconds for n_samples samples, each looping fn long enough to be timeable."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t0, 1e-7)
+    loops = max(1, int(min_sample_s / once))
+    out = np.empty(n_samples)
+    for i in range(n_samples):
+        t0 = time.perf_counter()
+        for _ in range(loops):
+            fn()
+        out[i] = (time.perf_counter() - t0) / loops
+    return out
+
+
+def dram_read_gbs(gib: float, reps: int) -> float:
+    """Median GB/s of numpy summing a `gib`-GiB float32 array (one thread)."""
+    a = np.ones(int(gib * (1 << 30)) // 4, dtype=np.float32)
+    a.sum()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a.sum()
+        ts.append(time.perf_counter() - t0)
+    return a.nbytes / float(np.median(ts)) / 1e9
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _parallel_sum(a):
+    """Sum of a uint64 array across numba's threads (a multi-core DRAM read probe)."""
+    s = np.uint64(0)
+    for i in prange(a.shape[0]):
+        s += a[i]
+    return s
+
+
+def dram_read_gbs_threads(gib: float, reps: int) -> float:
+    """Median GB/s of summing a `gib`-GiB array with all numba threads."""
+    a = np.ones(int(gib * (1 << 30)) // 8, dtype=np.uint64)
+    _parallel_sum(a)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        _parallel_sum(a)
+        ts.append(time.perf_counter() - t0)
+    return a.nbytes / float(np.median(ts)) / 1e9
+
+
+def _pool(record: np.ndarray) -> list[np.ndarray]:
+    """Copies of record filling POOL_BYTES, each starting 64-byte aligned."""
+    arena, offsets = _arena(record)
+    return [arena[o : o + record.size] for o in offsets]
+
+
+def _arena(record: np.ndarray, min_copies: int = 2) -> tuple[np.ndarray, list[int]]:
+    """One array holding copies of record that fill POOL_BYTES (at least `min_copies`), and
+    their 64-byte aligned offsets (an expert cache's arena, in miniature)."""
+    n = max(min_copies, -(-POOL_BYTES // record.size))
+    stride = -(-record.size // 64) * 64
+    raw = np.empty(n * stride + 64, dtype=np.uint8)
+    base = (-raw.ctypes.data) % 64
+    offsets = [base + i * stride for i in range(n)]
+    for o in offsets:
+        raw[o : o + record.size] = record
+    return raw, offsets
+
+
+def bench_decode_layer(
+    hidden: int, inter: int, fmt: str, experts: int, n_samples: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(seconds per layer: one call per expert, seconds per layer: one batched call, bytes per
+    layer) for `experts` distinct records at batch 1, cycled through a pool bigger than L3."""
+    rng = np.random.default_rng(0)
+    gate = rng.standard_normal((inter, hidden), dtype=np.float32)
+    up = rng.standard_normal((inter, hidden), dtype=np.float32)
+    down = rng.standard_normal((hidden, inter), dtype=np.float32)
+    record = quant.pack_expert(gate, up, down, fmt)
+    arena, offsets = _arena(record, min_copies=2 * experts)  # >= 2 layers' worth
+    groups = [offsets[i : i + experts] for i in range(0, len(offsets) - experts + 1, experts)]
+    x = rng.standard_normal((1, hidden), dtype=np.float32)  # [1, H]
+    xs = np.repeat(x, experts, axis=0)  # [experts, H]: the same decode row for each expert
+    state = {"each": 0, "batched": 0}
+
+    def each():
+        group = groups[state["each"] % len(groups)]
+        state["each"] += 1
+        for o in group:
+            quant.expert_ffn(arena[o : o + record.size], fmt, hidden, inter, x)
+
+    def batched():
+        group = groups[state["batched"] % len(groups)]
+        state["batched"] += 1
+        quant.experts_ffn_b1(arena, group, fmt, hidden, inter, xs)
+
+    one = _samples(each, n_samples, min_sample_s=0.05)
+    many = _samples(batched, n_samples, min_sample_s=0.05)
+    return one, many, experts * record.size
+
+
+def bench_shape(
+    kind: str, a: int, b_: int, fmt: str, n_samples: int
+) -> tuple[dict[int, np.ndarray], int]:
+    """({batch: per-call seconds samples}, packed bytes per call) for one shape/format."""
+    rng = np.random.default_rng(0)
+    if kind == "expert":
+        hidden, inter = a, b_
+        gate = rng.standard_normal((inter, hidden), dtype=np.float32)
+        up = rng.standard_normal((inter, hidden), dtype=np.float32)
+        down = rng.standard_normal((hidden, inter), dtype=np.float32)
+        pool = _pool(quant.pack_expert(gate, up, down, fmt))
+        cols = hidden
+
+        def call(rec, x):
+            return quant.expert_ffn(rec, fmt, hidden, inter, x)
+    else:
+        rows, cols = a, b_
+        pool = _pool(quant.pack(rng.standard_normal((rows, cols), dtype=np.float32), fmt))
+
+        def call(rec, x):
+            return quant.matmul(rec, fmt, rows, cols, x)
+
+    out = {}
+    for batch in BATCHES:
+        x = rng.standard_normal((batch, cols), dtype=np.float32)
+        it = iter(())
+
+        def step(x=x):
+            nonlocal it
+            rec = next(it, None)
+            if rec is None:
+                it = iter(pool)
+                rec = next(it)
+            call(rec, x)
+
+        out[batch] = _samples(step, n_samples, min_sample_s=0.05)
+    return out, pool[0].size
+
+
+def warmup_times() -> tuple[float, float]:
+    """(cold compile s, load-from-cache s) of quant.warmup(), in fresh child processes."""
+    code = "from moeshard.moe.kernels import quant; print(quant.warmup())"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache)
+        times = []
+        for _ in range(2):
+            res = subprocess.run(
+                [sys.executable, "-c", code],
+                env=env,
+                cwd=root,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            times.append(float(res.stdout.strip().splitlines()[-1]))
+    return times[0], times[1]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--samples", type=int, default=7, help="timed samples per cell (median)")
+    p.add_argument("--dram-gib", type=float, default=1.0, help="size of the DRAM probe array")
+    p.add_argument("--formats", default="q4_0,q8_0", help="comma-separated weight formats")
+    p.add_argument("--quick", action="store_true", help="skip the big shapes")
+    p.add_argument("--no-warmup-probe", action="store_true", help="skip child-process JIT timing")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="moeshard bench kernels", description=__doc__)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def run(args) -> int:
+    fmts = [f for f in args.formats.split(",") if f]
+    for f in fmts:
+        if f not in quant.FORMATS:
+            raise MoeshardError(f"unknown format {f!r}; choose from {quant.FORMATS}")
+
+    cpu = _cpu_name()
+    print(f"cpu: {cpu}; numba threads: {numba.get_num_threads()}; os cpus: {os.cpu_count()}")
+    if not args.no_warmup_probe:
+        cold, cached = warmup_times()
+        print(f"JIT warm-up: cold compile {cold:.1f} s, from cache {cached:.2f} s")
+    print(f"in-process warm-up: {quant.warmup():.2f} s")
+    wait = os.environ.get("OMP_WAIT_POLICY", "unset")
+    print(f"numba threading layer: {numba.threading_layer()}; OMP_WAIT_POLICY={wait}")
+    dram = dram_read_gbs(args.dram_gib, reps=max(3, args.samples))
+    dram_mt = dram_read_gbs_threads(args.dram_gib, reps=max(3, args.samples))
+    print(f"DRAM read (numpy sum over {args.dram_gib:g} GiB, median): {dram:.1f} GB/s")
+    print(f"DRAM read ({numba.get_num_threads()} numba threads, median): {dram_mt:.1f} GB/s\n")
+
+    head = f"{'shape':34} {'fmt':5} {'MB':>7}"
+    for batch in BATCHES:
+        head += f" {'b=' + str(batch) + ' GB/s':>10} {'ratio':>6}"
+    head += f" {'b=1 best':>9} {'b=1 us':>9}"
+    print(head)
+    print("-" * len(head))
+    shapes = SHAPES[:2] if args.quick else SHAPES
+    for label, kind, a, b_ in shapes:
+        for fmt in fmts:
+            res, nbytes = bench_shape(kind, a, b_, fmt, args.samples)
+            line = f"{label:34} {fmt:5} {nbytes / 1e6:7.2f}"
+            for batch in BATCHES:
+                gbs = nbytes / float(np.median(res[batch])) / 1e9
+                line += f" {gbs:10.2f} {gbs / dram:6.2f}"
+            best = nbytes / float(res[1].min()) / 1e9
+            line += f" {best:9.2f} {float(np.median(res[1])) * 1e6:9.1f}"
+            print(line, flush=True)
+    print(
+        "\nGB/s = packed weight bytes per second (median); ratio = GB/s / DRAM read (numpy); "
+        "'b=1 best' = fastest sample (the machine may be shared)."
+    )
+    experts = 16
+    print(f"\ndecode layer: {experts} experts at batch 1 (a top-{experts} MoE layer)")
+    head = f"{'shape':34} {'fmt':5} {'MB':>7} {'per expert':>11} {'batched':>9} {'ratio':>6}"
+    print(head)
+    print("-" * len(head))
+    for label, kind, a, b_ in shapes:
+        if kind != "expert":
+            continue
+        for fmt in fmts:
+            one, many, nbytes = bench_decode_layer(a, b_, fmt, experts, args.samples)
+            t_one, t_many = float(np.median(one)), float(np.median(many))
+            print(
+                f"{label:34} {fmt:5} {nbytes / 1e6:7.2f} {nbytes / t_one / 1e9:11.2f}"
+                f" {nbytes / t_many / 1e9:9.2f} {t_one / t_many:6.2f}",
+                flush=True,
+            )
+    print(
+        "per expert = one expert_ffn call per expert (two parallel regions each); batched = "
+        "one experts_ffn_b1 call (experts split across threads); GB/s of packed bytes, medians."
+    )
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

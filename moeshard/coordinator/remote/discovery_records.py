@@ -1,0 +1,306 @@
+"""What zeroconf hears about moeshard services, bounded, and grouped by the node id each
+announcement proves (discovery.py turns the groups into pinned, dialled nodes).
+
+Why not zeroconf's own `get_service_info`: it resolves one name at a time (1 s each for a
+name nobody answers: 30 fake names took a browse from 5.5 s to 33.7 s), gives one SRV record
+per name, and reads a cache in which a unique record flushes the other records of its name
+heard more than 1 s earlier (RFC 6762 10.2). An attacker answering under a node's instance
+name with the node's own signed announcement and its own address could so evict the node's
+address, and 2 of 3 browses dialled the attacker. Here every SRV, TXT and A record heard is
+kept (a few per name), whoever sent it; each announcement is grouped under the id it proves,
+with every address heard under its names, and the pin check decides which address is the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from zeroconf import (
+    DNSOutgoing,
+    DNSQuestion,
+    RecordUpdate,
+    RecordUpdateListener,
+    Zeroconf,
+    current_time_millis,
+)
+from zeroconf.const import _CLASS_IN, _FLAGS_QR_QUERY, _TYPE_A, _TYPE_SRV, _TYPE_TXT
+
+from moeshard.moe.identity.signed import check_announcement
+
+log = logging.getLogger(__name__)
+
+MAX_NAMES = 256  # instance names tracked at once (a flood of names cannot grow memory)
+MAX_PER_NAME = 4  # TXT and SRV records kept per name (newest), addresses kept per host
+MAX_HOSTS = 2 * MAX_NAMES * MAX_PER_NAME  # host names whose addresses are kept (newest)
+MAX_WARNINGS = 1024  # (name, kind) pairs remembered so each warning is logged once
+RECHECK_S = 30.0  # a cached announcement check is redone after this (expiry moves on)
+FIRST_ASK_S = 0.25  # the wait after a name's first query; doubled after each unanswered one
+
+
+def parse_txt(payload: bytes) -> dict[str, str]:
+    """A DNS-SD TXT record's key=value strings (length-prefixed, RFC 6763 6.1)."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(payload):
+        n = payload[i]
+        item = payload[i + 1 : i + 1 + n]
+        i += 1 + n
+        key, _, value = item.partition(b"=")
+        if key:
+            out.setdefault(key.decode(errors="replace"), value.decode(errors="replace"))
+    return out
+
+
+class Warnings:
+    """Log each (name, kind of reason) once; remembers at most MAX_WARNINGS pairs (then the
+    oldest are forgotten, so a flood of bad names cannot grow memory or the log without
+    bound: at most one line per new pair, and no more than the flood's own rate)."""
+
+    def __init__(self, cap: int = MAX_WARNINGS):
+        self.cap = cap
+        self.seen: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def warn(self, name: str, kind: str, message: str, *args) -> None:
+        with self.lock:
+            if (name, kind) in self.seen:
+                return
+            self.seen[(name, kind)] = None
+            while len(self.seen) > self.cap:
+                self.seen.popitem(last=False)
+        log.warning(message, *args)
+
+
+WARNINGS = Warnings()  # per process: browses repeat, and so do records
+
+
+@dataclass
+class NameRecords:
+    """The records heard under one instance name (from anyone answering for it)."""
+
+    first_seen: float
+    promised: bool = False  # its SRV was heard with its PTR (a responder, not a bare name)
+    txts: deque = field(default_factory=lambda: deque(maxlen=MAX_PER_NAME))  # TXT payloads
+    srvs: deque = field(default_factory=lambda: deque(maxlen=MAX_PER_NAME))  # (port, host key)
+
+    @property
+    def answered(self) -> bool:
+        return bool(self.txts and self.srvs)
+
+
+@dataclass
+class NodeRecords:
+    """One node id's announcement (the newest valid one heard) and every address heard
+    under the names that carried it, best first (discovery's `address_rank`, then newest)."""
+
+    node_id: str
+    fields: dict[str, str]  # the announcement's TXT fields
+    names: list[str]  # instance names it was heard under
+    endpoints: list[tuple[str, int]]  # (ip, port) to try, in order
+
+
+class Records(RecordUpdateListener):
+    """Listens to every record zeroconf receives; keeps those of tracked instance names.
+
+    `track(name)` starts following a name (the browser saw it) and asks the network for its
+    records at once, all names in parallel on zeroconf's event loop. Thread-safe.
+    """
+
+    def __init__(self, zc: Zeroconf):
+        super().__init__()
+        self.zc = zc
+        self.lock = threading.Lock()
+        self.names: OrderedDict[str, NameRecords] = OrderedDict()  # name key -> records
+        self.display: dict[str, str] = {}  # name key -> the name as announced
+        self.hosts: OrderedDict[str, deque] = OrderedDict()  # host key -> addresses
+        self.dropped = 0  # names not tracked because MAX_NAMES answered names were
+        self.changed = threading.Event()  # set on every new record of a tracked name
+        self._checks: OrderedDict[bytes, tuple[dict, str, float]] = OrderedDict()
+        self.asking: set = set()  # the queries under way (futures on zeroconf's loop)
+        zc.add_listener(self, None)
+
+    def close(self) -> None:
+        with self.lock:
+            for asking in self.asking:
+                asking.cancel()
+        self.zc.remove_listener(self)
+
+    # -- following names ---------------------------------------------------------------------
+
+    def track(self, name: str, resolve_s: float) -> bool:
+        """Follow `name` and query its records for up to `resolve_s`; False if the table is
+        full of names that answered (then the newcomer is dropped, and counted)."""
+        key = name.lower()
+        promised = self._srv_heard(name)
+        with self.lock:
+            if key in self.names:
+                return True
+            if len(self.names) >= MAX_NAMES:
+                silent = next(
+                    (k for k, r in self.names.items() if not r.answered and not r.promised), None
+                )
+                if silent is None:
+                    self.dropped += 1
+                    return False
+                del self.names[silent], self.display[silent]  # the oldest that never answered
+            self.names[key] = NameRecords(time.monotonic(), promised)
+            self.display[key] = name
+        asking = asyncio.run_coroutine_threadsafe(self._ask(name, resolve_s), self.zc.loop)
+        with self.lock:
+            self.asking = {f for f in self.asking if not f.done()} | {asking}
+        return True
+
+    def _srv_heard(self, name: str) -> bool:
+        """Whether zeroconf's cache holds an SRV record of `name` already. A node answers a
+        browse with its PTR, SRV and TXT in one packet, so its name has one when the browser
+        reports it; a flood of bare PTR names has none. Such a name is not evicted as silent
+        before its records are taken from the cache on the event loop, which, busy with the
+        flood, may come after hundreds of newer names (a real node went missing so)."""
+        try:
+            return bool(self.zc.cache.get_all_by_details(name, _TYPE_SRV, _CLASS_IN))
+        except RuntimeError:  # (the cache changed under the read: as if not heard)
+            return False
+
+    async def _ask(self, name: str, resolve_s: float) -> None:
+        """Take what zeroconf's cache already holds for `name`, then query the network for
+        its SRV and TXT records (and the addresses of the hosts they name) at least once,
+        whatever the cache says (it may hold only the records that flushed the others), again
+        after 0.25, 0.5, 1 s... until the name has answered or `resolve_s` has passed. Every
+        responder answers a multicast query, so one query hears the node and an impostor."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + resolve_s
+        key, wait = name.lower(), FIRST_ASK_S
+        self._seed([key])
+        while True:
+            out = DNSOutgoing(_FLAGS_QR_QUERY)
+            out.add_question(DNSQuestion(name, _TYPE_SRV, _CLASS_IN))
+            out.add_question(DNSQuestion(name, _TYPE_TXT, _CLASS_IN))
+            with self.lock:
+                entry = self.names.get(key)
+                hosts = [h for _, h in entry.srvs if h not in self.hosts] if entry else []
+            for host in hosts:
+                out.add_question(DNSQuestion(host, _TYPE_A, _CLASS_IN))
+            self.zc.async_send(out)
+            await asyncio.sleep(max(min(wait, deadline - loop.time()), 0.0))
+            with self.lock:
+                entry = self.names.get(key)
+                done = entry is None or (entry.answered and all(h in self.hosts for h in hosts))
+            if done or loop.time() >= deadline:
+                return
+            wait *= 2
+
+    def _seed(self, keys: list[str]) -> None:
+        """Feed zeroconf's cached records of `keys` (and of the hosts their SRVs name) to
+        `async_update_records`, as if just heard (event loop only)."""
+        cache, now = self.zc.cache, current_time_millis()  # zeroconf's clock
+        records = [r for k in keys for r in cache.async_entries_with_name(k)]
+        hosts = {r.server_key for r in records if r.type == _TYPE_SRV}
+        records += [r for h in hosts for r in cache.async_entries_with_name(h)]
+        self.async_update_records(self.zc, now, [RecordUpdate(r, None) for r in records])
+
+    def forget(self, name: str) -> None:
+        with self.lock:
+            self.names.pop(name.lower(), None)
+            self.display.pop(name.lower(), None)
+
+    def silent(self) -> list[str]:
+        """Tracked names nothing complete was heard for (PTR only, or no SRV/TXT)."""
+        with self.lock:
+            return [self.display[k] for k, r in self.names.items() if not r.answered]
+
+    # -- zeroconf's event loop ---------------------------------------------------------------
+
+    def async_update_records(self, zc, now: float, records) -> None:
+        new = False
+        with self.lock:
+            for update in records:  # SRV and TXT first: an A record may name a host they name
+                r = update.new
+                entry = self.names.get(r.key) if r.type in (_TYPE_SRV, _TYPE_TXT) else None
+                if entry is None:
+                    continue
+                item = (r.port, r.server_key) if r.type == _TYPE_SRV else bytes(r.text)
+                bucket = entry.srvs if r.type == _TYPE_SRV else entry.txts
+                if r.is_expired(now):  # a goodbye
+                    if item in bucket:
+                        bucket.remove(item)
+                elif item not in bucket:
+                    bucket.append(item)
+                    new = True
+            for update in records:
+                r = update.new
+                if r.type != _TYPE_A or r.is_expired(now):
+                    continue
+                addrs = self.hosts.get(r.key)
+                if addrs is None:
+                    addrs = self.hosts[r.key] = deque(maxlen=MAX_PER_NAME)
+                    while len(self.hosts) > MAX_HOSTS:
+                        self.hosts.popitem(last=False)
+                ip = socket.inet_ntoa(r.address)
+                if ip not in addrs:
+                    addrs.append(ip)
+                    new = True
+                self.hosts.move_to_end(r.key)
+        if new:
+            self.changed.set()
+
+    def async_update_records_complete(self) -> None:
+        pass
+
+    # -- grouping ----------------------------------------------------------------------------
+
+    def _check(self, payload: bytes) -> tuple[dict, str]:
+        """(fields, why not valid or '') of one TXT payload; cached by its bytes (an Ed25519
+        check per payload per browse round would add up), redone after RECHECK_S."""
+        now = time.monotonic()
+        hit = self._checks.get(payload)
+        if hit is None or now - hit[2] > RECHECK_S:
+            fields = parse_txt(payload)
+            hit = (fields, check_announcement(fields), now)
+            self._checks[payload] = hit
+            while len(self._checks) > MAX_NAMES * MAX_PER_NAME:
+                self._checks.popitem(last=False)
+        return hit[0], hit[1]
+
+    def nodes(self, rank) -> dict[str, NodeRecords]:
+        """Node id -> its announcement and addresses. An invalid announcement is left out
+        with one warning per name (only when no announcement of that name is valid: a
+        node's previous record is no news). `rank(ip)` orders addresses, lower first."""
+        with self.lock:
+            names = [
+                (self.display[k], list(r.txts), list(r.srvs))
+                for k, r in self.names.items()
+                if r.answered
+            ]
+            hosts = {k: list(v) for k, v in self.hosts.items()}
+            checked = [
+                (name, [self._check(p) for p in reversed(txts)], srvs) for name, txts, srvs in names
+            ]
+        out: dict[str, NodeRecords] = {}
+        for name, announcements, srvs in checked:
+            endpoints = [
+                (ip, port)
+                for port, host in reversed(srvs)  # newest first
+                for ip in reversed(hosts.get(host, []))
+            ]
+            valid = [fields for fields, why in announcements if not why]
+            if not valid:
+                why = announcements[0][1]
+                WARNINGS.warn(name, why.split(" (")[0], "discovery: ignoring %s: %s", name, why)
+                continue
+            for fields in valid:
+                node = out.get(fields["node_id"])
+                if node is None:
+                    node = out[fields["node_id"]] = NodeRecords(fields["node_id"], fields, [], [])
+                elif int(fields.get("exp", 0)) > int(node.fields.get("exp", 0)):
+                    node.fields = fields
+                node.names.append(name)
+                node.endpoints += [e for e in endpoints if e not in node.endpoints]
+        for node in out.values():
+            node.endpoints.sort(key=lambda e: rank(e[0]))  # stable: newest first among equals
+        return out

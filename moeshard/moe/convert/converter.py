@@ -1,0 +1,479 @@
+"""Hugging Face checkpoint directory -> moeshard model directory, streaming tensor by tensor.
+
+Memory stays bounded by the largest single tensor (plus one expert): safetensors files are
+memory-mapped, each tensor is converted, packed, checksummed and written before the next.
+Everything is written into a temporary directory beside OUT and renamed into place at the end,
+so a failure leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+
+from moeshard.moe.convert import mxfp4
+from moeshard.moe.convert.checkpoint import Checkpoint
+from moeshard.moe.convert.outdir import check_output, staged
+from moeshard.moe.errors import CheckpointError, ConfigError
+from moeshard.moe.kernels import quant
+from moeshard.moe.model.config import read_json
+from moeshard.moe.model.families import family_for, load_config
+from moeshard.moe.storage import merkle
+from moeshard.moe.storage.io import copy_file
+from moeshard.moe.storage.manifest import (
+    FORMAT_VERSION,
+    SHARD_MAX_BYTES,
+    TRUNK_FILE,
+    config_digest,
+    content_id,
+    covers_entry,
+    write_manifest,
+)
+from moeshard.moe.storage.shards import ShardWriter
+from moeshard.moe.storage.trunk_file import TrunkWriter, as_matrix
+
+log = logging.getLogger(__name__)
+
+EXPERT_FORMATS = ("f32", "bf16", "q8_0", "q4_0", "mxfp4")
+TRUNK_FORMATS = ("f32", "bf16", "q8_0")
+DEFAULT_EXPERT_FORMAT = "q4_0"
+DEFAULT_TRUNK_FORMAT = "bf16"
+COPIED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tiktoken.model",  # Kimi's tokenizer (`moeshard.coordinator.tokenizer`)
+)
+
+_PER_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+    r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight(?:_packed)?$"
+)
+_STACKED = re.compile(
+    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\."
+    r"(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$"
+)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_ALWAYS_F32 = (
+    "norm.weight",
+    "layernorm.weight",
+    ".bias",
+    "mlp.gate.weight",
+    "block_sparse_moe.gate.weight",  # Kimi Linear's router
+    "_res_proj.weight",  # Kimi K3's attention-residual scores ([1, H])
+    "shared_expert_gate",
+)
+
+
+@dataclass
+class Plan:
+    """What the converter found in the checkpoint, before writing anything."""
+
+    trunk: dict[str, str] = field(default_factory=dict)  # canonical name -> checkpoint name
+    fp8_block: tuple[int, int] = (128, 128)  # quantization_config.weight_block_size
+    per_expert: dict[tuple[int, int, str], str] = field(default_factory=dict)  # (L, E, proj)
+    stacked: dict[tuple[int, str], str] = field(default_factory=dict)  # (L, proj) -> name
+    skipped: dict[str, str] = field(default_factory=dict)  # name -> reason
+    mxfp4_experts: bool = False  # experts published as compressed-tensors MXFP4 (`mxfp4`)
+
+
+def quantization_config(raw: dict) -> dict:
+    """config.json's quantization_config: top level, or (Kimi K3) in its text_config."""
+    text = raw.get("text_config")
+    nested = text.get("quantization_config") if isinstance(text, dict) else None
+    return raw.get("quantization_config") or nested or {}
+
+
+def plan_conversion(config, family, ckpt: Checkpoint, quantization: dict) -> Plan:
+    """Sort every checkpoint tensor into trunk / expert / skipped; check nothing is missing."""
+    skip_reason = getattr(family, "skip_reason", lambda name: None)
+    block = quantization.get("weight_block_size") or (128, 128)
+    plan = Plan(fp8_block=(int(block[0]), int(block[1])))
+    wanted = config.trunk_shapes()
+    moe_layers = set(config.moe_layers)
+    names = set(ckpt.names())
+    for name in ckpt.names():
+        if name.endswith("_scale_inv"):
+            continue  # fp8 scales travel with their weight
+        if name.endswith(mxfp4.SCALE) and name[: -len(mxfp4.SCALE)] + mxfp4.PACKED in names:
+            continue  # MXFP4 scales travel with their codes
+        canonical = family.canonical_name(name)
+        m = _LAYER.match(canonical)
+        if m and int(m.group(1)) >= config.num_hidden_layers:
+            plan.skipped[name] = "layer beyond num_hidden_layers (e.g. multi-token prediction)"
+            continue
+        if (m := _PER_EXPERT.match(canonical)) is not None:
+            layer, expert, proj = int(m.group(1)), int(m.group(2)), _PROJ.get(m[3], m[3])
+            plan.per_expert[(layer, expert, proj)] = name
+            plan.mxfp4_experts |= name.endswith(mxfp4.PACKED)
+            continue
+        if (m := _STACKED.match(canonical)) is not None:
+            plan.stacked[(int(m.group(1)), m.group(2))] = name
+            continue
+        if canonical in wanted:
+            plan.trunk[canonical] = name
+        elif canonical == "lm_head.weight" and config.tie_word_embeddings:
+            plan.skipped[name] = "tied to the embeddings"
+        else:
+            plan.skipped[name] = skip_reason(name) or "not used by inference"
+    source = ckpt.directory
+    if plan.mxfp4_experts:
+        mxfp4.check_scheme(quantization, f"{source / 'config.json'}")
+    for canonical, shape in wanted.items():
+        if canonical not in plan.trunk:
+            raise CheckpointError(f"{source}: missing tensor '{canonical}'")
+        got = ckpt.shape(plan.trunk[canonical])
+        if tuple(got) != tuple(shape):
+            raise CheckpointError(
+                f"{ckpt.describe(plan.trunk[canonical])}: shape {list(got)}, expected {list(shape)}"
+            )
+    for layer in moe_layers:
+        for expert in range(config.n_experts):
+            expert_shapes(config, plan, ckpt, layer, expert, check_only=True)
+    return plan
+
+
+def expert_shapes(config, plan: Plan, ckpt: Checkpoint, layer, expert, check_only=False):
+    """Check (or load) expert `expert` of `layer`: returns gate, up [I, H], down [H, I], each
+    float32, or a `mxfp4.PackedMxfp4` where the checkpoint publishes them so."""
+    h, inter = config.expert_hidden, config.expert_intermediate
+    want = {"gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
+    out = {}
+    for proj, shape in want.items():
+        name = plan.per_expert.get((layer, expert, proj))
+        if name is not None and name.endswith(mxfp4.PACKED):
+            out[proj] = _mxfp4_matrix(ckpt, name, shape, check_only)
+            continue
+        if name is not None:
+            if tuple(ckpt.shape(name)) != shape:
+                raise CheckpointError(
+                    f"{ckpt.describe(name)}: shape {list(ckpt.shape(name))}, expected {list(shape)}"
+                )
+            out[proj] = None if check_only else ckpt.float32(name, plan.fp8_block)
+            continue
+        out[proj] = _from_stack(config, plan, ckpt, layer, expert, proj, shape, check_only)
+    if check_only:
+        return None
+    return out["gate_proj"], out["up_proj"], out["down_proj"]
+
+
+def _mxfp4_matrix(ckpt: Checkpoint, name: str, shape: tuple[int, int], check_only: bool):
+    """The published codes and scales of one MXFP4 matrix (`name` its weight_packed), checked;
+    None when only checking."""
+    scale = name[: -len(mxfp4.PACKED)] + mxfp4.SCALE
+    if scale not in ckpt.where:
+        raise CheckpointError(f"{ckpt.describe(name)}: no {scale} beside it")
+    dtypes = (ckpt.dtype(name), ckpt.dtype(scale))
+    mxfp4.check_shapes(ckpt.describe(name), ckpt.shape(name), ckpt.shape(scale), shape, dtypes)
+    return None if check_only else mxfp4.PackedMxfp4(ckpt.raw(name), ckpt.raw(scale))
+
+
+def _from_stack(config, plan, ckpt, layer, expert, proj, shape, check_only):
+    """One expert's matrix from a stacked [experts, out, in] tensor (or fused gate_up)."""
+    n = config.n_experts
+    fused = proj in ("gate_proj", "up_proj") and (layer, "gate_up_proj") in plan.stacked
+    key = (layer, "gate_up_proj") if fused else (layer, proj)
+    name = plan.stacked.get(key)
+    if name is None:
+        raise CheckpointError(
+            f"{ckpt.directory}: missing tensor for expert {expert} {proj} of layer {layer} "
+            f"(neither model.layers.{layer}.mlp.experts.{expert}.{proj}.weight nor a stacked "
+            f"experts tensor)"
+        )
+    rows, cols = (2 * shape[0], shape[1]) if fused else shape
+    got = tuple(ckpt.shape(name))
+    if got not in ((n, rows, cols), (n, cols, rows)):
+        raise CheckpointError(
+            f"{ckpt.describe(name)}: shape {list(got)}, expected {[n, rows, cols]} "
+            f"([experts, out, in])"
+        )
+    if check_only:
+        return None
+    matrix = _slice_expert(ckpt, name, expert)  # [out, in] or [in, out]
+    if got == (n, cols, rows) and rows != cols:
+        matrix = matrix.T  # stored [experts, in, out]
+    if fused:
+        half = shape[0]
+        matrix = matrix[:half] if proj == "gate_proj" else matrix[half:]
+    return np.ascontiguousarray(matrix, dtype=np.float32)
+
+
+def _slice_expert(ckpt: Checkpoint, name: str, expert: int) -> np.ndarray:
+    """Expert `expert` of a stacked tensor: only that slice is read and converted."""
+    f = ckpt.where[name]
+    if f.entries[name].dtype == "F8_E4M3":
+        raise CheckpointError(f"{ckpt.describe(name)}: stacked fp8 experts are not supported")
+    return f.float32(name, expert)
+
+
+def trunk_format(name: str, shape: tuple[int, ...], requested: str) -> str:
+    """Norms, biases, routers and the small tensors of other shapes (KDA's convolutions and
+    decay rates) stay f32 (tiny, and routing decisions are sensitive); matrices whose rows
+    are not whole 32-weight blocks fall back to bf16/f32."""
+    if len(shape) != 2 or any(name.endswith(s) or s in name for s in _ALWAYS_F32):
+        return "f32"
+    if requested == "q8_0" and shape[-1] % 32:
+        return "bf16"
+    return requested
+
+
+class Progress:
+    """Output bytes written against the planned total, with rate and ETA, redrawn in place on
+    one line of `stream` (default stderr) - only when that is a terminal (`interactive`
+    defaults to stream.isatty()): piped or redirected, it prints nothing.
+
+    `begin(total)` once the output files are declared (their planned sizes), `advance(n)` per
+    write with the bytes the files grew by, `close()` draws the final state and ends the line.
+    """
+
+    REDRAW_S = 0.1  # at most this often, and always on close
+
+    def __init__(self, label: str, stream: TextIO | None = None, interactive: bool | None = None):
+        self.label = label
+        self.stream = stream if stream is not None else sys.stderr
+        self.interactive = self.stream.isatty() if interactive is None else interactive
+        self.total = self.done = 0
+        self.start = self.drawn = time.perf_counter()
+
+    def begin(self, total: int) -> None:
+        self.total, self.done = total, 0
+        self.start = time.perf_counter()
+        self._draw(self.start)
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = time.perf_counter()
+        if now - self.drawn >= self.REDRAW_S:
+            self._draw(now)
+
+    def line(self, now: float) -> str:
+        """`convert [####      ]  42.0%  4.3/10.3 MB  21.5 MB/s  ETA 0:00`"""
+        share = self.done / self.total if self.total else 1.0
+        elapsed = now - self.start
+        rate = self.done / elapsed if elapsed > 0 else 0.0  # bytes/s
+        eta = _clock((self.total - self.done) / rate) if rate > 0 else "?"
+        bar = "#" * int(share * 30)
+        return (
+            f"{self.label} [{bar:<30}] {share:6.1%}  {self.done / 1e6:.1f}/{self.total / 1e6:.1f}"
+            f" MB  {rate / 1e6:.1f} MB/s  ETA {eta}"
+        )
+
+    def _draw(self, now: float) -> None:
+        self.drawn = now
+        if self.interactive:
+            self.stream.write("\r" + self.line(now) + "\x1b[K")  # [K: clear the rest
+            self.stream.flush()
+
+    def close(self) -> None:
+        self._draw(time.perf_counter())
+        if self.interactive:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    """h:mm:ss or m:ss."""
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+@dataclass
+class ConvertSummary:
+    params: int
+    trunk_params: int
+    expert_params: int
+    bytes_written: int
+    seconds: float
+    skipped: dict[str, str]
+    model_id: str
+
+
+def convert(
+    src: str | Path,
+    out: str | Path,
+    expert_format: str | None = None,
+    trunk_fmt: str = DEFAULT_TRUNK_FORMAT,
+    force: bool = False,
+    progress: bool | Progress = True,
+) -> ConvertSummary:
+    """Convert checkpoint directory `src` into model directory `out` (see module docstring).
+
+    expert_format None: mxfp4 where the checkpoint publishes its experts so (their bits
+    kept), else DEFAULT_EXPERT_FORMAT.  progress: True for a progress bar on stderr (drawn
+    only if it is a terminal), False for none, or a `Progress` to draw on."""
+    started = time.perf_counter()
+    src, out = Path(src), Path(out)
+    if expert_format is not None and expert_format not in EXPERT_FORMATS:
+        raise ConfigError(f"--experts {expert_format}: choose one of {', '.join(EXPERT_FORMATS)}")
+    if trunk_fmt not in TRUNK_FORMATS:
+        raise ConfigError(f"--trunk {trunk_fmt}: choose one of {', '.join(TRUNK_FORMATS)}")
+    if not src.is_dir():
+        raise CheckpointError(f"{src}: no such checkpoint directory")
+    check_output(out, [src], force, "model")
+    raw = read_json(src / "config.json")
+    config = load_config(src)
+    family = family_for(config.model_type, str(src / "config.json"))
+    ckpt = Checkpoint(src)
+    bar = progress if isinstance(progress, Progress) else Progress("convert") if progress else None
+    try:
+        with staged(out, out.parent / f".{out.name}.tmp-convert") as tmp:
+            plan = plan_conversion(config, family, ckpt, quantization_config(raw))
+            if expert_format is None:
+                expert_format = "mxfp4" if plan.mxfp4_experts else DEFAULT_EXPERT_FORMAT
+            _check_block_dims(config, expert_format, src)
+            summary = _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, bar)
+            summary.seconds = time.perf_counter() - started
+        return summary
+    finally:
+        ckpt.close()
+
+
+def _check_block_dims(config, expert_format: str, src: Path) -> None:
+    if expert_format in quant.BLOCK_FORMATS:
+        width = "hidden_size" if config.expert_hidden == config.hidden_size else "expert width"
+        for dim, what in ((config.expert_hidden, width), (config.expert_intermediate, "moe")):
+            if dim % 32:
+                raise ConfigError(
+                    f"{src / 'config.json'}: {what} {dim} is not a multiple of 32, so experts "
+                    f"cannot be {expert_format}; use --experts bf16 or f32"
+                )
+
+
+def _expert_record(gate, up, down, fmt: str) -> np.ndarray:
+    """One expert's record: published MXFP4 matrices kept bit for bit when fmt is mxfp4,
+    decoded to float32 for any other format; float32 matrices packed to fmt."""
+    mats = (gate, up, down)
+    if fmt == "mxfp4" and all(isinstance(m, mxfp4.PackedMxfp4) for m in mats):
+        return np.concatenate([quant.pack_ggml(m.ggml_blocks(), fmt, *m.shape) for m in mats])
+    floats = [m.float32() if isinstance(m, mxfp4.PackedMxfp4) else m for m in mats]
+    return quant.pack_expert(*floats, fmt)
+
+
+def _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, bar) -> ConvertSummary:
+    with ExitStack() as closing:  # a failure closes the files it leaves unfinished
+        return _write_files(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, bar, closing)
+
+
+def _write_files(
+    config, plan, ckpt, src, tmp, expert_format, trunk_fmt, bar, closing
+) -> ConvertSummary:
+    shapes = config.trunk_shapes()
+    trunk = TrunkWriter(tmp / TRUNK_FILE, config.model_type)
+    closing.callback(trunk.close)
+    trunk_names = sorted(shapes)
+    for name in trunk_names:
+        trunk.declare(name, trunk_format(name, shapes[name], trunk_fmt), shapes[name])
+
+    record_bytes = quant.expert_record_nbytes(
+        expert_format, config.expert_hidden, config.expert_intermediate
+    )
+    shards: list[ShardWriter] = []
+    shard_files: list[str] = []
+    layer_records = config.n_experts * record_bytes
+    for layer in config.moe_layers:
+        if not shards or (len(shards[-1].index.layers) * record_bytes + layer_records) > (
+            SHARD_MAX_BYTES
+        ):
+            shard_files.append(f"experts-{len(shards):05d}.gguf")
+            shards.append(
+                ShardWriter(
+                    tmp / shard_files[-1],
+                    expert_format,
+                    config.expert_hidden,
+                    config.expert_intermediate,
+                    config.model_type,
+                )
+            )
+            closing.callback(shards[-1].close)
+        for expert in range(config.n_experts):
+            shards[-1].declare(layer, expert)
+
+    if bar:  # the .gguf files' final sizes: headers, packed tensors, records, padding
+        bar.begin(trunk.planned_size() + sum(shard.planned_size() for shard in shards))
+        closing.callback(bar.close)
+    config_sha = config_digest(read_json(src / "config.json"))
+    digest = hashlib.sha256()  # the data id: formats and every checksum
+    digest.update(f"experts={expert_format};v={FORMAT_VERSION}".encode())
+
+    trunk.begin()
+    if bar:
+        bar.advance(trunk.file.bytes_written)
+    trunk_params = 0
+    for name, (_, fmt, shape) in zip(trunk_names, trunk.entries, strict=True):
+        value = ckpt.float32(plan.trunk[name], plan.fp8_block).reshape(shape)
+        matrix = value.reshape(as_matrix(shape))  # what the trunk file stores for any shape
+        before = trunk.file.bytes_written
+        crc = trunk.write(quant.pack(np.ascontiguousarray(matrix), fmt))
+        digest.update(f"{name}:{fmt}:{crc};".encode())
+        trunk_params += value.size
+        if bar:
+            bar.advance(trunk.file.bytes_written - before)
+    expert_params = 0
+    roots: dict[tuple[int, int], bytes] = {}  # possession roots, one per record
+    for shard in shards:
+        shard.begin()
+        if bar:
+            bar.advance(shard.file.bytes_written)
+        for layer, expert in zip(shard.index.layers, shard.index.experts, strict=True):
+            gate, up, down = expert_shapes(config, plan, ckpt, layer, expert)
+            record = _expert_record(gate, up, down, expert_format)
+            before = shard.file.bytes_written
+            crc = shard.write(record)
+            roots[(layer, expert)] = merkle.root(record)
+            digest.update(f"{layer}.{expert}:{crc};".encode())
+            expert_params += gate.size + up.size + down.size
+            if bar:
+                bar.advance(shard.file.bytes_written - before)
+    data_id = digest.hexdigest()
+    content = content_id(config_sha, data_id)  # a changed config.json changes the id
+    roots_sha = merkle.write_roots(tmp, merkle.Roots(merkle.BLOCK_SIZE, record_bytes, roots))
+    model_id = merkle.covered_id(content, roots_sha)  # a changed roots file changes the id
+    trunk.finish(model_id)
+    for shard in shards:
+        shard.finish(model_id)
+
+    for name in COPIED_FILES:
+        if (src / name).exists():
+            copy_file(src / name, tmp / name)
+    bytes_written = sum(p.stat().st_size for p in tmp.iterdir())
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "model_id": model_id,
+        "model_type": config.model_type,
+        "expert_format": expert_format,
+        "trunk_format": trunk_fmt,
+        "trunk_file": TRUNK_FILE,
+        "expert_files": shard_files,
+        "hidden_size": config.hidden_size,
+        "expert_hidden": config.expert_hidden,
+        "expert_intermediate": config.expert_intermediate,
+        "n_experts": config.n_experts,
+        "moe_layers": list(config.moe_layers),
+        "params": {"trunk": trunk_params, "experts": expert_params},
+        "converted_from": str(src),
+        "skipped_tensors": plan.skipped,
+        "merkle": merkle.manifest_entry(content, roots_sha),
+        "covers": covers_entry(config_sha, data_id),
+    }
+    write_manifest(tmp, manifest)
+    return ConvertSummary(
+        params=trunk_params + expert_params,
+        trunk_params=trunk_params,
+        expert_params=expert_params,
+        bytes_written=bytes_written,
+        seconds=0.0,
+        skipped=plan.skipped,
+        model_id=model_id,
+    )

@@ -1,0 +1,86 @@
+"""LocalExperts: routed experts computed in-process, every record kept in RAM once read.
+
+The unbounded backend: `moeshard generate` without `--ram`, and a node without `--ram`.
+Records are read whole on first use (one pread per expert, checksum-verified) into one arena
+per layer, page-aligned and committed only as records land, so a decode step runs its experts
+through the fused batch-1 kernel (`moeshard.moe.experts.compute`) like the budgeted cache does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moeshard.moe.experts.backend import ExpertsBase, PrefetchHint
+from moeshard.moe.experts.compute import (
+    KERNELS,
+    ExpertKernels,
+    decode_weighted_sum,
+    rows_weighted_sum,
+    run_experts,
+    weighted_sum,
+)
+from moeshard.moe.storage.io import align_up, aligned_buffer
+from moeshard.moe.storage.shards import ShardSet
+
+
+class LocalExperts(ExpertsBase):
+    def __init__(self, shards: ShardSet, kernels: ExpertKernels = KERNELS):
+        self.shards, self.kernels = shards, kernels
+        self.slot_bytes = align_up(shards.record_nbytes)
+        self.arenas: dict[int, np.ndarray] = {}  # layer -> uint8 [experts held * slot_bytes]
+        self.readonly: dict[int, np.ndarray] = {}  # layer -> a read-only view of its arena
+        self.slot: dict[tuple[int, int], int] = {}  # (layer, expert) -> its slot in the arena
+        self.loaded: set[tuple[int, int]] = set()
+        self.bytes_read = 0
+
+    def _arena(self, layer: int) -> np.ndarray:
+        if layer not in self.arenas:
+            held = self.shards.keys_of_layer(layer)
+            self.slot.update(((layer, e), i) for i, e in enumerate(held))
+            self.arenas[layer] = aligned_buffer(max(len(held), 1) * self.slot_bytes)
+            view = self.readonly[layer] = self.arenas[layer].view()
+            view.flags.writeable = False  # what the kernels take: made once, not per call
+        return self.arenas[layer]
+
+    def offset(self, layer: int, expert: int) -> int:
+        """Byte offset of the record in its layer's arena, reading it on first use."""
+        arena = self._arena(layer)
+        key = (layer, expert)
+        if key not in self.loaded:
+            self.shards.location(layer, expert)  # a clear error if no shard holds it
+            record = self.shards.read(layer, expert)  # checksum-verified
+            start = self.slot[key] * self.slot_bytes
+            arena[start : start + record.size] = record
+            self.loaded.add(key)
+            self.bytes_read += record.size
+        return self.slot[key] * self.slot_bytes
+
+    def preload(self) -> None:
+        """Read every record held now instead of on first use (what llama.cpp does when it
+        loads a model: a benchmark against it then times the same work)."""
+        for layer, expert in sorted(self.shards.locations):
+            self.offset(layer, expert)
+
+    def __call__(
+        self, layer, hidden, ids, weights, dtype=np.float32, hint: PrefetchHint | None = None
+    ) -> np.ndarray:
+        s = self.shards
+        # a decode step: one kernel call, no Python between; several rows (a batched step,
+        # a prefill): the experts on their rows in one call, summed in another
+        fused = decode_weighted_sum if hidden.shape[0] == 1 else rows_weighted_sum
+        self._arena(layer)
+        out = fused(
+            self.readonly[layer], lambda e: self.offset(layer, e), s.fmt, s.hidden, s.inter,
+            hidden, ids, weights, dtype, self.kernels, s.glu,
+        )  # fmt: skip
+        if out is not None:
+            return out
+        offsets = {int(e): self.offset(layer, int(e)) for e in np.unique(ids[ids >= 0])}
+        parts = run_experts(
+            self.arenas[layer], offsets, s.fmt, s.hidden, s.inter, hidden, ids, weights,
+            self.kernels, s.glu,
+        )  # fmt: skip
+        return weighted_sum(parts, hidden.shape, dtype)
+
+    def stats(self) -> dict:
+        return {"expert_bytes_read": self.bytes_read, "records_loaded": len(self.loaded)}

@@ -1,0 +1,528 @@
+"""Integer q4_0/q8_0/mxfp4 dot products: activations quantised to 8 bits per block, as llama.cpp
+does.
+
+For one activation row x and one weight row (codes q, block scales dw; ``e = q - 8`` for
+q4_0, ``e = q`` for q8_0, twice the E2M1 value for mxfp4, whose dw is then half the E8M0
+scale, as in ggml), the arithmetic, identical on every CPU, batch size and thread
+split (tests/test_kernel_determinism.py emulates it in numpy bit for bit):
+
+1. x is quantised per 32-column block k (`quantize_activations`): ``amax = max |x_c|``,
+   ``dx_k = amax / 127`` and ``xq_c = rint(x_c * (1 / dx_k))`` (round half to even, always
+   within -127..127), all float32; an all-zero block gets ``dx_k = 0`` and zero codes, a block
+   holding a nan or an inf gets ``dx_k = nan`` (its row's outputs become nan).
+2. per block k, the 32 products summed exactly as integers: ``t_k = sum e_c xq_c``;
+3. ``a = fma(dw_k * dx_k, float(t_k), a)`` from ``a = +0``: the scales' product rounded to
+   float32, then one fused multiply-add (IEEE, one rounding: `llvm.fma`, the C library's fmaf
+   where the CPU has no FMA instruction), blocks in increasing k; no fast-math flags
+   anywhere; ``y = a``.
+
+The weights come in groups of eight rows whose blocks are interleaved
+(`moeshard.moe.kernels.quant`):
+one 32-byte load holds the same four columns of the eight rows, so with those four activation
+codes broadcast to all eight places, each 32-bit lane r of the integer products belongs to
+row r.  A block's sums of the eight rows then end in the eight lanes of one register, and
+step 3 runs once per block for all eight: one conversion, the eight scales as one 16-byte
+load (float16 to float32, exact), one FMA, where a row at a time needed a conversion, a
+broadcast scale and an FMA per row and a sum across lanes at the end (measured 1.5-2x faster;
+llama.cpp repacks Q4_0 into the same kind of groups for the same reason).
+
+Step 2 is where the time goes and is exact, so the CPU may do it any way it likes:
+
+* x86 with AVX2: ``vpmaddubsw`` (unsigned byte x signed byte, pairs summed to 16 bits) then
+  ``vpmaddwd`` by ones (pairs summed to 32 bits).  q4_0 codes are unsigned 0..15, so the -8
+  is taken out afterwards with ``8 * sum xq`` of the block (computed once per activation row,
+  `xc`), and the eight 16-bit results of a block are added before the one ``vpmaddwd``: each
+  is at most 2 * 15 * 127, eight of them fit in 16 bits.  q8_0 codes are signed, so the sign
+  moves onto the activations (``|e| * sign(e) xq``, llama.cpp's trick) and each load gets its
+  own ``vpmaddwd`` (2 * 128 * 127 fits in 16 bits once, not twice).
+  mxfp4 codes are looked up with ``vpshufb`` as value + 12 (unsigned 0..24; 12 * sum xq
+  comes off afterwards), four 16-bit results added before each of two ``vpmaddwd``.
+* anywhere else: plain LLVM vector integer code (widen, multiply, add groups of four), which
+  gives the same integers.
+
+LLVM does not emit ``vpmaddubsw`` from a plain loop, so the AVX2 form is written as calls to
+LLVM's x86 intrinsics inside numba ``@intrinsic`` code generators.  Which form is compiled is
+decided at import from the CPU numba compiles for (`ISA`; ``MOESHARD_KERNEL_ISA=generic``
+forces the portable one, for tests).  numba's on-disk cache is keyed by the CPU's name and
+features, so a cache built on one CPU is never loaded on another.  (AVX-VNNI and AVX512-VNNI
+``vpdpbusd`` would fuse the two instructions into one; this machine has neither, so that form
+is not written: it could not be run here.)  Step 1 is shared with llama.cpp's q8_0
+activations; steps 2-3 are an exact integer block sum and one float32 accumulator per row,
+which need no particular instruction order.
+
+Against the float path of `moeshard.moe.kernels.dots` this trades exact float32 activations for
+8-bit ones (``moeshard quality`` prints what that costs) and does a quarter of the float work.
+"""
+
+import os
+
+import llvmlite.binding as llvm
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils, config
+from numba.extending import intrinsic
+
+from moeshard.moe.kernels.dots import (
+    F32X8,
+    FMT_MXFP4,
+    FMT_Q4_0,
+    LANES,
+    MXFP4_VALUES,
+    QK,
+    ROW_GROUP,
+    _splat,
+    _vstore,
+    _vzero,
+)
+
+
+def _target_features() -> set[str]:
+    """The features of the CPU numba compiles for ("+avx2", "+f16c", ...)."""
+    if config.CPU_NAME and config.CPU_NAME != "host":  # NUMBA_CPU_NAME: a portable build
+        return set((config.CPU_FEATURES or "").split(","))
+    return set(llvm.get_host_cpu_features().flatten().split(","))
+
+
+def _target_isa() -> str:
+    """ "avx2" when the CPU numba compiles for has AVX2, else "generic"."""
+    forced = os.environ.get("MOESHARD_KERNEL_ISA", "")
+    if forced:
+        if forced not in ("avx2", "generic"):
+            raise ValueError(f"MOESHARD_KERNEL_ISA={forced!r}: expected avx2 or generic")
+        return forced
+    return "avx2" if "+avx2" in _target_features() else "generic"
+
+
+ISA = _target_isa()
+# float16 scales with vcvtph2ps, or integer operations where the CPU has no F16C (`_f16_lanes`)
+F16C = "+f16c" in _target_features()
+
+_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+_V32I8 = ir.VectorType(_I8, 32)
+_V16I8 = ir.VectorType(_I8, 16)
+_V16I16 = ir.VectorType(_I16, 16)
+_V8I32 = ir.VectorType(_I32, LANES)
+_V32I32 = ir.VectorType(_I32, 32)
+_V8F = ir.VectorType(ir.FloatType(), LANES)
+_V8H = ir.VectorType(ir.HalfType(), LANES)
+
+
+def _call(builder, name, ret, *args):
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ret, [a.type for a in args]), name
+    )
+    return builder.call(fn, args)
+
+
+def _indices(values):
+    return ir.Constant(ir.VectorType(_I32, len(values)), list(values))
+
+
+# Matrices reach the block kernels as (address, row stride in bytes) pairs of intp, not as
+# arrays: an array argument costs an atomic reference-count increment and decrement per call
+# of a row-group function (a dozen per group of four rows), which a short row (a small
+# expert's 64 or 256 columns) cannot amortise.  `_mat` makes the pair; the caller keeps the
+# array alive.
+_MAT = types.UniTuple(types.intp, 2)
+
+
+@njit(cache=True, nogil=True)
+def _mat(a):
+    """(address, row stride in bytes) of a 2-D C-contiguous array."""
+    return np.intp(a.ctypes.data), np.intp(a.strides[0])
+
+
+def _at(context, builder, mat, row, offset):
+    """i8* to byte `offset` of row `row` of a `_mat` pair (row and offset intp values)."""
+    base, stride = cgutils.unpack_tuple(builder, mat, 2)
+    address = builder.add(base, builder.add(builder.mul(row, stride), offset))
+    return builder.inttoptr(address, _I8.as_pointer())
+
+
+def _load(builder, ptr, vtype):
+    return builder.load(builder.bitcast(ptr, vtype.as_pointer()), align=1)
+
+
+def _splat_i32(builder, v):
+    """<8 x i32> of eight copies of the i32 value v."""
+    one = builder.insert_element(ir.Constant(_V8I32, ir.Undefined), v, _I32(0))
+    return builder.shuffle_vector(one, one, ir.Constant(_V8I32, [0] * LANES))
+
+
+def _broadcast4(builder, ptr):
+    """The 4 activation codes at ptr, repeated for each of the 8 rows: <32 x i8> (one
+    vpbroadcastd from memory on AVX2)."""
+    four = builder.load(builder.bitcast(ptr, _I32.as_pointer()), align=1)
+    return builder.bitcast(_splat_i32(builder, four), _V32I8)
+
+
+# ---------------------------------------------------------------------------------------------
+# step 2 for one 32-byte load: per row r (bytes 4r..4r+3), the sum of its four products
+
+
+def _dot_avx2(builder, w, x, signed):
+    """<8 x i32>, lane r: sum of the products of bytes 4r..4r+3 (vpmaddubsw, vpmaddwd)."""
+    return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, _madd_avx2(builder, w, x, signed),
+                 ir.Constant(_V16I16, [1] * 16))  # fmt: skip
+
+
+def _madd_avx2(builder, w, x, signed):
+    """<16 x i16>, lane j: the products of bytes 2j and 2j + 1, summed (exact: below 2^15)."""
+    if signed:  # |w| * (x * sign(w)): maddubs wants its first operand unsigned
+        zero = ir.Constant(_V32I8, [0] * 32)
+        neg = builder.icmp_signed("<", w, zero)
+        w_abs = builder.select(neg, builder.sub(zero, w), w)
+        x = _call(builder, "llvm.x86.avx2.psign.b", _V32I8, x, w)
+        w = w_abs
+    return _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, w, x)
+
+
+def _dot_generic(builder, w, x, signed):
+    wide = builder.sext(w, _V32I32) if signed else builder.zext(w, _V32I32)
+    p = builder.mul(wide, builder.sext(x, _V32I32))  # <32 x i32>
+    s = None
+    for g in range(4):  # lane r: products 4r .. 4r + 3
+        part = builder.shuffle_vector(p, p, _indices(range(g, 32, 4)))
+        s = part if s is None else builder.add(s, part)
+    return s
+
+
+_DOT = {"avx2": _dot_avx2, "generic": _dot_generic}[ISA]
+
+
+def _q4_sums(builder, loads, xs):
+    """Block sums of the 8 rows of a q4_0 row group, sum q xq (without the -8), for each
+    activation row: loads are the block's four 32-byte loads, xs(u, col) the broadcast codes
+    of activation row u at column col of the block."""
+    parts = []
+    for c, w in enumerate(loads):
+        parts.append((builder.and_(w, ir.Constant(_V32I8, [15] * 32)), 4 * c))  # columns 4c..
+        parts.append((builder.lshr(w, ir.Constant(_V32I8, [4] * 32)), 16 + 4 * c))  # 16 + 4c..
+    out = []
+    for u in range(xs.m):
+        if ISA == "avx2":  # eight maddubs sums of at most 2 * 15 * 127 each: exact in 16 bits
+            h = None
+            for w, col in parts:
+                p = _madd_avx2(builder, w, xs(u, col), signed=False)  # <16 x i16>
+                h = p if h is None else builder.add(h, p)
+            ones = ir.Constant(_V16I16, [1] * 16)
+            out.append(_call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, h, ones))
+        else:
+            t = [_dot_generic(builder, w, xs(u, col), signed=False) for w, col in parts]
+            out.append(_add_all(builder, t))
+    return out
+
+
+def _mx_values(builder, codes):
+    """4-bit E2M1 codes (<32 x i8>, 0..15) -> their doubled values, int8 -12..12 (portable)."""
+
+    def c(v):
+        return ir.Constant(_V32I8, [v] * 32)
+
+    mag = builder.and_(codes, c(7))  # 0..7 -> 0, 1, 2, 3, 4, 6, 8, 12
+    e, f = builder.lshr(mag, c(1)), builder.and_(mag, c(1))
+    small = builder.icmp_unsigned("==", e, c(0))
+    shift = builder.select(small, c(0), builder.sub(e, c(1)))
+    v = builder.select(small, f, builder.shl(builder.add(f, c(2)), shift))
+    negative = builder.icmp_unsigned("!=", builder.and_(codes, c(8)), c(0))
+    return builder.select(negative, builder.sub(c(0), v), v)
+
+
+_MX_OFFSET = 12  # AVX2: codes looked up as value + 12 (0..24, unsigned), taken out after
+_MX_TABLE_UNSIGNED = ir.Constant(_V32I8, [int(v) + _MX_OFFSET for v in MXFP4_VALUES] * 2)
+
+
+def _mx_sums(builder, loads, xs):
+    """`_q4_sums` for mxfp4: the same nibble order.  On AVX2 the codes are looked up
+    (vpshufb, shared by every activation row) as value + 12, unsigned, so `vpmaddubsw` takes
+    them without a sign trick; four of its 16-bit results (each at most 2 * 24 * 127) add up
+    exactly, then `vpmaddwd`, and 12 * sum xq comes off in the caller (`_MX_OFFSET`).
+    Elsewhere the signed values, and nothing to take off."""
+    parts = []
+    for c, w in enumerate(loads):
+        lo = builder.and_(w, ir.Constant(_V32I8, [15] * 32))
+        hi = builder.lshr(w, ir.Constant(_V32I8, [4] * 32))
+        parts += [(lo, 4 * c), (hi, 16 + 4 * c)]
+    if ISA != "avx2":
+        vals = [(_mx_values(builder, w), col) for w, col in parts]
+        return [
+            _add_all(builder, [_dot_generic(builder, w, xs(u, col), True) for w, col in vals])
+            for u in range(xs.m)
+        ]
+    table = _MX_TABLE_UNSIGNED
+    vals = [(_call(builder, "llvm.x86.avx2.pshuf.b", _V32I8, table, w), col) for w, col in parts]
+    ones = ir.Constant(_V16I16, [1] * 16)
+    out = []
+    for u in range(xs.m):
+        halves = []
+        for half in (vals[:4], vals[4:]):
+            h = None
+            for w, col in half:
+                p = _madd_avx2(builder, w, xs(u, col), signed=False)  # <16 x i16>
+                h = p if h is None else builder.add(h, p)
+            halves.append(_call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, h, ones))
+        out.append(builder.add(*halves))
+    return out
+
+
+def _f16_lanes(builder, ptr):
+    """Eight float16 scales at ptr -> <8 x float>, exact.  With F16C, LLVM's fpext
+    (vcvtph2ps); without, LLVM would call compiler-rt's __extendhfsf2, which numba cannot link
+    (compiling the kernels for such a CPU aborted), so integer operations give the same bits:
+    finite values as the integer significand m times 2^(e - 25) (both exact in float32), inf
+    and nan from their bits (nan quieted, as vcvtph2ps does), then the sign."""
+    if F16C:
+        return builder.fpext(_load(builder, ptr, _V8H), _V8F)
+    h = builder.zext(_load(builder, ptr, ir.VectorType(ir.IntType(16), LANES)), _V8I32)
+
+    def c(v):
+        return ir.Constant(_V8I32, [v] * LANES)
+
+    e, mant = builder.and_(builder.lshr(h, c(10)), c(0x1F)), builder.and_(h, c(0x3FF))
+    normal = builder.icmp_unsigned("!=", e, c(0))
+    m = builder.select(normal, builder.or_(mant, c(0x400)), mant)
+    scale = builder.shl(builder.add(builder.select(normal, e, c(1)), c(127 - 25)), c(23))
+    finite = builder.fmul(builder.sitofp(m, _V8F), builder.bitcast(scale, _V8F))
+    special = builder.or_(c(0x7F800000), builder.shl(mant, c(13)))  # inf, or nan's payload
+    quiet = builder.icmp_unsigned("!=", mant, c(0))
+    special = builder.select(quiet, builder.or_(special, c(0x00400000)), special)
+    bits = builder.select(
+        builder.icmp_unsigned("==", e, c(0x1F)), special, builder.bitcast(finite, _V8I32)
+    )
+    sign = builder.shl(builder.and_(h, c(0x8000)), c(16))
+    return builder.bitcast(builder.or_(bits, sign), _V8F)
+
+
+def _e8m0_half_lanes(builder, ptr):
+    """Eight E8M0 scale bytes at ptr -> <8 x float> of 2^(e - 128) (`dots.e8m0_half`)."""
+    e = builder.zext(_load(builder, ptr, ir.VectorType(_I8, LANES)), _V8I32)
+
+    def c(v):
+        return ir.Constant(_V8I32, [v] * LANES)
+
+    small = builder.icmp_unsigned("<", e, c(2))
+    bits = builder.select(
+        small, builder.shl(c(0x00200000), e), builder.shl(builder.sub(e, c(1)), c(23))
+    )
+    return builder.bitcast(bits, _V8F)
+
+
+def _q8_sums(builder, loads, xs):
+    """`_q4_sums` for q8_0: eight loads, signed codes, columns 4c..4c+3 in load c."""
+    return [
+        _add_all(builder, [_DOT(builder, w, xs(u, 4 * c), True) for c, w in enumerate(loads)])
+        for u in range(xs.m)
+    ]
+
+
+def _add_all(builder, vs):
+    total = vs[0]
+    for v in vs[1:]:
+        total = builder.add(total, v)
+    return total
+
+
+class _Broadcasts:
+    """xs(u, col): activation row u's codes at column `col` of the current block, broadcast."""
+
+    def __init__(self, context, builder, mat, rows, col0):
+        self.context, self.builder, self.mat, self.rows, self.col0 = (
+            context, builder, mat, rows, col0,
+        )  # fmt: skip
+        self.m = len(rows)
+
+    def __call__(self, u, col):
+        offset = self.builder.add(self.col0, ir.Constant(self.col0.type, col))
+        return _broadcast4(
+            self.builder, _at(self.context, self.builder, self.mat, self.rows[u], offset)
+        )
+
+
+def _group_block_kernel(kind: str):
+    """An intrinsic running steps 2-3 on block k of one row group for m activation rows
+    (kind "q4_0", "q8_0" or "mxfp4"): ``(a, wq, g, k, ws, xq, us, xd, xc) -> a'``.  wq uint8
+    [groups, group bytes] and ws [groups, ...] (the scales: eight float16 or E8M0 per block)
+    are the packed matrix (`_mat` pairs, as xq, xd and xc), g the group; xq int8 [b, cols]
+    holds the activation codes, rows `us` (an m-tuple), xd float32 [b, nb] their block
+    scales and xc int32 [b, nb] 8 * their block sums (q4_0, and mxfp4 on AVX2); a is the m lane
+    accumulators, lane r of a[u] for (activation row us[u], weight row 8g + r)."""
+    n_loads = 8 if kind == "q8_0" else 4  # 32-byte loads per block of a row group
+    sums_of = {"q4_0": _q4_sums, "q8_0": _q8_sums, "mxfp4": _mx_sums}[kind]
+    scale_bytes = 1 if kind == "mxfp4" else 2
+
+    @intrinsic
+    def block(typingctx, a, wq, g, k, ws, xq, us, xd, xc):
+        if not isinstance(us, types.UniTuple):
+            return None
+        m = len(us)
+        if not (
+            a == types.UniTuple(F32X8, m)
+            and wq == ws == xq == xd == xc == _MAT
+            and all(isinstance(v, types.Integer) for v in (g, k, us.dtype))
+        ):
+            return None
+
+        def codegen(context, builder, sig, args):
+            def intp(value, ty):
+                return context.cast(builder, value, ty, types.intp)
+
+            def const(v):
+                return ir.Constant(gi.type, v)
+
+            acc = cgutils.unpack_tuple(builder, args[0], m)
+            gi, ki = intp(args[2], g), intp(args[3], k)
+            rows = [intp(v, us.dtype) for v in cgutils.unpack_tuple(builder, args[6], m)]
+            wbase = builder.mul(ki, const(32 * n_loads))
+            group = _at(context, builder, args[1], gi, wbase)  # i8* to the block's bytes
+            loads = [
+                _load(builder, builder.gep(group, [_I32(32 * c)]), _V32I8) for c in range(n_loads)
+            ]
+            xs = _Broadcasts(context, builder, args[5], rows, builder.mul(ki, const(QK)))
+            sums = sums_of(builder, loads, xs)  # m x <8 x i32>, exact
+            scale_ptr = _at(context, builder, args[4], gi, builder.mul(ki, const(8 * scale_bytes)))
+            if kind == "mxfp4":
+                dw = _e8m0_half_lanes(builder, scale_ptr)  # exact
+            else:
+                dw = _f16_lanes(builder, scale_ptr)  # exact
+            k4 = builder.mul(ki, const(4))
+            out = []
+            for u in range(m):
+                t = sums[u]
+                if kind == "q4_0" or (kind == "mxfp4" and ISA == "avx2"):
+                    # q4_0: sum (q - 8) xq = sum q xq - 8 sum xq (xc holds 8 sum xq);
+                    # mxfp4 on AVX2: sum (v + 12) xq - 12 sum xq
+                    corr = _load(builder, _at(context, builder, args[8], rows[u], k4), _I32)
+                    if kind == "mxfp4":
+                        corr = builder.add(corr, builder.ashr(corr, _I32(1)))  # 12 sum xq
+                    t = builder.sub(t, _splat_i32(builder, corr))
+                dx = _load(builder, _at(context, builder, args[7], rows[u], k4), ir.FloatType())
+                d = builder.fmul(dw, _splat(builder, dx))  # dw_r * dx, rounded to float32
+                tf = builder.sitofp(t, _V8F)  # exact: |t| < 2^24
+                out.append(_call(builder, "llvm.fma.v8f32", _V8F, d, tf, acc[u]))
+            return context.make_tuple(builder, sig.return_type, out)
+
+        return a(a, wq, g, k, ws, xq, us, xd, xc), codegen
+
+    return block
+
+
+_q4_group_block = _group_block_kernel("q4_0")
+_q8_group_block = _group_block_kernel("q8_0")
+_mx_group_block = _group_block_kernel("mxfp4")
+
+
+# ---------------------------------------------------------------------------------------------
+# step 1: activations to 8 bits per block
+
+
+@njit(cache=True, nogil=True)
+def quantize_activations(x, xq, xd, xc):
+    """x float32 [b, cols] -> codes xq int8 [b, cols], block scales xd float32 [b, cols // 32]
+    and 8 * the block sums of the codes xc int32 [b, cols // 32] (step 1 of the module doc)."""
+    for u in range(x.shape[0]):
+        for k in range(x.shape[1] // QK):
+            c0 = QK * k
+            amax = np.float32(0.0)
+            finite = True
+            for c in range(c0, c0 + QK):
+                v = abs(x[u, c])
+                if v > amax:
+                    amax = v
+                elif not (v == v):
+                    finite = False
+            if not finite or amax == np.inf:
+                xd[u, k] = np.float32(np.nan)
+                for c in range(c0, c0 + QK):
+                    xq[u, c] = 0
+            elif amax == 0:
+                xd[u, k] = np.float32(0.0)
+                for c in range(c0, c0 + QK):
+                    xq[u, c] = 0
+            else:
+                d = amax / np.float32(127.0)
+                inv = np.float32(1.0) / d
+                xd[u, k] = d
+                for c in range(c0, c0 + QK):
+                    q = np.rint(x[u, c] * inv)
+                    xq[u, c] = np.int8(min(max(q, np.float32(-127.0)), np.float32(127.0)))
+            s = 0
+            for c in range(c0, c0 + QK):
+                s += np.int32(xq[u, c])
+            xc[u, k] = 8 * s
+
+
+@njit(cache=True, nogil=True)
+def activation_buffers(b, cols):
+    """Empty (xq, xd, xc) for `quantize_activations` of a [b, cols] activation."""
+    nb = cols // QK
+    xq = np.empty((b, cols), dtype=np.int8)  # [b, cols]
+    xd = np.empty((b, nb), dtype=np.float32)  # [b, nb]
+    xc = np.empty((b, nb), dtype=np.int32)  # [b, nb]
+    return xq, xd, xc
+
+
+# ---------------------------------------------------------------------------------------------
+# one row group against one or two activation rows
+
+
+@njit(cache=True, nogil=True)
+def _group_x1(fmt, wq, ws, g, xq, xd, xc, u, nb):
+    """Lane r: weight row 8g + r . quantised activation row u (every matrix a `_mat` pair)."""
+    a = _vzero()
+    us = (u,)
+    for k in range(nb):
+        if fmt == FMT_Q4_0:
+            (a,) = _q4_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_MXFP4:
+            (a,) = _mx_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
+        else:
+            (a,) = _q8_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
+    return a
+
+
+@njit(cache=True, nogil=True)
+def _group_x2(fmt, wq, ws, g, xq, xd, xc, u, nb):
+    """`_group_x1` for activation rows u and u + 1: each weight block is loaded once."""
+    a = b = _vzero()
+    us = (u, u + 1)
+    for k in range(nb):
+        if fmt == FMT_Q4_0:
+            a, b = _q4_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_MXFP4:
+            a, b = _mx_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
+        else:
+            a, b = _q8_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
+    return a, b
+
+
+@njit(cache=True, nogil=True)
+def _put(out, u, r, r1, lanes, v):
+    """out[u, r : min(r + 8, r1)] = the first lanes of v (lanes: an 8-float scratch)."""
+    if r + LANES <= r1:
+        _vstore(out[u], r, v)
+    else:
+        _vstore(lanes, 0, v)
+        for i in range(r1 - r):
+            out[u, r + i] = lanes[i]
+
+
+@njit(cache=True, nogil=True)
+def int_rows(fmt, wq, ws, xq, xd, xc, out, r0, r1):
+    """out[:, r0:r1] for quantised activations (xq, xd, xc) of any batch (q4_0/q8_0); r0 a
+    multiple of 8 (a row group).
+
+    One row group at a time: its bytes (nb * 128 or 256) are read from memory once and then
+    stay in L1/L2 while every activation row, two at a time, is multiplied with them.  The
+    padding rows of a last partial group are computed and dropped."""
+    b, nb = xq.shape[0], xd.shape[1]
+    mw, ms, mx, md, mc = _mat(wq), _mat(ws), _mat(xq), _mat(xd), _mat(xc)
+    lanes = np.empty(LANES, dtype=np.float32)
+    for g in range(r0 // ROW_GROUP, (r1 + ROW_GROUP - 1) // ROW_GROUP):
+        r = ROW_GROUP * g
+        for u in range(0, b - 1, 2):
+            ya, yb = _group_x2(fmt, mw, ms, g, mx, md, mc, u, nb)
+            _put(out, u, r, r1, lanes, ya)
+            _put(out, u + 1, r, r1, lanes, yb)
+        if b & 1:
+            _put(out, b - 1, r, r1, lanes, _group_x1(fmt, mw, ms, g, mx, md, mc, b - 1, nb))

@@ -1,0 +1,660 @@
+"""Weight formats, the on-disk/kernel byte layout, and matmul / expert FFN on packed bytes.
+
+Formats: ``f32``, ``bf16``, ``q8_0``, ``q4_0``, ``mxfp4``.  `quantize` / `dequantize` produce
+and read ggml's byte order and delegate to ``gguf.quants`` so they are bit-identical to it by
+construction.  `pack` writes the *kernel layout*, which is also the on-disk layout; it holds
+exactly the same bits as ggml (`unpack_to_ggml` proves it) but arranged for the kernels:
+
+Matrix layout (``rows x cols``; every section starts at a multiple of 64 bytes and the
+matrix is zero-padded to a multiple of 64 bytes):
+
+* ``f32``:  rows x cols little-endian float32, row-major.
+* ``bf16``: rows x cols uint16 (upper half of the float32), row-major.
+* ``q8_0``, ``q4_0`` and ``mxfp4``: rows in groups of eight (a last group padded with zero
+  rows), each
+  group's blocks interleaved so that one 32-byte load holds the same four columns of all
+  eight rows (as llama.cpp's repacked Q4_0x8 does): ``qs`` uint8 [groups, nb, chunks, 8, 4]
+  then ``d`` float16 [groups, nb, 8].  Byte ``qs[g, k, c, r, i]`` is byte ``4c + i`` of ggml's
+  quant bytes of block k of row 8g + r (ggml: 32 int8 codes for q8_0, c = 0..7; 16 bytes
+  holding ``q[j] | q[j + 16] << 4`` for q4_0, c = 0..3, q the unsigned 4-bit codes 0..15 and
+  value = d * (q - 8); mxfp4 the same nibble order, q an E2M1 code), and ``d[g, k, r]`` its
+  scale (float16; mxfp4: the E8M0 byte, so ``d`` is [groups, nb, 8] uint8 there).  So a
+  q4_0/mxfp4 load's low nibbles are columns 4c..4c+3 of the eight rows and its high nibbles
+  columns 16+4c..16+4c+3, and the eight scales of a block are one 16-byte (8-byte) load
+  (`moeshard.moe.kernels.idots` has why).  mxfp4 is ggml's MXFP4 (OCP MX: E2M1 values, one E8M0
+  power-of-two scale per 32), the format published checkpoints such as Kimi K3 ship their
+  experts in; its bytes are kept as published, only reordered.
+
+Expert record (`pack_expert`): gate [inter, hidden], up [inter, hidden], down [hidden, inter],
+each a matrix in the layout above, back to back (each starts at a multiple of 64 bytes).
+"""
+
+import functools
+import threading
+import time
+from typing import NamedTuple
+
+import numba
+import numpy as np
+from gguf import GGMLQuantizationType, quants
+
+from moeshard.moe.kernels import dots, entry, fixedmath, idots
+
+FORMATS = ("f32", "bf16", "q8_0", "q4_0", "mxfp4")
+BLOCK_FORMATS = ("q8_0", "q4_0", "mxfp4")  # 32-column blocks, a scale each
+
+_QTYPE = {
+    "f32": GGMLQuantizationType.F32,
+    "bf16": GGMLQuantizationType.BF16,
+    "q8_0": GGMLQuantizationType.Q8_0,
+    "q4_0": GGMLQuantizationType.Q4_0,
+    "mxfp4": GGMLQuantizationType.MXFP4,
+}
+_FMT_CODE = {
+    "f32": dots.FMT_F32,
+    "bf16": dots.FMT_BF16,
+    "q8_0": dots.FMT_Q8_0,
+    "q4_0": dots.FMT_Q4_0,
+    "mxfp4": dots.FMT_MXFP4,
+}
+QK = dots.QK
+ALIGN = 64
+
+
+class Glu(NamedTuple):
+    """An expert's gated unit between its up and down halves: kind 0 is SwiGLU,
+    silu(gate) * up (every family but Kimi K3); kind 1 is K3's SiTU-GLU,
+    [beta tanh(gate / beta) sigmoid(gate)] * [linear_beta tanh(up / linear_beta)]."""
+
+    kind: int
+    beta: float = 0.0
+    linear_beta: float = 0.0
+
+
+SWIGLU = Glu(0)
+
+
+def situ(beta: float, linear_beta: float) -> Glu:
+    """Kimi K3's SiTU-GLU with the config's activation_situ_beta and _linear_beta."""
+    if not (beta > 0 and linear_beta > 0):
+        raise ValueError(f"SiTU betas must be positive, not {beta} and {linear_beta}")
+    return Glu(1, float(beta), float(linear_beta))
+
+
+def _glu(glu: Glu) -> tuple[int, float, float]:
+    return int(glu.kind), float(glu.beta), float(glu.linear_beta)
+
+
+def glu_reference(g: np.ndarray, u: np.ndarray, glu: Glu = SWIGLU) -> np.ndarray:
+    """The gated unit in float64 (numpy), as the kernels compute it before rounding: the same
+    operations as `entry._glu_mul`, with `fixedmath`'s exp and tanh, so the same bits."""
+    g, u = np.asarray(g, dtype=np.float64), np.asarray(u, dtype=np.float64)
+    exp, tanh = fixedmath.exp_array, fixedmath.tanh_array
+    if glu.kind == 1:
+        b, lb = glu.beta, glu.linear_beta
+        return b * tanh(g / b) / (1.0 + exp(-g)) * (lb * tanh(u / lb))
+    return g / (1.0 + exp(-g)) * u
+
+
+def gated_unit(g: np.ndarray, u: np.ndarray, glu: Glu = SWIGLU) -> np.ndarray:
+    """The gated unit of gate and up float32 [..., n] -> float32 [..., n], computed by the
+    expert kernels' code (`entry._glu_mul`): the bits of `glu_reference(g, u, glu)` rounded to
+    float32, for the trunk's FFNs (K3's shared expert).  [1, 2048] and [16, 2048] SiTU: 12 and
+    140 us, against 136 and 4325 us for the twin (about 60 array operations) and 20 and 231 us
+    for the same formula with numpy's libm-like exp and tanh, as the trunk computed it before."""
+    g, u = (np.ascontiguousarray(a, dtype=np.float32) for a in (g, u))
+    if g.shape != u.shape or g.ndim == 0:
+        raise ValueError(f"gate {g.shape} and up {u.shape} must have one shape, not a scalar's")
+    g, u = (a if a.flags.writeable else a.copy() for a in (g, u))  # one compiled signature
+    flat = (-1, g.shape[-1])
+    return entry._glu_mul(g.reshape(flat), u.reshape(flat), _glu(glu)).reshape(g.shape)
+
+
+_F32 = np.dtype(np.float32)
+# Below this many weights a matrix is computed on one thread: waking the pool costs more.
+PARALLEL_MIN_WEIGHTS = 1 << 19
+# A product with the packed matrices of `PackedMatrix` (the trunk's linears) waits for this
+# many times more work (rows x cols x batch): split in 16-row items it gains less from a
+# second thread than experts do, each a whole item.  Measured on this project's 2-core
+# machine (OpenMP's passive wait: ~20 us to wake the pool), a 256x256 bf16 product of 16
+# rows took 37-40 us on one thread and 48-56 us on two; the 4096x256 LM head of one row 89
+# against 126 us; the embedded model's decode step went from 1.27 to 0.91 ms at one row and
+# 5.0 to 4.3 ms at 16 (medians of six alternations).
+MATMUL_PARALLEL_FACTOR = 8
+
+# How q4_0/q8_0 kernels take their activations: "q8", quantised to 8 bits per 32-column block
+# with integer dot products (`moeshard.moe.kernels.idots`, as llama.cpp does; the default), or
+# "f32", exact float32 activations (`moeshard.moe.kernels.dots`, 2-3x slower).  Process-wide: every
+# node and auditor of a network must use the same one for their replies to agree bit for bit.
+ACTIVATIONS = ("q8", "f32")
+_activations = {"mode": "q8"}
+
+
+def use_activations(mode: str) -> None:
+    """Choose how q4_0/q8_0 kernels take activations, for this process (see ACTIVATIONS)."""
+    if mode not in ACTIVATIONS:
+        raise ValueError(f"unknown activation mode {mode!r}; expected one of {ACTIVATIONS}")
+    _activations["mode"] = mode
+
+
+def activation_mode() -> str:
+    return _activations["mode"]
+
+
+def _int8() -> bool:
+    return _activations["mode"] == "q8"
+
+
+_threads = {"n": 0}  # numba threads for big matrices; 0: all of numba's (every core)
+
+
+def set_threads(n: int) -> None:
+    """Use n threads for the kernels of big matrices, process-wide (0: all cores).  numba's
+    thread count is per calling thread, so `_run` applies this on whichever thread calls (a
+    node serves from gRPC worker threads)."""
+    most = numba.config.NUMBA_NUM_THREADS
+    if not 0 <= n <= most:
+        raise ValueError(
+            f"threads must be 0 (all) to {most} (numba's pool: this machine's cores, or "
+            f"NUMBA_NUM_THREADS), got {n}"
+        )
+    _threads["n"] = n
+
+
+def threads() -> int:
+    """The threads big matrices use (`set_threads`)."""
+    return _threads["n"] or numba.config.NUMBA_NUM_THREADS
+
+
+def _run(kernel, n_weights: int, *args, serial=None):
+    """Call a parallel kernel on `threads()` threads, or on the calling thread alone for small
+    matrices (waking the pool costs more than it saves there): its serial twin when it has
+    one (the same bits, without the pool's scheduling)."""
+    want = threads() if n_weights >= PARALLEL_MIN_WEIGHTS else 1
+    if want == 1 and serial is not None:
+        return serial(*args)
+    return _launch(kernel, want, args)
+
+
+# Below this many multiply-adds a parallel kernel outside this module (`run_parallel`: the
+# attention of several sequences) runs on the calling thread alone.  Waking a sleeping pool
+# thread cost ~50 us a region on a 2-core VM; the attention of 16 sequences at 45 positions
+# (4 query heads of 64, 0.37 M multiply-adds) took 55 us on one thread and 78 us on two, at
+# 100 positions 90 against 97 us, at 190 positions 143-179 against 129-134 us.
+PARALLEL_MIN_WORK = 1 << 20
+
+
+def run_parallel(kernel, items: int, work: int, *args):
+    """Call a parallel=True kernel outside this module (e.g. attention over several
+    sequences) on as many of `threads()` threads as it has independent items, or on this
+    thread alone when its `work` (multiply-adds) is below PARALLEL_MIN_WORK."""
+    want = min(threads(), items) if work >= PARALLEL_MIN_WORK else 1
+    return _launch(kernel, max(1, want), args)
+
+
+_pool = {"lock": threading.Lock(), "shared": None}  # shared: may threads launch at once?
+
+
+def _launch(kernel, want: int, args):
+    """Numba's own thread pool ("workqueue", used where neither OpenMP nor TBB is installed)
+    is not safe for launches from several threads at once (a node computes from gRPC worker
+    threads; audits run beside the decode loop): its results came back wrong in a
+    container without libgomp. There, launches take turns; OpenMP and TBB need no lock."""
+    if _pool["shared"]:
+        if numba.get_num_threads() != want:
+            numba.set_num_threads(want)
+        return kernel(*args)
+    with _pool["lock"]:
+        if numba.get_num_threads() != want:
+            numba.set_num_threads(want)
+        out = kernel(*args)
+        if _pool["shared"] is None:  # known once a kernel has launched
+            _pool["shared"] = numba.threading_layer() != "workqueue"
+        return out
+
+
+def _check_fmt(fmt: str) -> None:
+    if fmt not in _QTYPE:
+        raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
+
+
+def _check_dims(fmt: str, rows: int, cols: int) -> None:
+    _check_fmt(fmt)
+    if rows <= 0 or cols <= 0:
+        raise ValueError(f"matrix shape must be positive, got ({rows}, {cols})")
+    if fmt in BLOCK_FORMATS and cols % QK:
+        raise ValueError(f"{fmt} needs cols to be a multiple of {QK}, got cols={cols}")
+
+
+def _check_matrix(w: np.ndarray, fmt: str) -> np.ndarray:
+    w = np.asarray(w)
+    if w.ndim != 2:
+        raise ValueError(f"expected a 2-D weight matrix, got shape {w.shape}")
+    _check_dims(fmt, *w.shape)
+    return np.ascontiguousarray(w, dtype=np.float32)
+
+
+def _pad(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+ROW_GROUP = dots.ROW_GROUP  # q4_0/q8_0 rows interleaved together
+_QUANT_BYTES = {"q8_0": 32, "q4_0": 16, "mxfp4": 16}  # ggml's code bytes per block
+_SCALE_BYTES = {"q8_0": 2, "q4_0": 2, "mxfp4": 1}  # the block scale before them: f16 / E8M0
+
+
+def _groups(rows: int) -> int:
+    return -(-rows // ROW_GROUP)
+
+
+def _view_row_bytes(fmt: str, cols: int) -> int:
+    """Bytes per row of the payload view: a matrix row (f32/bf16) or a row group (q4_0/q8_0)."""
+    if fmt in _QUANT_BYTES:
+        return cols // QK * ROW_GROUP * _QUANT_BYTES[fmt]
+    return {"f32": 4 * cols, "bf16": 2 * cols}[fmt]
+
+
+def _sections(fmt: str, rows: int, cols: int) -> tuple[int, int, int]:
+    """(payload bytes, scale section offset, scale bytes) of one packed matrix."""
+    if fmt in _QUANT_BYTES:
+        payload = _groups(rows) * _view_row_bytes(fmt, cols)
+        scales = _groups(rows) * (cols // QK) * ROW_GROUP * _SCALE_BYTES[fmt]
+    else:
+        payload, scales = rows * _view_row_bytes(fmt, cols), 0
+    return payload, _pad(payload), scales
+
+
+def packed_nbytes(fmt: str, rows: int, cols: int) -> int:
+    """Bytes of one rows x cols matrix in the kernel/disk layout (a multiple of 64)."""
+    _check_dims(fmt, rows, cols)
+    _, s_off, s_bytes = _sections(fmt, rows, cols)
+    return _pad(s_off + s_bytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# ggml byte order (reference)
+
+
+def quantize(w: np.ndarray, fmt: str) -> np.ndarray:
+    """float32 [rows, cols] -> uint8 ggml bytes [rows, row_bytes], identical to gguf's."""
+    w = _check_matrix(w, fmt)
+    q = quants.quantize(w, _QTYPE[fmt])
+    return np.ascontiguousarray(q).view(np.uint8).reshape(w.shape[0], -1)  # [rows, row_bytes]
+
+
+def dequantize(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> np.ndarray:
+    """ggml bytes -> float32 [rows, cols], identical to gguf's."""
+    rows, cols = shape
+    _check_dims(fmt, rows, cols)
+    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
+    want = rows * _ggml_row_bytes(fmt, cols)
+    if raw.size != want:
+        raise ValueError(f"{fmt} {rows}x{cols} needs {want} ggml bytes, got {raw.size}")
+    if fmt == "f32":
+        return raw.view(np.float32).reshape(rows, cols).copy()
+    out = quants.dequantize(raw.reshape(rows, -1), _QTYPE[fmt])
+    return np.asarray(out, dtype=np.float32).reshape(rows, cols)
+
+
+def _ggml_row_bytes(fmt: str, cols: int) -> int:
+    if fmt in BLOCK_FORMATS:
+        return cols // QK * (_SCALE_BYTES[fmt] + _QUANT_BYTES[fmt])
+    return {"f32": 4 * cols, "bf16": 2 * cols}[fmt]
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel layout
+
+
+def _interleave(per_row: np.ndarray, rows: int, unit: int) -> np.ndarray:
+    """[rows, nb, n] per-row block bytes -> [groups, nb, n // unit, 8, unit]: rows padded with
+    zeros to whole groups of eight, then each block's bytes dealt out `unit` at a time."""
+    _, nb, n = per_row.shape
+    padded = np.zeros((_groups(rows) * ROW_GROUP, nb, n), dtype=np.uint8)  # [rows8, nb, n]
+    padded[:rows] = per_row
+    split = padded.reshape(-1, ROW_GROUP, nb, n // unit, unit)  # [groups, 8, nb, chunks, unit]
+    return split.transpose(0, 2, 3, 1, 4)  # [groups, nb, chunks, 8, unit]
+
+
+def _deinterleave(grouped: np.ndarray, rows: int, nb: int, unit: int) -> np.ndarray:
+    """Inverse of `_interleave`: the flat grouped bytes -> [rows, nb, n]."""
+    split = grouped.reshape(
+        -1, nb, grouped.size // (_groups(rows) * nb * ROW_GROUP * unit), ROW_GROUP, unit
+    )  # [groups, nb, chunks, 8, unit]
+    return split.transpose(0, 3, 1, 2, 4).reshape(-1, nb, split.shape[2] * unit)[:rows]
+
+
+def pack(w: np.ndarray, fmt: str) -> np.ndarray:
+    """float32 [rows, cols] -> uint8 [packed_nbytes] in the kernel/disk layout."""
+    w = _check_matrix(w, fmt)
+    rows, cols = w.shape
+    return _ggml_to_packed(quantize(w, fmt), fmt, rows, cols)
+
+
+def pack_ggml(g: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray:
+    """ggml bytes of a rows x cols matrix ([rows, row_bytes], as `quantize` makes them or a
+    checkpoint publishes them) -> the kernel/disk layout: the same bits, reordered."""
+    _check_dims(fmt, rows, cols)
+    g = np.ascontiguousarray(g, dtype=np.uint8).reshape(-1)
+    want = rows * _ggml_row_bytes(fmt, cols)
+    if g.size != want:
+        raise ValueError(f"{fmt} {rows}x{cols} needs {want} ggml bytes, got {g.size}")
+    return _ggml_to_packed(g, fmt, rows, cols)
+
+
+def _ggml_to_packed(g: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray:
+    out = np.zeros(packed_nbytes(fmt, rows, cols), dtype=np.uint8)
+    payload, s_off, s_bytes = _sections(fmt, rows, cols)
+    if fmt in ("f32", "bf16"):
+        out[:payload] = g.reshape(-1)
+        return out
+    nb, sb = cols // QK, _SCALE_BYTES[fmt]
+    blocks = g.reshape(rows, nb, sb + _QUANT_BYTES[fmt])  # [rows, nb, block bytes]
+    out[:payload] = _interleave(blocks[:, :, sb:], rows, 4).reshape(-1)
+    out[s_off : s_off + s_bytes] = _interleave(blocks[:, :, :sb], rows, sb).reshape(-1)
+    return out
+
+
+def unpack_to_ggml(data: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray:
+    """Kernel layout -> ggml bytes [rows, row_bytes] (the inverse of the layout step of `pack`)."""
+    wq, ws = _views(data, fmt, rows, cols)
+    if fmt in ("f32", "bf16"):
+        return wq.copy()
+    nb = cols // QK
+    qs = _deinterleave(wq, rows, nb, 4)  # [rows, nb, 16 or 32]
+    d = _deinterleave(ws.view(np.uint8), rows, nb, _SCALE_BYTES[fmt])  # [rows, nb, 2 or 1]
+    return np.concatenate([d, qs], axis=2).reshape(rows, -1)  # [rows, row_bytes]
+
+
+@functools.lru_cache(maxsize=4096)
+def _matrix_layout(fmt: str, rows: int, cols: int) -> tuple[int, int, int]:
+    """(packed bytes, bytes per payload view row, scale section offset or -1), validated."""
+    _check_dims(fmt, rows, cols)
+    _, s_off, s_bytes = _sections(fmt, rows, cols)
+    return packed_nbytes(fmt, rows, cols), _view_row_bytes(fmt, cols), s_off if s_bytes else -1
+
+
+def _check_buffer(data: np.ndarray, want: int, what: str) -> None:
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 1:
+        raise ValueError(f"{what} must be a 1-D uint8 numpy array")
+    if data.size != want:
+        raise ValueError(f"{what} needs {want} bytes, got a buffer of {data.size}")
+    if not data.flags.c_contiguous:
+        raise ValueError(f"{what} must be contiguous")
+
+
+def _views(data: np.ndarray, fmt: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """Validated numpy views: f32/bf16 payload [rows, row_bytes] and empty scales [rows, 0];
+    q4_0/q8_0/mxfp4 payload uint8 [groups, group bytes] and scales as uint16 [groups,
+    nb * 8 * scale bytes / 2] (mxfp4's one-byte E8M0 scales two to a uint16)."""
+    nbytes, row_bytes, s_off = _matrix_layout(fmt, rows, cols)
+    _check_buffer(data, nbytes, f"packed {fmt} {rows}x{cols} matrix")
+    if s_off < 0:
+        wq = data[: rows * row_bytes].reshape(rows, row_bytes)  # [rows, row_bytes]
+        return wq, np.empty((rows, 0), dtype=np.uint16)
+    groups, nb = _groups(rows), cols // QK
+    wq = data[: groups * row_bytes].reshape(groups, row_bytes)  # [groups, nb * 8 * 16 or 32]
+    s_bytes = groups * nb * ROW_GROUP * _SCALE_BYTES[fmt]
+    ws = data[s_off : s_off + s_bytes].view(np.uint16).reshape(groups, -1)
+    return wq, ws  # ws: [groups, nb * 8] (q4_0, q8_0) or [groups, nb * 4] (mxfp4)
+
+
+def _check_x(x: np.ndarray, cols: int) -> np.ndarray:
+    if (  # the common case first, in a few attribute reads (a decode step makes dozens of calls)
+        type(x) is np.ndarray
+        and x.dtype is _F32
+        and x.ndim == 2
+        and x.shape[1] == cols
+        and x.shape[0]
+        and x.flags.c_contiguous
+    ):
+        return _readonly(x)
+    x = np.asarray(x)
+    if x.ndim != 2 or x.shape[1] != cols or x.shape[0] == 0:
+        raise ValueError(f"x must have shape [b, {cols}] with b >= 1, got {x.shape}")
+    return _readonly(np.ascontiguousarray(x, dtype=np.float32))
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """A read-only view of a.  Numba compiles writable and read-only arrays separately;
+    handing kernels only read-only inputs means one signature (the one `warmup` compiles)
+    serves mmap'd read-only weights and ordinary arrays alike."""
+    if a.flags.writeable:
+        a = a.view()
+        a.setflags(write=False)
+    return a
+
+
+# ---------------------------------------------------------------------------------------------
+# compute
+
+
+def matmul(data: np.ndarray, fmt: str, rows: int, cols: int, x: np.ndarray) -> np.ndarray:
+    """x float32 [b, cols] -> float32 [b, rows] = x @ W.T, computed on the packed bytes.
+
+    q4_0/q8_0: x quantised to 8 bits per block and integer dot products (or float32 x and
+    codes converted in registers: `use_activations`); f32/bf16 in float32 FMA lanes
+    (`moeshard.moe.kernels.fdots`).
+    """
+    return PackedMatrix(data, fmt, rows, cols)(x)
+
+
+class PackedMatrix:
+    """A packed matrix checked once, for calling many times (the trunk's linear layers):
+    `matmul` without re-validating the buffer on every call, which cost about as much as a
+    small model's whole product (14 us against 6-20 us for 256-column matrices)."""
+
+    __slots__ = ("fmt", "rows", "cols", "_args", "_serial")
+
+    def __init__(self, data: np.ndarray, fmt: str, rows: int, cols: int):
+        nbytes, row_bytes, s_off = _matrix_layout(fmt, rows, cols)
+        _check_buffer(data, nbytes, f"packed {fmt} {rows}x{cols} matrix")
+        self.fmt, self.rows, self.cols = fmt, rows, cols
+        self._args = (_readonly(data), rows, cols, row_bytes, s_off, dots.F16_LUT)
+        self._serial = entry.matmul_serial_kernel
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """x float32 [b, cols] -> float32 [b, rows], the same bits as `matmul`."""
+        x = _check_x(x, self.cols)
+        code = _FMT_CODE[self.fmt]
+        args = (code, _int8(), *self._args, x)
+        work = self.rows * self.cols * x.shape[0]  # (a batch of rows is worth the pool sooner)
+        weights = work // MATMUL_PARALLEL_FACTOR
+        return _run(entry.matmul_kernel, weights, *args, serial=self._serial)
+
+
+def expert_record_nbytes(fmt: str, hidden: int, inter: int) -> int:
+    """Bytes of one packed expert record: gate, up [inter, hidden] then down [hidden, inter]."""
+    return 2 * packed_nbytes(fmt, inter, hidden) + packed_nbytes(fmt, hidden, inter)
+
+
+def pack_expert(gate: np.ndarray, up: np.ndarray, down: np.ndarray, fmt: str) -> np.ndarray:
+    """gate, up float32 [inter, hidden], down [hidden, inter] -> uint8 [expert_record_nbytes]."""
+    gate, up, down = (_check_matrix(m, fmt) for m in (gate, up, down))
+    inter, hidden = gate.shape
+    if up.shape != (inter, hidden) or down.shape != (hidden, inter):
+        raise ValueError(
+            f"expert shapes disagree: gate {gate.shape}, up {up.shape}, down {down.shape}; "
+            f"want gate/up [inter, hidden] and down [hidden, inter]"
+        )
+    return np.concatenate([pack(gate, fmt), pack(up, fmt), pack(down, fmt)])
+
+
+@functools.lru_cache(maxsize=1024)
+def _expert_layout(fmt: str, hidden: int, inter: int) -> tuple[int, tuple[int, ...]]:
+    """(record bytes, kernel layout tuple) for one expert, validated."""
+    n_gu, rb_gu, s_gu = _matrix_layout(fmt, inter, hidden)
+    n_d, rb_d, s_d = _matrix_layout(fmt, hidden, inter)
+    return 2 * n_gu + n_d, (n_gu, rb_gu, s_gu, rb_d, s_d)
+
+
+def expert_ffn(
+    record: np.ndarray, fmt: str, hidden: int, inter: int, x: np.ndarray, glu: Glu = SWIGLU
+) -> np.ndarray:
+    """x float32 [b, hidden] -> [b, hidden] = glu(x@gate.T, x@up.T) @ down.T (`Glu`).
+
+    One kernel call on the packed record; the intermediate [b, inter] stays float32.
+    """
+    nbytes, layout = _expert_layout(fmt, hidden, inter)
+    _check_buffer(record, nbytes, f"{fmt} expert record (hidden={hidden}, inter={inter})")
+    x = _check_x(x, hidden)
+    args = (_FMT_CODE[fmt], _int8(), _readonly(record), hidden, inter, layout, dots.F16_LUT, x)
+    return _run(entry.expert_ffn_kernel, inter * hidden, *args, _glu(glu))
+
+
+def experts_ffn_b1(
+    arena: np.ndarray, offsets, fmt: str, hidden: int, inter: int, x: np.ndarray, glu=SWIGLU
+) -> np.ndarray:
+    """`expert_ffn` for m experts at batch 1 in one kernel call: expert e is the record at
+    arena[offsets[e]:][:record bytes], applied to x[e] (float32 [m, hidden]) -> [m, hidden].
+    Same results as m calls of `expert_ffn` (bit for bit), faster: see the kernel."""
+    nbytes, layout = _expert_layout(fmt, hidden, inter)
+    if not isinstance(arena, np.ndarray) or arena.dtype != np.uint8 or arena.ndim != 1:
+        raise ValueError("arena must be a 1-D uint8 numpy array")
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)  # [m]
+    if offsets.ndim != 1 or ((offsets < 0) | (offsets + nbytes > arena.size)).any():
+        raise ValueError(f"expert records must lie inside the arena of {arena.size} bytes")
+    x = _check_x(x, hidden)
+    if x.shape[0] != offsets.shape[0]:
+        raise ValueError(f"x has {x.shape[0]} rows for {offsets.shape[0]} experts")
+    args = (_FMT_CODE[fmt], _int8(), _readonly(arena), _readonly(offsets), nbytes, hidden, inter)
+    args += (layout,)
+    n_weights = offsets.size * inter * hidden
+    return _run(entry.experts_b1_kernel, n_weights, *args, dots.F16_LUT, x, _glu(glu))
+
+
+def experts_ffn_rows(
+    arena: np.ndarray, offsets, fmt: str, hidden: int, inter: int, x, starts, glu=SWIGLU
+) -> np.ndarray:
+    """`expert_ffn` for m experts, each on its own rows, in one kernel call: expert e is the
+    record at arena[offsets[e]:][:record bytes], applied to x[starts[e]:starts[e + 1]]
+    (float32 [N, hidden]) -> [N, hidden]; each row the same bits as `expert_ffn` gives it."""
+    nbytes, layout = _expert_layout(fmt, hidden, inter)
+    if not isinstance(arena, np.ndarray) or arena.dtype != np.uint8 or arena.ndim != 1:
+        raise ValueError("arena must be a 1-D uint8 numpy array")
+    offsets = np.ascontiguousarray(offsets, dtype=np.int64)  # [m]
+    starts = np.ascontiguousarray(starts, dtype=np.int64)  # [m + 1]
+    if offsets.ndim != 1 or ((offsets < 0) | (offsets + nbytes > arena.size)).any():
+        raise ValueError(f"expert records must lie inside the arena of {arena.size} bytes")
+    x = _check_x(x, hidden)
+    if starts.shape != (offsets.size + 1,) or starts[0] != 0 or starts[-1] != x.shape[0]:
+        raise ValueError("starts must run from 0 to the rows of x, one more than the experts")
+    if (np.diff(starts) < 0).any():
+        raise ValueError("starts must not decrease")
+    args = (_FMT_CODE[fmt], _int8(), _readonly(arena), _readonly(offsets), nbytes, hidden, inter)
+    args += (layout, dots.F16_LUT, x, _readonly(starts), _glu(glu))
+    return _run(entry.experts_rows_kernel, x.shape[0] * inter * hidden, *args)
+
+
+def group_by_expert(ids: np.ndarray, weights: np.ndarray, hidden: np.ndarray):
+    """ids/weights [T, k], hidden [T, H] -> (experts [m], starts [m + 1], rows [P],
+    x [P, H], w [P]): the pairs by expert, rows ascending within one (`entry.group_by_expert`)."""
+    ids = np.ascontiguousarray(ids, dtype=np.int64)  # [T, k]
+    weights = np.ascontiguousarray(weights, dtype=np.float32)  # [T, k]
+    hidden = np.ascontiguousarray(hidden, dtype=np.float32)  # [T, H]
+    if ids.ndim != 2 or weights.shape != ids.shape or hidden.shape[0] != ids.shape[0]:
+        raise ValueError(f"ids {ids.shape}, weights {weights.shape}, hidden {hidden.shape}")
+    return entry.group_by_expert(ids, weights, hidden)
+
+
+def accumulate_rows(out: np.ndarray, rows: np.ndarray, y: np.ndarray, w: np.ndarray) -> None:
+    """out[rows[j]] += float32(y[j] * w[j]) in float64, j in order (`entry.accumulate_rows`)."""
+    entry.accumulate_rows(out, np.ascontiguousarray(rows, dtype=np.int64), y, w)
+
+
+def experts_ffn_b1_sum(
+    arena: np.ndarray, offsets: np.ndarray, fmt: str, hidden: int, inter: int, x, w, glu=SWIGLU
+) -> np.ndarray:
+    """sum_e w[e] * expert_e(x) for one row x float32 [1, hidden], expert e the record at
+    arena[offsets[e]:] and w float32 [m] -> float64 [hidden]: each weighted output rounded to
+    float32, then added in float64 in the given order (what `moeshard.moe.experts.compute.combine`
+    does with the parts of `run_experts`, bit for bit), in one kernel call."""
+    nbytes, layout = _expert_layout(fmt, hidden, inter)
+    if not isinstance(arena, np.ndarray) or arena.dtype != np.uint8 or arena.ndim != 1:
+        raise ValueError("arena must be a 1-D uint8 numpy array")
+    starts = [int(v) for v in offsets]  # a handful: Python ints are cheaper than numpy here
+    if starts and (min(starts) < 0 or max(starts) + nbytes > arena.size):
+        raise ValueError(f"expert records must lie inside the arena of {arena.size} bytes")
+    offsets = np.array(starts, dtype=np.int64)  # [m]
+    x = _check_x(x, hidden)
+    w = np.array(w, dtype=np.float32)  # [m]
+    if x.shape[0] != 1 or w.shape != offsets.shape:
+        raise ValueError(f"want one row and one weight per expert, got x {x.shape}, w {w.shape}")
+    args = (_FMT_CODE[fmt], _int8(), _readonly(arena), _readonly(offsets), nbytes, hidden, inter)
+    args += (layout, dots.F16_LUT, x, _readonly(w), _glu(glu))
+    n_weights = offsets.size * inter * hidden
+    return _run(
+        entry.experts_b1_sum_kernel, n_weights, *args, serial=entry.experts_b1_sum_serial_kernel
+    )
+
+
+def warmup() -> float:
+    """Compile (or load from numba's cache) every kernel for every format; returns seconds.
+
+    Kernels take the format as a runtime int and see only read-only C-contiguous inputs, so
+    one call per entry point covers every format and batch size.
+    """
+    t0 = time.perf_counter()
+    hidden, inter = 64, 96
+    nbytes, layout = _expert_layout("q4_0", hidden, inter)
+    rec = _readonly(np.zeros(nbytes, dtype=np.uint8))
+    x = _readonly(np.zeros((2, hidden), dtype=np.float32))
+    n_gu, rb_gu, s_gu = layout[:3]
+    code, lut, int8 = dots.FMT_Q4_0, dots.F16_LUT, _int8()
+    entry.matmul_kernel(code, int8, rec[:n_gu], inter, hidden, rb_gu, s_gu, lut, x)
+    entry.matmul_serial_kernel(code, int8, rec[:n_gu], inter, hidden, rb_gu, s_gu, lut, x)
+    glu = _glu(SWIGLU)
+    gated_unit(np.zeros((1, 8), dtype=np.float32), np.zeros((1, 8), dtype=np.float32))
+    entry.expert_ffn_kernel(code, int8, rec, hidden, inter, layout, lut, x, glu)  # starts the pool
+    offsets = _readonly(np.zeros(2, dtype=np.int64))
+    entry.experts_b1_kernel(code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x, glu)
+    y = np.zeros((2, hidden), dtype=np.float32)  # writable, as the rows kernel's output is
+    entry.accumulate_rows(
+        np.zeros((2, hidden)), np.zeros(2, dtype=np.int64), y, np.ones(2, dtype=np.float32)
+    )
+    ids = np.zeros((2, 2), dtype=np.int64)  # writable, as the router makes them
+    group_by_expert(ids, np.ones((2, 2), dtype=np.float32), np.zeros((2, hidden), np.float32))
+    starts = _readonly(np.array([0, 1, 2], dtype=np.int64))
+    entry.experts_rows_kernel(
+        code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x, starts, glu
+    )
+    w = _readonly(np.ones(2, dtype=np.float32))
+    sum_args = (code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x[:1], w, glu)
+    entry.experts_b1_sum_kernel(*sum_args)
+    entry.experts_b1_sum_serial_kernel(*sum_args)
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------
+# numpy twins of the kernels (reference for tests; slow, float64)
+
+
+def kernel_activations(x: np.ndarray, fmt: str) -> np.ndarray:
+    """The activations the kernels of `fmt` multiply, as float64 [b, cols]: x itself, or for
+    q4_0/q8_0 with 8-bit activations (`use_activations`) the codes times their block scales."""
+    x = np.ascontiguousarray(x, dtype=np.float32)  # [b, cols]
+    if fmt not in BLOCK_FORMATS or not _int8():
+        return x.astype(np.float64)
+    xq, xd, xc = idots.activation_buffers(x.shape[0], x.shape[1])
+    idots.quantize_activations(x, xq, xd, xc)
+    codes = xq.astype(np.float64).reshape(x.shape[0], -1, QK)  # [b, nb, 32]
+    return (codes * xd.astype(np.float64)[..., None]).reshape(x.shape)  # [b, cols]
+
+
+def matmul_reference(data: np.ndarray, fmt: str, rows: int, cols: int, x: np.ndarray) -> np.ndarray:
+    """x @ W.T in float64 with W dequantised by gguf's reference from `unpack_to_ggml(data)`
+    and x as the kernels take it (`kernel_activations`)."""
+    w = dequantize(unpack_to_ggml(data, fmt, rows, cols), fmt, (rows, cols))  # [rows, cols]
+    return kernel_activations(x, fmt) @ w.astype(np.float64).T  # [b, rows]
+
+
+def expert_ffn_reference(
+    record: np.ndarray, fmt: str, hidden: int, inter: int, x: np.ndarray, glu: Glu = SWIGLU
+) -> np.ndarray:
+    """Float64 twin of `expert_ffn`; the [b, inter] activation is rounded to float32 between
+    the two halves exactly like the kernel does."""
+    n_gu = packed_nbytes(fmt, inter, hidden)
+    g = matmul_reference(record[:n_gu], fmt, inter, hidden, x)  # [b, inter]
+    u = matmul_reference(record[n_gu : 2 * n_gu], fmt, inter, hidden, x)  # [b, inter]
+    h = glu_reference(g, u, glu).astype(np.float32)  # [b, inter]
+    return matmul_reference(record[2 * n_gu :], fmt, hidden, inter, h)  # [b, hidden]

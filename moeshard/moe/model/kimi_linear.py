@@ -1,0 +1,340 @@
+"""Kimi Linear (model_type kimi_linear): Kimi Delta Attention and position-free MLA layers,
+with DeepSeek-V3's sigmoid-routed MoE.
+
+Each layer is either KDA (`moeshard.moe.model.kda`: a recurrent state per sequence instead of a KV
+cache) or MLA as in `moeshard.moe.model.deepseek_v3` without any rotary embedding (the shared k_rot
+part of the keys is cached and used as it is); `linear_attn_config` lists them, one-based:
+``kda_layers`` and ``full_attn_layers``.  The first `first_k_dense_replace` layers have a dense
+MLP, the others DeepSeek-V3's router (sigmoid scores, `e_score_correction_bias` for selection
+only, expert groups, renormalised and scaled weights), routed experts and shared experts.
+The checkpoint layout is the released one (`block_sparse_moe`, experts w1/w2/w3, separate
+q/k/v short convolutions).
+
+Every field the model needs is read with `require`: a missing one is an error naming it,
+never a default (transformers' own config would quietly make every fourth layer MLA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from moeshard.moe.errors import ConfigError
+from moeshard.moe.model import deepseek_v3
+from moeshard.moe.model.config import SwigluExperts, check_int, decoder_shapes, require
+from moeshard.moe.model.kda import KdaState, KdaWeights, kda_forward
+from moeshard.moe.model.layers import Segments, rms_norm
+
+MODEL_TYPES = ("kimi_linear",)
+MAX_KDA_WIDTH = 1 << 16
+
+
+def _require_any(raw: dict[str, Any], names: tuple[str, ...], source: str) -> Any:
+    """The first of `names` present (transformers accepts each spelling), else an error
+    naming the first."""
+    for name in names:
+        if raw.get(name) is not None:
+            return raw[name]
+    return require(raw, names[0], source)
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """`linear_attn_config`: which layers are KDA (zero-based here; one-based in the file, with
+    `full_attn_layers` naming the MLA ones) and the KDA sizes."""
+
+    layers: tuple[int, ...]
+    heads: int
+    head_dim: int
+    kernel: int
+    raw: dict[str, Any]
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], layers: int, source: str) -> LinearAttention:
+        linear = require(raw, "linear_attn_config", source)
+        where = f"{source}: linear_attn_config"
+        kda, full = (require(linear, k, where) for k in ("kda_layers", "full_attn_layers"))
+        for name, value in (("kda_layers", kda), ("full_attn_layers", full)):
+            if not isinstance(value, list):
+                raise ConfigError(f"{where}: '{name}' must be a list of layer numbers")
+        one_based = [check_int(i, "linear_attn_config layer", source, 1, layers) for i in kda]
+        mla = [check_int(i, "linear_attn_config layer", source, 1, layers) for i in full]
+        if sorted(one_based + mla) != list(range(1, layers + 1)):
+            raise ConfigError(
+                f"{where}: kda_layers and full_attn_layers must name each of the "
+                f"{layers} layers (one-based) exactly once"
+            )
+
+        def size(key: str, most: int = MAX_KDA_WIDTH) -> int:
+            return check_int(require(linear, key, where), key, where, 1, most)
+
+        return cls(
+            layers=tuple(sorted(i - 1 for i in one_based)),
+            heads=size("num_heads"),
+            head_dim=size("head_dim"),
+            kernel=size("short_conv_kernel_size", 64),
+            raw=linear,
+        )
+
+
+@dataclass(frozen=True)
+class Config(SwigluExperts):
+    model_type: str
+    vocab_size: int
+    hidden_size: int  # H
+    num_hidden_layers: int
+    num_attention_heads: int  # MLA heads
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int  # the shared key part (no rotation here)
+    v_head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    n_experts: int
+    top_k: int
+    expert_intermediate: int
+    dense_intermediate: int
+    n_shared_experts: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+    kda_layers: tuple[int, ...]  # zero-based
+    kda_heads: int
+    kda_head_dim: int
+    kda_kernel: int
+    attention_bias: bool = False
+    rope_interleave: bool = False  # unused: no rotation
+    max_position_embeddings: int = 1 << 20
+    eos_token_id: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.first_k_dense_replace, self.num_hidden_layers))
+
+    @property
+    def mla_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if i not in self.kda_layers)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], source: str) -> Config:
+        model_type = require(raw, "model_type", source)
+        if model_type not in MODEL_TYPES:
+            raise ConfigError(f"{source}: model_type '{model_type}' is not Kimi Linear")
+        layers = int(require(raw, "num_hidden_layers", source))
+        kda = LinearAttention.from_hf(raw, layers, source)
+        n_experts = int(_require_any(raw, ("num_experts", "num_local_experts"), source))
+        n_group = int(_require_any(raw, ("num_expert_group", "n_group"), source))
+        if n_experts % n_group:
+            raise ConfigError(f"{source}: num_experts {n_experts} not divisible by its groups")
+        activation = raw.get("moe_router_activation_func", "sigmoid")
+        if activation != "sigmoid":
+            raise ConfigError(f"{source}: moe_router_activation_func {activation!r} unsupported")
+        if "q_lora_rank" not in raw:
+            raise ConfigError(f"{source}: missing required field 'q_lora_rank' (null: none)")
+        q_lora = raw["q_lora_rank"]
+        eos = raw.get("eos_token_id")
+        return cls(
+            model_type=model_type,
+            vocab_size=int(require(raw, "vocab_size", source)),
+            hidden_size=int(require(raw, "hidden_size", source)),
+            num_hidden_layers=layers,
+            num_attention_heads=int(require(raw, "num_attention_heads", source)),
+            q_lora_rank=int(q_lora) if q_lora else None,
+            kv_lora_rank=int(require(raw, "kv_lora_rank", source)),
+            qk_nope_head_dim=int(require(raw, "qk_nope_head_dim", source)),
+            qk_rope_head_dim=int(require(raw, "qk_rope_head_dim", source)),
+            v_head_dim=int(require(raw, "v_head_dim", source)),
+            rms_norm_eps=float(require(raw, "rms_norm_eps", source)),
+            tie_word_embeddings=bool(require(raw, "tie_word_embeddings", source)),
+            n_experts=n_experts,
+            top_k=int(_require_any(raw, ("num_experts_per_token", "num_experts_per_tok"), source)),
+            expert_intermediate=int(require(raw, "moe_intermediate_size", source)),
+            dense_intermediate=int(require(raw, "intermediate_size", source)),
+            n_shared_experts=int(
+                _require_any(raw, ("num_shared_experts", "n_shared_experts"), source)
+            ),
+            n_group=n_group,
+            topk_group=int(require(raw, "topk_group", source)),
+            norm_topk_prob=bool(_require_any(raw, ("moe_renormalize", "norm_topk_prob"), source)),
+            routed_scaling_factor=float(require(raw, "routed_scaling_factor", source)),
+            first_k_dense_replace=int(require(raw, "first_k_dense_replace", source)),
+            kda_layers=kda.layers,
+            kda_heads=kda.heads,
+            kda_head_dim=kda.head_dim,
+            kda_kernel=kda.kernel,
+            attention_bias=bool(raw.get("attention_bias", False)),
+            max_position_embeddings=int(raw.get("model_max_length") or 1 << 20),
+            eos_token_id=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+        )
+
+    def trunk_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every trunk tensor inference needs, by canonical (released) name, with its shape."""
+        return decoder_shapes(self, self._layer_shapes)
+
+    def _layer_shapes(self, i: int, p: str) -> dict[str, tuple[int, ...]]:
+        h, kh, kd, kk = self.hidden_size, self.kda_heads, self.kda_head_dim, self.kda_kernel
+        a = p + "self_attn."
+        shapes = deepseek_v3.mlp_shapes(self, p + "block_sparse_moe.", i in self.moe_layers)
+        if i not in self.kda_layers:
+            return shapes | deepseek_v3.mla_shapes(self, a)
+        for x in ("q", "k", "v"):
+            shapes[a + f"{x}_proj.weight"] = (kh * kd, h)
+            shapes[a + f"{x}_conv1d.weight"] = (kh * kd, 1, kk)
+        shapes[a + "f_a_proj.weight"] = (kd, h)
+        shapes[a + "f_b_proj.weight"] = (kh * kd, kd)
+        shapes[a + "dt_bias"] = (kh * kd,)
+        shapes[a + "A_log"] = (1, 1, kh, 1)
+        shapes[a + "b_proj.weight"] = (kh, h)
+        shapes[a + "g_a_proj.weight"] = (kd, h)
+        shapes[a + "g_b_proj.weight"] = (kh * kd, kd)
+        shapes[a + "o_norm.weight"] = (kd,)
+        shapes[a + "o_proj.weight"] = (h, kh * kd)
+        return shapes
+
+    def kv_bytes_per_token(self) -> int:
+        """The MLA layers' latent cache per token (KDA layers keep `state_bytes` instead)."""
+        return len(self.mla_layers) * (self.kv_lora_rank + self.qk_rope_head_dim) * 4
+
+    def state_bytes(self) -> int:
+        """One sequence's fixed-size KDA state: per layer the S matrices and the conv tail
+        (and as much again per kept rollback step: `HybridCache.keep_rollback`)."""
+        kd, kh = self.kda_head_dim, self.kda_heads
+        per_layer = kh * kd * kd + (self.kda_kernel - 1) * 3 * kh * kd
+        return len(self.kda_layers) * per_layer * 4
+
+
+def canonical_name(name: str) -> str:
+    return name
+
+
+class HybridCache:
+    """Per MLA layer the latent cache (as `deepseek_v3.LatentCache`), per KDA layer its state.
+
+    A recurrent state cannot be cut back like a KV cache.  When rollbacks may come (a network
+    run whose nodes are audited: `keep_rollback`), the cache keeps a copy of the KDA states at
+    the start of each of the last `rollback_steps` forward calls, and `truncate` goes back to
+    any of those lengths; otherwise, and further back, it refuses.  (Each copy costs
+    `Config.state_bytes`; the RAM plan counts them.)"""
+
+    def __init__(self, config: Config, max_len: int):
+        mla, n = set(config.mla_layers), config.num_hidden_layers
+        rank, rope = config.kv_lora_rank, config.qk_rope_head_dim
+
+        def rows(width: int) -> list[np.ndarray | None]:
+            return [np.zeros((max_len, width), np.float32) if i in mla else None for i in range(n)]
+
+        self.latent, self.k_rot = rows(rank), rows(rope)
+        # (None for the KDA layers: `deepseek_v3.Transformer.attention` runs on MLA layers only)
+        sizes = (config.kda_heads, config.kda_head_dim, config.kda_kernel)
+        self.kda = {i: KdaState.empty(*sizes) for i in config.kda_layers}
+        self.length = 0
+        self.max_len = max_len
+        self.rollback_steps = 0
+        self._snapshots: list[tuple[int, dict[int, KdaState]]] = []
+
+    def keep_rollback(self, steps: int) -> None:
+        """Keep the states of the last `steps` step starts, for `truncate`."""
+        self.rollback_steps = steps
+
+    def snapshot(self) -> None:
+        """Keep the KDA states at the current length (called at the start of a forward)."""
+        if not self.rollback_steps:
+            return
+        copies = {i: KdaState(s.conv_tail.copy(), s.s.copy()) for i, s in self.kda.items()}
+        self._snapshots = [(n, s) for n, s in self._snapshots if n < self.length]
+        self._snapshots = (self._snapshots + [(self.length, copies)])[-self.rollback_steps :]
+
+    def truncate(self, length: int) -> None:
+        """Forget every position from `length` on (a rollback: they are computed again)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        if length == self.length:
+            return
+        kept = dict(self._snapshots).get(length)
+        if kept is None:
+            raise ValueError(
+                f"cannot roll a recurrent (KDA) state back to {length} positions: only the "
+                f"starts of the last {self.rollback_steps} steps are kept"
+            )
+        self.kda = {i: KdaState(s.conv_tail.copy(), s.s.copy()) for i, s in kept.items()}
+        self._snapshots = [(n, s) for n, s in self._snapshots if n <= length]
+        self.length = length
+
+
+class Transformer(deepseek_v3.Transformer):
+    """The trunk's forward pass: DeepSeek-V3's MLA (without positions), router, MoE and dense
+    MLP, plus the KDA layers; routed experts go to `experts` (local or remote)."""
+
+    MLP = "block_sparse_moe"
+
+    def __init__(self, config: Config, trunk, experts):
+        self.config, self.trunk, self.experts = config, trunk, experts
+        self.scaling = config.qk_head_dim**-0.5
+        self._absorbed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def kda_weights(self, i: int) -> KdaWeights:
+        """Layer i's KDA weights from the trunk (looked up per call: a streamed trunk may have
+        replaced them since)."""
+        w = self.trunk
+        a = f"model.layers.{i}.self_attn."
+        chain = KdaWeights.chain
+        return self._kda_weights(
+            i,
+            f=chain(w.linear(a + "f_a_proj"), w.linear(a + "f_b_proj")),
+            g=chain(w.linear(a + "g_a_proj"), w.linear(a + "g_b_proj")),
+            lower_bound=None,
+        )
+
+    def _kda_weights(self, i: int, f, g, lower_bound: float | None) -> KdaWeights:
+        """Layer i's KDA weights around the given gate projections."""
+        c, w = self.config, self.trunk
+        a = f"model.layers.{i}.self_attn."
+        conv = np.concatenate(
+            [w.vector(a + f"{x}_conv1d.weight").reshape(-1, c.kda_kernel) for x in "qkv"]
+        )  # [3 * heads * dk, kernel]
+        lin = {x: w.linear(a + x) for x in ("q_proj", "k_proj", "v_proj", "b_proj", "o_proj")}
+        a_log = w.vector(a + "A_log").reshape(-1)[: c.kda_heads]  # (K3 pads it: first heads)
+        return KdaWeights(
+            q=lin["q_proj"], k=lin["k_proj"], v=lin["v_proj"], f=f, b=lin["b_proj"], g=g,
+            o=lin["o_proj"], conv=conv, dt_bias=w.vector(a + "dt_bias"), a_log=a_log,
+            o_norm=w.vector(a + "o_norm.weight"), heads=c.kda_heads, eps=c.rms_norm_eps,
+            lower_bound=lower_bound,
+        )  # fmt: skip
+
+    def new_cache(self, max_len: int) -> HybridCache:
+        return HybridCache(self.config, max_len)
+
+    def forward_batch(self, batch, last_only: bool = False) -> list[np.ndarray]:
+        """Several sequences in one pass (continuous batching): KDA and attention per
+        sequence on its own cache, everything else over every sequence's rows."""
+        c, w = self.config, self.trunk
+        seq = Segments(batch)
+        for cache in seq.caches():
+            cache.snapshot()
+        x = w.embed("model.embed_tokens.weight", seq.ids)  # [N, H]
+        for i in range(c.num_hidden_layers):
+            w.enter_layer(i)  # a streamed trunk makes layer i resident and starts reading i + 1
+            p = f"model.layers.{i}."
+            h = rms_norm(x, w.vector(p + "input_layernorm.weight"), c.rms_norm_eps)  # [N, H]
+            x = x + seq.each(h, lambda s, hs, cache, i=i: self.mixer(i, hs, cache))  # [N, H]
+            h = rms_norm(x, w.vector(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
+            x = x + (self.moe(i, h) if i in c.moe_layers else self.dense_mlp(i, h))  # [N, H]
+        seq.advance()
+        x = rms_norm(x, w.vector("model.norm.weight"), c.rms_norm_eps)  # [N, H]
+        head = "model.embed_tokens" if c.tie_word_embeddings else "lm_head"
+        return seq.logits(x, w.linear(head), last_only)  # [T_s, V] (or [1, V]) each
+
+    def mixer(self, i: int, h: np.ndarray, cache: HybridCache) -> np.ndarray:
+        """Layer i's token mixing for one sequence: KDA on its state, or MLA on its cache."""
+        if i in cache.kda:
+            return kda_forward(self.kda_weights(i), h, cache.kda[i])  # [T, H]
+        return self.attention(i, h, None, None, cache)  # [T, H]

@@ -1,0 +1,94 @@
+"""The dense trunk's weights in memory: linear layers on packed bytes, vectors in float32."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from moeshard.moe.kernels import quant
+from moeshard.moe.storage.trunk_file import TrunkTensor
+
+
+class Linear:
+    """y = x @ W.T (+ b) with W [rows=out, cols=in] kept in its stored format."""
+
+    def __init__(self, weight: TrunkTensor, bias: np.ndarray | None = None):
+        self.rows, self.cols = weight.shape
+        self.fmt = weight.fmt
+        self.bias = bias
+        # every format, f32 included, through our kernels: a row's result is then the same
+        # bits whatever other rows are in the call (numpy's BLAS blocks a batch differently
+        # from one row), which batched serving needs; packed formats are never dequantized
+        self.data = weight.data
+        self.packed = quant.PackedMatrix(weight.data, weight.fmt, self.rows, self.cols)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        y = self.packed(x)  # [T, rows]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.astype(np.float32, copy=False)
+
+
+_UNTIMED_CALL = Linear.__call__
+
+
+def time_linear(clock: Callable[[int], None] | None) -> None:
+    """Profiling (`generate --profile`): while `clock` is set, every Linear call reports its
+    duration in nanoseconds to it; None restores the untimed call. Process-wide (it swaps
+    Linear.__call__), so an untimed generation pays nothing for it."""
+    if clock is None:
+        Linear.__call__ = _UNTIMED_CALL
+        return
+
+    def timed_call(self: Linear, x: np.ndarray) -> np.ndarray:
+        t0 = time.perf_counter_ns()
+        try:
+            return _UNTIMED_CALL(self, x)
+        finally:
+            clock(time.perf_counter_ns() - t0)
+
+    Linear.__call__ = timed_call
+
+
+class Trunk:
+    """Named access to trunk weights. Names are the checkpoint's HF names (see each family)."""
+
+    def __init__(self, tensors: dict[str, TrunkTensor]):
+        self.tensors = tensors
+        self._cache: dict[str, object] = {}
+
+    def enter_layer(self, layer: int) -> None:
+        """Called before layer `layer` runs; a fully resident trunk has nothing to do."""
+
+    def close(self) -> None:
+        """Stop any reader threads (a streamed trunk); a resident trunk holds none."""
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def vector(self, name: str) -> np.ndarray:
+        """A small tensor (norm weight, bias, router) as float32."""
+        if name not in self._cache:
+            self._cache[name] = np.ascontiguousarray(self.tensors[name].to_f32())
+        return self._cache[name]
+
+    def linear(self, prefix: str) -> Linear:
+        """The linear layer `prefix`.weight (+ `prefix`.bias when the checkpoint has one)."""
+        key = prefix + "#linear"
+        if key not in self._cache:
+            bias_name = prefix + ".bias"
+            bias = self.vector(bias_name) if bias_name in self.tensors else None
+            self._cache[key] = Linear(self.tensors[prefix + ".weight"], bias)
+        return self._cache[key]
+
+    def embed(self, name: str, ids: np.ndarray) -> np.ndarray:
+        """Rows `ids` of an embedding table, dequantized: ids [T] -> [T, H]."""
+        table = self.tensors[name]
+        if table.fmt == "f32":
+            return table.to_f32()[ids].copy()  # [T, H]
+        return self.vector(name)[ids].copy()  # [T, H]
+
+    def nbytes(self) -> int:
+        return sum(t.data.nbytes for t in self.tensors.values())
