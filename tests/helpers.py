@@ -339,3 +339,9 @@ def moeshard_run(*args, home) -> subprocess.CompletedProcess:
     env = dict(os.environ, MOESHARD_HOME=str(home))
     cmd = [sys.executable, "-m", "moeshard", *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+
+
+# What a process interrupted by SIGINT may end with: exit status 130, or death by SIGINT itself
+# (Popen's -2), which Python chooses under `python -m` when a KeyboardInterrupt was left
+# unhandled on the way out (bpo-1054041) and which a shell reports as 130 all the same.
+INTERRUPTED = (130, -2)

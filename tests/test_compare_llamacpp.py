@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from moeshard.bench import llamacpp
-from moeshard.bench.compare_llamacpp import (
+from moeshard.bench.compare_table import (
     GOALS,
     Goal,
     Row,

@@ -131,7 +131,8 @@ def test_a_flows_next_request_waits_unread_while_one_of_its_own_waits():
     """`Guard.before_reading`: while a request of a flow waits for a compute place, that
     flow's next message is not read (another flow's is); it is read once the waiting one is
     let in, or refused "node busy" unread after the queue wait."""
-    from moeshard.node.limits import Guard, Limits, Refused
+    from moeshard.node.guard import Guard
+    from moeshard.node.limits import Limits, Refused
 
     guard = Guard(Limits(max_active=1, max_queue=4, queue_wait_s=0.5).resolve(1 << 30, 1024, 4))
     greedy, other = Flow("198.51.100.7", "greedy"), Flow("203.0.113.9", "other")

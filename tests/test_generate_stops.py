@@ -22,7 +22,7 @@ from moeshard.coordinator.generate import SamplingOptions, generate
 from moeshard.coordinator.runtime import open_local
 from moeshard.moe.convert.placement import shard_model
 from moeshard.node import failpoints
-from tests.helpers import ROOT, NodeProcess, wait_until
+from tests.helpers import INTERRUPTED, ROOT, NodeProcess, wait_until
 
 DEMO = ROOT / "models" / "demo-hf"
 PROMPT = "The function returns"
@@ -285,7 +285,7 @@ def test_ctrl_c_at_any_moment_of_a_network_generation_is_one_line_and_130(demo, 
             assert "Traceback" not in err, (moment, err)
             if moment == "after" and proc.returncode == 0:
                 continue  # it had finished: the signal came too late to matter
-            assert proc.returncode == 130, (moment, err)
+            assert proc.returncode in INTERRUPTED, (moment, proc.returncode, err)
             assert err.strip().splitlines()[-1] == "moeshard: interrupted", (moment, err)
     finally:
         node.stop()

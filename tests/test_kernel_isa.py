@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 from test_fixedmath import numba_exp, numba_tanh, values
 
-from moeshard.moe.kernels import entry, idots, quant
+from moeshard.moe.kernels import activations, entry, idots, layout, quant
 from moeshard.moe.kernels.entry import _matrix_views
 
 SHAPES = [(5, 96), (9, 2080), (13, 256)]  # (rows, cols): odd and even block counts
@@ -63,15 +63,15 @@ def int_rows_all() -> dict[str, np.ndarray]:
         for rows, cols in SHAPES:
             rng = np.random.default_rng(rows * cols)
             w = rng.standard_normal((rows, cols)).astype(np.float32)  # [rows, cols]
-            data = quant._readonly(quant.pack(w, fmt))
-            _, row_bytes, scale_off = quant._matrix_layout(fmt, rows, cols)
+            data = layout._readonly(quant.pack(w, fmt))
+            _, row_bytes, scale_off = layout._matrix_layout(fmt, rows, cols)
             wq, ws = _matrix_views(quant._FMT_CODE[fmt], data, rows, cols, row_bytes, scale_off)
             for b in BATCHES:
                 x = rng.standard_normal((b, cols)).astype(np.float32) * 3  # [b, cols]
                 if b == 3:
                     x[1, 40] = np.inf
-                xq, xd, xc = idots.activation_buffers(b, cols)
-                idots.quantize_activations(x, xq, xd, xc)
+                xq, xd, xc = activations.activation_buffers(b, cols)
+                activations.quantize_activations(x, xq, xd, xc)
                 out = np.empty((b, rows), dtype=np.float32)  # [b, rows]
                 idots.int_rows(quant._FMT_CODE[fmt], wq, ws, xq, xd, xc, out, 0, rows)
                 results[f"int_rows {fmt} {rows}x{cols} b{b}"] = out
@@ -88,12 +88,12 @@ def every_scale() -> dict[str, np.ndarray]:
         raw = rng.integers(0, 256, (n_scales, scale_bytes + code_bytes), dtype=np.uint8)
         scales = np.arange(n_scales, dtype=np.uint16 if scale_bytes == 2 else np.uint8)
         raw[:, :scale_bytes] = scales.view(np.uint8).reshape(n_scales, scale_bytes)
-        data = quant._readonly(quant.pack_ggml(raw, fmt, n_scales, 32))
-        _, row_bytes, scale_off = quant._matrix_layout(fmt, n_scales, 32)
+        data = layout._readonly(quant.pack_ggml(raw, fmt, n_scales, 32))
+        _, row_bytes, scale_off = layout._matrix_layout(fmt, n_scales, 32)
         wq, ws = _matrix_views(quant._FMT_CODE[fmt], data, n_scales, 32, row_bytes, scale_off)
         x = rng.standard_normal((2, 32)).astype(np.float32)  # [2, 32]
-        xq, xd, xc = idots.activation_buffers(2, 32)
-        idots.quantize_activations(x, xq, xd, xc)
+        xq, xd, xc = activations.activation_buffers(2, 32)
+        activations.quantize_activations(x, xq, xd, xc)
         out = np.empty((2, n_scales), dtype=np.float32)  # [2, n_scales]
         idots.int_rows(quant._FMT_CODE[fmt], wq, ws, xq, xd, xc, out, 0, n_scales)
         results[f"int_rows {fmt} every scale"] = out

@@ -543,7 +543,8 @@ def test_a_client_may_fetch_the_records_the_node_computed_with_for_it_beyond_its
     """Record credit (`Guard.credit_records`): the bytes of the records a node's replies to a
     client used may be fetched by that client on top of its record rate, as a coordinator's
     audits need them; another client, which had nothing computed, has its rate alone."""
-    from moeshard.node.limits import Guard, Refused
+    from moeshard.node.guard import Guard
+    from moeshard.node.limits import Refused
 
     mib = 1 << 20
     guard = Guard(Limits(record_rate=4 * mib).resolve(1 << 30, 4096, 2))

@@ -40,7 +40,8 @@ import numpy as np
 
 from moeshard.bench.rpc_nodes import NodeProcs, client_key
 from moeshard.coordinator.generate import SamplingOptions, generate
-from moeshard.coordinator.remote.audit import Auditor, same_bits
+from moeshard.coordinator.remote.audit import Auditor
+from moeshard.coordinator.remote.audit_cases import same_bits
 from moeshard.coordinator.remote.config import RemoteConfig
 from moeshard.coordinator.remote.experts import RemoteExperts
 from moeshard.coordinator.remote.policy import AUDIT_RATE

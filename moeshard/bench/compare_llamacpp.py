@@ -1,7 +1,7 @@
 """`moeshard bench compare-llamacpp`: moeshard against llama.cpp on this machine, in one run.
 
-Issue 17's table, measured rather than quoted: llama.cpp is built from the sources vendored in
-the llama-cpp-python sdist (`moeshard.bench.llamacpp`, cached outside the repository),
+The table measured rather than quoted: llama.cpp is built from the sources vendored in the
+llama-cpp-python sdist (`moeshard.bench.llamacpp`, cached outside the repository),
 the embedded demo model and a 706 MB `tools/make_big_checkpoint.py` model are converted with
 llama.cpp's own converter and with `moeshard convert`, and then both tools run the same work
 in interleaved rounds (llama.cpp, then moeshard, then the next round), so a shared machine's
@@ -19,7 +19,7 @@ moeshard/llama.cpp ratio of each round's pair.
   `moeshard generate --ram`, each in a fresh child cgroup, the model's pages dropped from the
   page cache before each run (pages already cached would not be charged to the cgroup).
 
-The last lines compare the ratios with issue 17's "Must show" goals. Unmet goals are results,
+The last lines compare the ratios with the goals (`compare_table.GOALS`). Unmet goals are results,
 not failures: the exit code is 0 unless the build, a conversion or a run fails.
 """
 
@@ -29,22 +29,26 @@ import argparse
 import json
 import os
 import shutil
-import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numba
-import numpy as np
 
 from moeshard.bench import llamacpp
-from moeshard.bench.kernels import _cpu_name, _samples
+from moeshard.bench.compare_sides import MATRIX, REPETITIONS, RUN_TIMEOUT_S, InRam, Kernels
+from moeshard.bench.compare_table import GOALS, Row, goal_line, table
+from moeshard.bench.kernels import _cpu_name
 from moeshard.bench.llamacpp import LlamaCpp
-from moeshard.coordinator.generate import SamplingOptions, generate
-from moeshard.coordinator.runtime import open_local
+from moeshard.bench.memory_cgroup import (
+    CappedRun,
+    MemoryCgroup,
+    drop_page_cache,
+    find_memory_cgroup,
+    model_files,
+)
 from moeshard.moe.errors import MoeshardError
 from moeshard.moe.kernels import quant
 from moeshard.moe.storage.manifest import FORMAT_VERSION, MANIFEST
@@ -55,122 +59,9 @@ DEMO_HF = REPO / "models" / "demo-hf"
 BIG_ARGS = ["--layers", "8", "--experts", "64", "--hidden", "1024", "--inter", "768"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 PARTS = ("kernels", "demo", "big", "capped")
-MATRIX = (4096, 14336)  # rows (outputs) x cols (inputs)
-KERNEL_FORMATS = ("q4_0", "q8_0")
-KERNEL_COLUMNS = (1, 4)
 CAP_MARGIN = (
     256 << 20
 )  # the interpreter with numpy, numba and the kernels (~245 MB RSS) beside --ram
-RUN_TIMEOUT_S = 900
-REPETITIONS = 5  # per round and side in RAM: the median of these is the round's value
-
-
-# --- rows, ratios and goals (pure: tests/test_compare_llamacpp.py) --------------------------
-
-
-@dataclass
-class Row:
-    """One line of the table: per-round values of both tools (None: that run failed)."""
-
-    key: str
-    name: str
-    moeshard: list[float | None] = field(default_factory=list)
-    llama: list[float | None] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)  # why llama.cpp runs gave no value
-
-    def ratios(self) -> list[float]:
-        """moeshard / llama.cpp of each round where both ran."""
-        return [m / w for m, w in zip(self.moeshard, self.llama, strict=True) if m and w]
-
-
-def fmt_value(v: float) -> str:
-    """Three significant figures, no exponent: 16431 -> '16431', 436.2 -> '436', 6.27 -> '6.27'."""
-    if v >= 100:
-        return f"{v:.0f}"
-    return f"{v:.1f}" if v >= 10 else f"{v:.2f}"
-
-
-def spread(values: Sequence[float], fmt=fmt_value) -> str:
-    """'median [min-max]' ('median' alone for one value)."""
-    if len(values) == 1:
-        return fmt(values[0])
-    return f"{fmt(statistics.median(values))} [{fmt(min(values))}-{fmt(max(values))}]"
-
-
-def cell(values: Sequence[float | None], failures: Sequence[str] = ()) -> str:
-    """A table cell: the spread of the runs that gave a value, then what became of the others
-    ('OOM-killed 3/3')."""
-    got = [v for v in values if v is not None]
-    text = spread(got) if got else ""
-    counts = {reason: failures.count(reason) for reason in dict.fromkeys(failures)}
-    notes = ", ".join(f"{reason} {n}/{len(values)}" for reason, n in counts.items())
-    return f"{text} ({notes})" if text and notes else (text or notes or "-")
-
-
-def ratio_cell(row: Row) -> str:
-    ratios = row.ratios()
-    return spread(ratios, lambda r: f"{r:.2f}") if ratios else "-"
-
-
-def table(rows: Sequence[Row]) -> list[str]:
-    """The table's lines: name | moeshard | llama.cpp | moeshard/llama.cpp."""
-    head = ("", "moeshard", "llama.cpp", "moeshard/llama.cpp")
-    body = [(r.name, cell(r.moeshard), cell(r.llama, r.failures), ratio_cell(r)) for r in rows]
-    widths = [max(len(line[i]) for line in [head, *body]) for i in range(4)]
-    lines = []
-    for n, line in enumerate([head, *body]):
-        lines.append(
-            "  ".join(
-                text.ljust(w) if i == 0 else text.rjust(w)
-                for i, (text, w) in enumerate(zip(line, widths, strict=True))
-            ).rstrip()
-        )
-        if n == 0:
-            lines.append("-" * len(lines[0]))
-    return lines
-
-
-@dataclass(frozen=True)
-class Goal:
-    """A "Must show" line of issue 17: the median per-round ratio of a row, at least `minimum`."""
-
-    key: str  # the row's key
-    label: str
-    minimum: float
-    moonshot: float | None = None
-
-
-GOALS = [
-    Goal("kernel q4_0 1", "kernels q4_0 1 col", 1.0),
-    Goal("kernel q8_0 1", "kernels q8_0 1 col", 1.0),
-    Goal("kernel q4_0 4", "kernels q4_0 4 cols", 1.0),
-    Goal("kernel q8_0 4", "kernels q8_0 4 cols", 1.0),
-    Goal("big decode same", "big model decode, same formats", 0.67, moonshot=1.0),
-    Goal("big prefill same", "big model prefill, same formats", 0.5),
-    Goal("demo decode same", "demo model decode", 1 / 3),
-    Goal("capped mmap", "memory-capped decode vs llama.cpp with mmap", 3.0),
-]
-
-
-def goal_line(goal: Goal, row: Row | None) -> str:
-    """'kernels q4_0 1 col: ratio 0.83 (goal >= 1.0): NOT MET'. A llama.cpp that never ran
-    (killed under the memory cap) while moeshard did meets the goal."""
-    want = f"goal >= {goal.minimum:.2g}" + (
-        f", moonshot {goal.moonshot:.2g}" if goal.moonshot else ""
-    )
-    if row is None:
-        return f"{goal.label}: not measured in this run ({want})"
-    ratios = row.ratios()
-    if not ratios:
-        ran = any(v is not None for v in row.moeshard)
-        if ran and row.failures and all(v is None for v in row.llama):
-            return f"{goal.label}: llama.cpp {row.failures[0]}, moeshard ran ({want}): MET"
-        return f"{goal.label}: no ratio, a side failed ({want}): NOT MET"
-    ratio = statistics.median(ratios)
-    verdict = "MET" if ratio >= goal.minimum else "NOT MET"
-    if goal.moonshot and ratio >= goal.moonshot:
-        verdict += " (moonshot too)"
-    return f"{goal.label}: ratio {ratio:.2f} ({want}): {verdict}"
 
 
 # --- preparing the models ------------------------------------------------------------------
@@ -267,248 +158,11 @@ class Workspace:
         return out
 
 
-# --- measuring -----------------------------------------------------------------------------
-
-
-class Kernels:
-    """The matrix rows: test-backend-ops perf against quant.matmul, GB/s of packed weights.
-
-    Both sides use the same matrix over and over (test-backend-ops repeats its one op node on
-    one weight tensor), and the same thread count: test-backend-ops fixes its own."""
-
-    def __init__(self, llama: LlamaCpp, samples: int) -> None:
-        self.llama, self.samples = llama, samples
-        self.threads = llamacpp.backend_ops_threads()
-        rows, cols = MATRIX
-        rng = np.random.default_rng(0)
-        w = rng.standard_normal((rows, cols), dtype=np.float32)  # [rows, cols]
-        self.packed = {fmt: quant.pack(w, fmt) for fmt in KERNEL_FORMATS}
-        self.x = {n: rng.standard_normal((n, cols), dtype=np.float32) for n in KERNEL_COLUMNS}
-        self.rows = {
-            (fmt, n): Row(
-                f"kernel {fmt} {n}",
-                f"{rows}x{cols} {fmt} x {n} col{'s' * (n > 1)}, GB/s ({self.threads} thr)",
-            )
-            for n in KERNEL_COLUMNS
-            for fmt in KERNEL_FORMATS
-        }
-
-    def round(self) -> None:
-        rows, cols = MATRIX
-        regex = llamacpp.mul_mat_filter(KERNEL_FORMATS, KERNEL_COLUMNS, rows, cols)
-        us = llamacpp.run_backend_ops(self.llama, regex)
-        for (fmt, n), row in self.rows.items():
-            if (fmt, n) not in us:
-                raise MoeshardError(f"test-backend-ops printed no MUL_MAT {fmt} n={n} {regex}")
-            row.llama.append(llamacpp.packed_bytes(fmt, rows, cols) / us[(fmt, n)] / 1e3)
-        previous = quant.threads()
-        quant.set_threads(self.threads)
-        try:
-            for (fmt, n), row in self.rows.items():
-                row.moeshard.append(self._moeshard_gbs(fmt, n))
-        finally:
-            quant.set_threads(previous)
-
-    def _moeshard_gbs(self, fmt: str, n: int) -> float:
-        """Median GB/s of packed weights over `samples` timed samples of quant.matmul."""
-        rows, cols = MATRIX
-        data, x = self.packed[fmt], self.x[n]
-        seconds = _samples(lambda: quant.matmul(data, fmt, rows, cols, x), self.samples, 0.05)
-        return data.size / float(np.median(seconds)) / 1e9
-
-
-class InRam:
-    """One model in RAM: llama-bench (pp and tg in one invocation) on each llama.cpp variant,
-    then moeshard's decode and prefill with the runtime opened once."""
-
-    def __init__(self, label: str, key: str, moeshard_dir: Path, variants: dict[str, Path], cfg):
-        self.label, self.key, self.variants, self.cfg = label, key, variants, cfg
-        self.rt = open_local(moeshard_dir)
-        self.rt.experts.preload()  # every record in RAM, as llama.cpp has loaded its model
-        vocab = self.rt.config.vocab_size
-        self.prompt = np.random.default_rng(0).integers(1, vocab, cfg.prompt_tokens).tolist()
-        self.decode_tps()  # warm: first touches, caches, anything lazy
-        self.prefill_tps()
-        self.rows: dict[str, tuple[Row, Row]] = {}
-        for variant in variants:
-            what = "same formats" if variant == "same formats" else "default vs llama.cpp Q4_0"
-            self.rows[variant] = (
-                Row(f"{key} decode {_short(variant)}", f"{label}, decode tok/s, {what}"),
-                Row(
-                    f"{key} prefill {_short(variant)}",
-                    f"{label}, prefill {cfg.prompt_tokens} tok, tok/s, {what}",
-                ),
-            )
-
-    def decode_tps(self) -> float:
-        """Greedy decode from a one-token prompt: tokens / sum of decode-step seconds."""
-        result = generate(self.rt.transformer, [1], SamplingOptions(max_tokens=self.cfg.tokens + 1))
-        return len(result.decode_s) / sum(result.decode_s)
-
-    def prefill_tps(self) -> float:
-        result = generate(self.rt.transformer, self.prompt, SamplingOptions(max_tokens=1))
-        return len(self.prompt) / result.prefill_s
-
-    def round(self) -> None:
-        """Each side runs REPETITIONS times back to back and gives its median (llama-bench's
-        first repetitions are slower; moeshard's are not, it was warmed at start)."""
-        for variant, path in self.variants.items():
-            cmd = llamacpp.llama_bench_cmd(
-                self.cfg.llama, path, self.cfg.threads, self.cfg.prompt_tokens, self.cfg.tokens,
-                repetitions=REPETITIONS,
-            )  # fmt: skip
-            results = llamacpp.run_llama_bench(cmd, timeout=RUN_TIMEOUT_S)
-            decode, prefill = self.rows[variant]
-            decode.llama.append(next(r.tokens_per_s for r in results if r.n_gen))
-            prefill.llama.append(next(r.tokens_per_s for r in results if r.n_prompt))
-        decode_tps = statistics.median(self.decode_tps() for _ in range(REPETITIONS))
-        prefill_tps = statistics.median(self.prefill_tps() for _ in range(REPETITIONS))
-        for decode, prefill in self.rows.values():
-            decode.moeshard.append(decode_tps)
-            prefill.moeshard.append(prefill_tps)
-
-    def all_rows(self) -> list[Row]:
-        return [row for pair in self.rows.values() for row in pair]
-
-
 def _format_version(model: Path) -> int | None:
     try:
         return json.loads((model / MANIFEST).read_text()).get("format_version")
     except (OSError, ValueError, AttributeError):
         return None
-
-
-def _short(variant: str) -> str:
-    return "same" if variant == "same formats" else "default"
-
-
-# --- the memory cap ------------------------------------------------------------------------
-
-
-@dataclass
-class CappedRun:
-    returncode: int
-    stdout: str
-    stderr: str
-    oom_killed: bool
-    timed_out: bool = False
-
-
-def _own_cgroup_paths() -> dict[str, str]:
-    """{"v2": path} and/or {"v1": path of the memory hierarchy} from /proc/self/cgroup."""
-    found = {}
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        hid, controllers, path = line.split(":", 2)
-        if hid == "0" and controllers == "":
-            found["v2"] = path
-        elif "memory" in controllers.split(","):
-            found["v1"] = path
-    return found
-
-
-def _mounts() -> dict[str, Path]:
-    """{"v2": cgroup2 mount, "v1": the cgroup v1 memory hierarchy's mount}."""
-    found = {}
-    for line in Path("/proc/self/mounts").read_text().splitlines():
-        _, point, kind, options = line.split()[:4]
-        if kind == "cgroup2":
-            found.setdefault("v2", Path(point))
-        elif kind == "cgroup" and "memory" in options.split(","):
-            found["v1"] = Path(point)
-    return found
-
-
-def find_memory_cgroup() -> tuple[str, Path] | str:
-    """("v2" | "v1", the cgroup to make children in: this process's own) or why there is none.
-    Children of our own cgroup stay inside whatever limits this process already has."""
-    mounts, paths = _mounts(), _own_cgroup_paths()
-    reasons = []
-    if "v2" in mounts and "v2" in paths:
-        base = mounts["v2"] / paths["v2"].lstrip("/")
-        try:
-            if "memory" not in (base / "cgroup.controllers").read_text().split():
-                raise OSError("no memory controller")
-            if "memory" not in (base / "cgroup.subtree_control").read_text().split():
-                (base / "cgroup.subtree_control").write_text("+memory")
-            return "v2", base
-        except OSError as exc:
-            reasons.append(f"cgroup v2 at {base}: {exc.strerror or exc}")
-    if "v1" in mounts:
-        base = mounts["v1"] / paths.get("v1", "/").lstrip("/")
-        base = base if base.is_dir() else mounts["v1"]
-        if os.access(base, os.W_OK):
-            return "v1", base
-        reasons.append(f"cgroup v1 memory at {base}: not writable")
-    return "; ".join(reasons) or "no cgroup memory controller mounted"
-
-
-class MemoryCgroup:
-    """A fresh child cgroup with a hard memory limit and no swap, removed on exit."""
-
-    def __init__(self, version: str, parent: Path, limit: int) -> None:
-        self.version, self.limit = version, limit
-        self.path = parent / f"moeshard-bench-{os.getpid()}-{time.monotonic_ns()}"
-
-    def __enter__(self) -> MemoryCgroup:
-        self.path.mkdir()
-        try:
-            if self.version == "v2":
-                (self.path / "memory.max").write_text(str(self.limit))
-                if (self.path / "memory.swap.max").exists():
-                    (self.path / "memory.swap.max").write_text("0")
-            else:
-                (self.path / "memory.limit_in_bytes").write_text(str(self.limit))
-                if (self.path / "memory.memsw.limit_in_bytes").exists():
-                    (self.path / "memory.memsw.limit_in_bytes").write_text(str(self.limit))
-        except BaseException:
-            self.path.rmdir()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for _ in range(50):  # the last task may take a moment to leave
-            try:
-                self.path.rmdir()
-                return
-            except OSError:
-                time.sleep(0.1)
-
-    def oom_kills(self) -> int:
-        name = "memory.events" if self.version == "v2" else "memory.oom_control"
-        for line in (self.path / name).read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value)
-        return 0
-
-    def run(self, cmd: Sequence[str], env: dict | None = None) -> CappedRun:
-        """cmd inside the cgroup: a shell joins it and execs cmd (so nothing this process
-        allocated, and no fork of a threaded interpreter, is involved)."""
-        procs = self.path / "cgroup.procs"
-        wrapped = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(procs), *cmd]
-        try:
-            proc = subprocess.run(
-                wrapped, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT_S
-            )
-        except subprocess.TimeoutExpired as exc:
-            return CappedRun(-9, str(exc.stdout or ""), str(exc.stderr or ""), False, True)
-        return CappedRun(proc.returncode, proc.stdout, proc.stderr, self.oom_kills() > 0)
-
-
-def drop_page_cache(paths: Sequence[Path]) -> None:
-    """Evict these files' pages from the page cache. A page already cached was charged to the
-    cgroup that read it first; a capped run touching it would not be charged, and the cap
-    would not cap."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def model_files(path: Path) -> list[Path]:
-    return sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
 
 
 class Capped:
@@ -742,7 +396,7 @@ def run(args) -> int:
     print("\n".join(table(rows)))
     print()
     by_key = {row.key: row for row in rows}
-    print('goals (issue 17, "Must show"):')
+    print("goals:")
     for goal in GOALS:
         print("  " + goal_line(goal, by_key.get(goal.key)))
     print(

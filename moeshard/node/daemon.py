@@ -37,8 +37,10 @@ from moeshard.moe.wire.constants import MAX_MESSAGE_BYTES, WIRE_VERSION
 from moeshard.moe.wire.hosts import is_loopback
 from moeshard.moe.wire.names import name_problem, safe_node_name
 from moeshard.node.access import AccessPolicy
+from moeshard.node.checks import NodeIdentity
+from moeshard.node.health import HealthServicer
 from moeshard.node.limits import Limits
-from moeshard.node.servicer import ExpertNodeServicer, HealthServicer, NodeIdentity
+from moeshard.node.servicer import ExpertNodeServicer
 
 log = logging.getLogger(__name__)
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter

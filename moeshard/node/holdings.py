@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import grpc
 
+from moeshard.moe.wire import moeshard_pb2 as pb
+
 
 def unavailable(layer: int, expert: int, held: set, bad: set) -> tuple[grpc.StatusCode, str] | None:
     """(status, why) if record (layer, expert) cannot be served here, else None: it failed its
@@ -21,3 +23,11 @@ def unavailable(layer: int, expert: int, held: set, bad: set) -> tuple[grpc.Stat
             f"this node does not hold expert {expert} of layer {layer}",
         )
     return None
+
+
+def layer_experts(keys) -> list[pb.LayerExperts]:
+    """(layer, expert) keys as the wire lists them: per layer, its experts ascending."""
+    by_layer: dict[int, list[int]] = {}
+    for layer, expert in keys:
+        by_layer.setdefault(layer, []).append(expert)
+    return [pb.LayerExperts(layer=lay, experts=sorted(ex)) for lay, ex in sorted(by_layer.items())]

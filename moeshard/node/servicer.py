@@ -1,13 +1,11 @@
-"""The node's gRPC servicers: thin layers that admit, validate, call the experts backend, reply.
-
-`ExpertNodeServicer` implements moeshard.v1.ExpertNode (proto/moeshard.proto) on top of any
+"""The node's gRPC servicer: a thin layer that admits, validates, calls the experts backend,
+replies. `ExpertNodeServicer` implements moeshard.v1.ExpertNode (proto/moeshard.proto) on top of any
 `moeshard.moe.experts.backend.ExpertsBackend` (LocalExperts, or the ExpertStore under `--ram`).
-Every
-call is authorized (node/access.py) and admitted under the node's limits (node/limits.py) before
-its message is read; every request is checked before the backend sees it, and every result
-before it is sent. A bad request gets a status code and a message and the node keeps serving.
-A Prefetch hint starts its reads at once. A Record stream sends one record's bytes in chunks
-(node/records.py). `HealthServicer` is the standard grpc.health.v1 service.
+Every call is authorized (node/access.py) and admitted under the node's limits (node/limits.py)
+before its message is read; every request is checked (node/checks.py) before the backend sees
+it, and every result before it is sent. A bad request gets a status code and a message and the
+node keeps serving. A Prefetch hint starts its reads at once. A Record stream sends one record's
+bytes in chunks (node/records.py). grpc.health.v1 is in node/health.py.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 
 import grpc
@@ -35,20 +32,30 @@ from moeshard.moe.identity.signed import sign_info
 from moeshard.moe.kernels.build import ARITHMETIC, cpu_level, kernel_build
 from moeshard.moe.ledger import BackgroundLedger, LedgerError, receipt_body, settlement_body
 from moeshard.moe.storage.shards import ShardSet
-from moeshard.moe.wire import codec, health_pb2, health_pb2_grpc
+from moeshard.moe.wire import codec
 from moeshard.moe.wire import moeshard_pb2 as pb
-from moeshard.moe.wire.constants import MAX_ACTIVATION, MAX_SLOTS, WIRE_VERSION
+from moeshard.moe.wire.constants import WIRE_VERSION
 from moeshard.node import failpoints
 from moeshard.node.access import AccessDenied, AccessPolicy
+from moeshard.node.checks import (
+    NodeIdentity,
+    RequestError,
+    check_model,
+    check_result,
+    claimed_rows,
+    parse_forward,
+)
 from moeshard.node.fairness import Flow, flow_of
-from moeshard.node.holdings import unavailable
-from moeshard.node.limits import CHUNK_ROWS, Guard, Limits, Refused
+from moeshard.node.guard import Guard
+from moeshard.node.health import SERVICE
+from moeshard.node.holdings import layer_experts
+from moeshard.node.limits import CHUNK_ROWS, Limits, Refused
 from moeshard.node.possession import Prover
+from moeshard.node.priority import lower_priority
 from moeshard.node.records import Records, chunks
 from moeshard.node.settlements import Settlements
 
 log = logging.getLogger(__name__)
-SERVICE = "moeshard.v1.ExpertNode"
 RECORD_REQUEST_S = 2.0  # a Record stream's request must come this soon after it opens
 BULK_NICE = 10  # the bulk thread's nice value above the node's (see `ExpertNodeServicer.bulk`)
 NOT_FORWARD = (
@@ -58,51 +65,6 @@ NOT_FORWARD = (
     "late_proof",
     "busy",
 )  # failpoints that leave replies be
-
-
-class RequestError(Exception):
-    """A request the node refuses: carries the gRPC status code and the message."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass
-class NodeIdentity:
-    node_id: str  # the id of the node's key (moe.identity.keys.key_id)
-    name: str  # a display name (zeroconf instance name, logs)
-    model_id: str  # sha256 hex of the model the records belong to
-    format_version: int  # moe.storage.manifest.FORMAT_VERSION of the shard files
-    model_type: str  # HF model_type of the model
-    expert_format: str  # f32, bf16, q8_0, q4_0
-    hidden_size: int  # H: width of the rows the experts take (Kimi K3: its latent width)
-    n_experts: int  # routed experts per MoE layer in the model
-    moe_layers: tuple[int, ...]  # the model's MoE layer indices
-    ram_budget: int  # bytes the expert cache may use (0 = unbounded)
-
-
-def _holdings(keys) -> list[pb.LayerExperts]:
-    by_layer: dict[int, list[int]] = {}
-    for layer, expert in keys:
-        by_layer.setdefault(layer, []).append(expert)
-    return [pb.LayerExperts(layer=lay, experts=sorted(ex)) for lay, ex in sorted(by_layer.items())]
-
-
-def lower_priority(nice: int) -> None:
-    """Run the calling thread (Linux: a thread has a policy and nice value of its own) under
-    SCHED_IDLE: any other thread of the machine that wakes takes the core from it at once.
-    Under a nice value alone (the fallback) the kernel's EEVDF scheduler lets a running thread
-    finish its slice before a woken one runs, milliseconds per small request."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # (0: this thread)
-        return
-    except (OSError, AttributeError):  # not Linux
-        pass
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-    except (OSError, AttributeError):  # not allowed: same priority, still fair
-        pass
 
 
 class ExpertNodeServicer:
@@ -229,7 +191,7 @@ class ExpertNodeServicer:
                     if isinstance(request, bytes):  # a Forward: charged once parsed
                         self.guard.charge(client)
                     else:
-                        self.guard.charge(client, self._claimed_rows(request))
+                        self.guard.charge(client, claimed_rows(request, self.limits.max_rows))
                     return method(request, context)
 
         return call
@@ -250,8 +212,8 @@ class ExpertNodeServicer:
             model_type=ident.model_type,
             expert_format=ident.expert_format,
             hidden_size=ident.hidden_size,
-            holdings=_holdings(good),
-            bad=_holdings(bad),
+            holdings=layer_experts(good),
+            bad=layer_experts(bad),
             ram_budget=ident.ram_budget,
             inflight=inflight,
             served=served,
@@ -306,7 +268,7 @@ class ExpertNodeServicer:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"not a ForwardRequest: {exc}"
             ) from None
-        self.guard.charge(client, self._claimed_rows(request), calls=0)
+        self.guard.charge(client, claimed_rows(request, self.limits.max_rows), calls=0)
         return request
 
     def ForwardStream(self, requests, context):
@@ -341,7 +303,7 @@ class ExpertNodeServicer:
             self.settlements.issued(reply.receipt.session, client)
 
     def Prefetch(self, request, context):
-        self._check_model(request.model_id)
+        check_model(request.model_id, self.identity)
         with self.state_lock:
             wanted = [e for e in request.experts if (request.layer, e) in self.held - self.bad]
         if wanted:
@@ -446,86 +408,10 @@ class ExpertNodeServicer:
 
     # -- validation and compute ------------------------------------------------------------
 
-    def _claimed_rows(self, request) -> int:
-        """The rows a request claims (the first dimension of its hidden state; 0 for Info and
-        Prefetch), refused over --max-rows before anything else is done with it."""
-        if not isinstance(request, pb.ForwardRequest) or not request.hidden.shape:
-            return 0
-        rows = int(request.hidden.shape[0])
-        if rows > codec.MAX_DIM:  # not a shape at all: decoding refuses it (INVALID_ARGUMENT)
-            return 0
-        if rows > self.limits.max_rows:
-            raise Refused(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{rows} rows: this node takes at most {self.limits.max_rows} per request "
-                f"(--max-rows)",
-            )
-        return max(rows, 0)
-
-    def _check_model(self, model_id: str) -> None:
-        if model_id != self.identity.model_id:
-            raise RequestError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"model id {model_id[:16] or '(empty)'} does not match this node's "
-                f"{self.identity.model_id[:16]}",
-            )
-
-    def _parse(self, request) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, int]:
-        """Check every field; returns layer, hidden [T, H], ids [T, k], weights [T, k], dtype."""
-        ident = self.identity
-        self._check_model(request.model_id)
-        layer = int(request.layer)
-        if layer not in ident.moe_layers:
-            raise RequestError(
-                grpc.StatusCode.NOT_FOUND,
-                f"layer {layer} is not a MoE layer of this model "
-                f"(MoE layers {ident.moe_layers[0]}..{ident.moe_layers[-1]})",
-            )
-        bad_arg = grpc.StatusCode.INVALID_ARGUMENT
-        try:
-            hidden = codec.decode(
-                request.hidden, "hidden", (codec.F32, codec.BF16), (None, ident.hidden_size)
-            )  # [T, H]
-            rows = hidden.shape[0]
-            ids = codec.decode(request.ids, "ids", (codec.I32,), (rows, None))  # [T, k]
-            weights = codec.decode(
-                request.weights, "weights", (codec.F32,), (rows, ids.shape[1])
-            )  # [T, k]
-        except codec.CodecError as exc:
-            raise RequestError(bad_arg, str(exc)) from None
-        max_rows = self.limits.max_rows
-        if not 1 <= rows <= max_rows or not 1 <= ids.shape[1] <= MAX_SLOTS:
-            raise RequestError(
-                bad_arg, f"{rows} rows x {ids.shape[1]} slots: need 1..{max_rows} x 1..{MAX_SLOTS}"
-            )
-        out_dtype = request.out_dtype or request.hidden.dtype
-        if out_dtype not in (codec.F64, codec.F32, codec.BF16):
-            raise RequestError(
-                bad_arg, f"out_dtype {codec.dtype_name(out_dtype)}: need f64, f32 or bf16"
-            )
-        if not np.isfinite(hidden).all() or not np.isfinite(weights).all():
-            raise RequestError(bad_arg, "hidden or weights contain NaN or infinity")
-        out_of_range = ids[(ids < -1) | (ids >= ident.n_experts)]
-        if out_of_range.size:
-            raise RequestError(
-                bad_arg,
-                f"expert id {int(out_of_range[0])} out of range (0..{ident.n_experts - 1}, "
-                f"-1 = empty slot)",
-            )
-        ordered = np.sort(ids, axis=1)  # [T, k]
-        twice = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)  # [T, k - 1]
-        if twice.any():  # top-k never routes a row to one expert twice; each would compute
-            row = int(np.nonzero(twice.any(axis=1))[0][0])
-            raise RequestError(bad_arg, f"row {row} names an expert in two slots")
-        with self.state_lock:
-            for expert in np.unique(ids[ids >= 0]):
-                refused = unavailable(layer, int(expert), self.held, self.bad)
-                if refused:
-                    raise RequestError(*refused)
-        return layer, hidden, ids, weights, out_dtype
-
     def _forward(self, request, flow: Flow) -> pb.ForwardReply:
-        layer, hidden, ids, weights, out_dtype = self._parse(request)
+        layer, hidden, ids, weights, out_dtype = parse_forward(
+            request, self.identity, self.limits.max_rows, self.held, self.bad, self.state_lock
+        )
         # the unrounded partial sum [T, H], computed as whoever checks it recomputes it
         live = (ids >= 0).any(axis=1)  # [T]
         t0 = time.perf_counter()
@@ -538,7 +424,7 @@ class ExpertNodeServicer:
                 self.inflight -= 1
                 self.served += 1
         compute_ms = (time.perf_counter() - t0) * 1e3
-        self._check_result(layer, hidden, out)
+        check_result(layer, hidden, out)
         out = self._failpoint(layer, hidden, ids, weights, live, out)
         reply = pb.ForwardReply(
             out=codec.encode(out, out_dtype),
@@ -570,18 +456,6 @@ class ExpertNodeServicer:
             with self.compute_lock:  # (a test's lie: no turn taken)
                 lied[live] = self._backend(layer, hidden[live], wrong[live], weights[live])
         return lied
-
-    @staticmethod
-    def _check_result(layer: int, hidden: np.ndarray, out: np.ndarray) -> None:
-        """Never send a non-finite or absurd partial sum as a result. MAX_ACTIVATION (1e30) is
-        far above any real activation and far enough below float32's 3.4e38 that the
-        coordinator's sum of up to 256 of them (and the residual) stays finite in float32."""
-        if not np.abs(out).max() <= MAX_ACTIVATION:  # NaN fails the comparison too
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"layer {layer}: result not finite (or beyond {MAX_ACTIVATION:g}): input too "
-                f"large (|hidden| up to {float(np.abs(hidden).max()):.3g})",
-            )
 
     def _compute(self, layer, flow: Flow, hidden, ids, weights) -> np.ndarray:
         """The partial sums of hidden [T, H], in turns of at most CHUNK_ROWS rows each, taken
@@ -624,53 +498,3 @@ def _reply_bytes(reply: pb.ForwardReply | bytes) -> bytes:
 
 def _is_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-class HealthServicer(health_pb2_grpc.HealthServicer):
-    """grpc.health.v1: one status for the whole server (service "" and "moeshard.v1.ExpertNode").
-    A Watch holds a server thread while open: at most `max_watches` are open at once."""
-
-    SERVICES = ("", SERVICE)
-
-    def __init__(self, max_watches: int = Limits.max_watches):
-        self.status = health_pb2.HealthCheckResponse.NOT_SERVING
-        self.changed = threading.Condition()
-        self.max_watches = max_watches
-        self.watches = threading.BoundedSemaphore(max_watches)
-
-    def set_serving(self, serving: bool) -> None:
-        with self.changed:
-            self.status = (
-                health_pb2.HealthCheckResponse.SERVING
-                if serving
-                else health_pb2.HealthCheckResponse.NOT_SERVING
-            )
-            self.changed.notify_all()
-
-    def Check(self, request, context):
-        if request.service not in self.SERVICES:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service '{request.service}'")
-        return health_pb2.HealthCheckResponse(status=self.status)
-
-    def Watch(self, request, context):
-        if request.service not in self.SERVICES:
-            yield health_pb2.HealthCheckResponse(
-                status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
-            )
-            return
-        if not self.watches.acquire(blocking=False):
-            context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self.max_watches} health watches open already: use Check",
-            )
-        try:
-            last = None
-            while context.is_active():
-                with self.changed:
-                    if self.status == last:
-                        self.changed.wait(timeout=1.0)
-                        continue
-                    last = self.status
-                yield health_pb2.HealthCheckResponse(status=last)
-        finally:
-            self.watches.release()

@@ -35,7 +35,8 @@ from collections.abc import Callable
 
 import grpc
 
-from moeshard.node.limits import Refused, TokenBucket
+from moeshard.node.guard import TokenBucket
+from moeshard.node.limits import Refused
 
 MAX_SESSIONS = 4096  # sessions remembered (open and settled together)
 MAX_CLIENTS = 4096  # clients whose Settle rate is remembered (the idlest is forgotten)

@@ -45,21 +45,28 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
 
+from moeshard.coordinator.remote.audit_cases import (
+    REFUSALS,
+    AuditStats,
+    Case,
+    Unverifiable,
+    Withheld,
+    first_wrong_row,
+    same_bits,
+)
 from moeshard.coordinator.remote.config import RemoteError
 from moeshard.coordinator.remote.fetch import FetchError, default_deadline_s, fetch_record
+from moeshard.coordinator.remote.pace import Pace
 from moeshard.coordinator.remote.peers import Peer, PeerSet
 from moeshard.coordinator.remote.policy import AuditBudget, rate_for
 from moeshard.coordinator.remote.records import Key, RecordCache
 from moeshard.moe.experts.compute import recompute_partial_sum
 from moeshard.moe.wire import codec
 from moeshard.moe.wire import moeshard_pb2 as pb
-from moeshard.moe.wire.constants import CREDIT_CAP
 
 log = logging.getLogger(__name__)
 
@@ -70,53 +77,12 @@ MAX_BACKLOG = 16  # audits of one node not yet done before it gets no more work
 HOLDER_BACKOFF_S = 60.0  # a holder that failed to hand over a record is not asked for this long
 SLOW_LIMIT = 3  # slow hand-overs by an audited node before it is dropped
 SLOW_S = 2.0  # a hand-over that needed asking again and took longer than this is slow
-PACE = 0.8  # share of a node's stated record rate the audits use (its clock is not ours)
-# the audited node answered, and refused: no honest node says this of a record it just used
-REFUSALS = {
-    "NOT_FOUND", "DATA_LOSS", "PERMISSION_DENIED", "UNAUTHENTICATED", "INVALID_ARGUMENT",
-    "FAILED_PRECONDITION", "UNIMPLEMENTED", "OUT_OF_RANGE",
-}  # fmt: skip
-
-
-class Withheld(Exception):
-    """The audited node refused a record its reply used (evidence: it claims to hold it)."""
-
-
-class Unverifiable(Exception):
-    """The audited node, the only holder, stayed busy or unreachable: no verdict possible."""
 
 
 class AuditStall(RemoteError):
     """Audits did not finish in STALL_S: the text cannot be called verified. Exit 3."""
 
     exit_code = 3
-
-
-@dataclass
-class Case:
-    """One Forward call whose reply was used."""
-
-    step: int
-    peer: Peer
-    experts: list[int]
-    request: pb.ForwardRequest
-    reply: pb.ForwardReply
-    id: int = 0
-
-
-@dataclass
-class AuditStats:
-    picked: int = 0  # calls picked for an audit
-    passed: int = 0  # recomputed: the same bits
-    failed: int = 0  # recomputed: other bits (the node convicted)
-    withheld: int = 0  # a record the audited node refused (convicted)
-    unverifiable: int = 0  # the audited node stayed busy or away (dropped for the run)
-    convicted: list[str] = field(default_factory=list)  # node ids caught lying
-    proofs: list[str] = field(default_factory=list)  # fraud-proof files written
-    cpu_s: float = 0.0  # the audit thread's CPU time (fetching, hashing, recomputing)
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 class Auditor:
@@ -148,7 +114,7 @@ class Auditor:
         self.closed = False
         self.holder_backoff: dict[str, float] = {}  # node id -> monotonic time it may be asked
         self.slow: Counter = Counter()  # node id -> its slow hand-overs
-        self.paces: dict[str, _Pace] = {}  # node id -> its record rate and streams, as stated
+        self.paces: dict[str, Pace] = {}  # node id -> its record rate and streams, as stated
         self.pending: dict[int, int] = {}  # case id -> its step, for the audits not yet done
         self.stats = AuditStats()
         self.distrusted: set[str] = set()  # node ids disqualified by this auditor
@@ -348,7 +314,7 @@ class Auditor:
             return
         with self.lock:
             self.stats.failed += 1
-        row = _first_wrong_row(want.data, case.reply.out.data, hidden.shape[0])
+        row = first_wrong_row(want.data, case.reply.out.data, hidden.shape[0])
         why = f"its reply to layer {request.layer} is not what the model's experts give"
         self._convict(case.peer, case, why, (row, expected[row : row + 1], obtain))
 
@@ -419,11 +385,13 @@ class Auditor:
         if self.records is not None:
             self._pace(peer).earn(experts * self.records.record_nbytes)
 
-    def _pace(self, peer: Peer) -> _Pace:
+    def _pace(self, peer: Peer) -> Pace:
         with self.lock:
             pace = self.paces.get(peer.node_id)
             if pace is None:
-                pace = self.paces[peer.node_id] = _Pace(peer.record_rate, peer.record_streams)
+                pace = self.paces[peer.node_id] = Pace(
+                    peer.record_rate, peer.record_streams, WORKERS
+                )
             return pace
 
     def _fetch(self, peer: Peer, key: Key, root: bytes, out: np.ndarray) -> int:
@@ -530,57 +498,3 @@ class Auditor:
             self.changed.notify_all()
         for worker in self.workers:
             worker.join(timeout=RECORD_WAIT_S + 5)
-
-
-class _Pace:
-    """The audits' share of one node's record limits, as the node counts them for this client:
-    at most `streams` fetches at once, each paid from the credit its computing earned (the
-    records its replies used, `earn`) or else from PACE x `rate` bytes a second (a bucket of
-    one second's worth; a record larger than it goes once the bucket is full, leaving it in
-    debt). A rate of 0 is not stated: no pacing."""
-
-    def __init__(self, rate: float, streams: int):
-        self.rate = PACE * rate
-        self.capacity = self.tokens = self.rate
-        self.credit = 0
-        self.stamp = time.monotonic()
-        self.slots = threading.Semaphore(max(streams, 1) if streams else WORKERS)
-        self.lock = threading.Lock()
-
-    def earn(self, nbytes: int) -> None:
-        with self.lock:
-            self.credit = min(CREDIT_CAP, self.credit + nbytes)
-
-    @contextmanager
-    def turn(self, nbytes: int):
-        with self.slots:
-            with self.lock:
-                paid = self.credit >= nbytes
-                if paid:
-                    self.credit -= nbytes
-            while self.rate > 0 and not paid:
-                with self.lock:
-                    now = time.monotonic()
-                    self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
-                    self.stamp = now
-                    short = min(nbytes, self.capacity) - self.tokens
-                    if short <= 0:
-                        self.tokens -= nbytes
-                        break
-                time.sleep(short / self.rate)
-            yield
-
-
-def same_bits(want: pb.Tensor, got: pb.Tensor) -> bool:
-    """Whether a reply is, bit for bit, the recomputed one: the same dtype, shape and bytes.
-    The only comparison audits make (no tolerance a node could choose or aim under)."""
-    return want.dtype == got.dtype and list(want.shape) == list(got.shape) and want.data == got.data
-
-
-def _first_wrong_row(want: bytes, got: bytes, rows: int) -> int:
-    """The first row whose bytes differ (row 0 when the lengths differ)."""
-    if len(want) != len(got) or rows == 0:
-        return 0
-    a = np.frombuffer(want, dtype=np.uint8).reshape(rows, -1)  # [T, row bytes]
-    b = np.frombuffer(got, dtype=np.uint8).reshape(rows, -1)  # [T, row bytes]
-    return int(np.nonzero((a != b).any(axis=1))[0][0])

@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from moeshard.coordinator.remote.accounts import Accounts
-from moeshard.coordinator.remote.audit import Auditor, Case
+from moeshard.coordinator.remote.audit import Auditor
+from moeshard.coordinator.remote.audit_cases import Case
 from moeshard.coordinator.remote.config import RemoteConfig
 from moeshard.coordinator.remote.patrol import PossessionPatrol
 from moeshard.coordinator.remote.peers import Peer, PeerSet

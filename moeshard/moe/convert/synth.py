@@ -33,7 +33,7 @@ from moeshard.moe.convert import synth_k3
 from moeshard.moe.convert.converter import trunk_format
 from moeshard.moe.convert.outdir import check_output, staged
 from moeshard.moe.errors import MoeshardError
-from moeshard.moe.kernels import quant
+from moeshard.moe.kernels import layout, quant
 from moeshard.moe.model.families import load_config
 from moeshard.moe.storage import merkle
 from moeshard.moe.storage.io import write_file
@@ -132,7 +132,7 @@ class RecordMaker:
         self.scales: list[tuple[int, np.ndarray]] = []  # (byte offset, uint8 scale bytes)
         start = 0
         for rows, cols, gain in mats:
-            payload, s_off, s_bytes = quant._sections(self.fmt, rows, cols)
+            payload, s_off, s_bytes = layout._sections(self.fmt, rows, cols)
             d = np.float16(gain / (spread * np.sqrt(cols)))
             self.scales.append((start + s_off, np.full(s_bytes // 2, d).view(np.uint8)))
             start += quant.packed_nbytes(self.fmt, rows, cols)

@@ -37,7 +37,17 @@ import numpy as np
 #      code (`moeshard.moe.kernels.fixedmath`), not libm
 ARITHMETIC = 5
 
-SOURCES = ("dots.py", "idots.py", "fdots.py", "tiles.py", "fixedmath.py", "entry.py", "quant.py")
+SOURCES = (
+    "activations.py",
+    "dots.py",
+    "idots.py",
+    "fdots.py",
+    "tiles.py",
+    "fixedmath.py",
+    "entry.py",
+    "layout.py",
+    "quant.py",
+)
 
 
 @functools.cache

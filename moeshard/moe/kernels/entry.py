@@ -41,9 +41,10 @@ import numpy as np
 from numba import njit, prange
 
 from moeshard.moe.kernels import fixedmath
+from moeshard.moe.kernels.activations import activation_buffers, quantize_activations
 from moeshard.moe.kernels.dots import FMT_BF16, FMT_F32, FMT_MXFP4, QK, ROW_GROUP, ROWS_PER_ITEM
 from moeshard.moe.kernels.fdots import even_odd, float_rows
-from moeshard.moe.kernels.idots import activation_buffers, int_rows, quantize_activations
+from moeshard.moe.kernels.idots import int_rows
 from moeshard.moe.kernels.tiles import _tile_rows
 
 # ---------------------------------------------------------------------------------------------

@@ -413,56 +413,6 @@ _mx_group_block = _group_block_kernel("mxfp4")
 
 
 # ---------------------------------------------------------------------------------------------
-# step 1: activations to 8 bits per block
-
-
-@njit(cache=True, nogil=True)
-def quantize_activations(x, xq, xd, xc):
-    """x float32 [b, cols] -> codes xq int8 [b, cols], block scales xd float32 [b, cols // 32]
-    and 8 * the block sums of the codes xc int32 [b, cols // 32] (step 1 of the module doc)."""
-    for u in range(x.shape[0]):
-        for k in range(x.shape[1] // QK):
-            c0 = QK * k
-            amax = np.float32(0.0)
-            finite = True
-            for c in range(c0, c0 + QK):
-                v = abs(x[u, c])
-                if v > amax:
-                    amax = v
-                elif not (v == v):
-                    finite = False
-            if not finite or amax == np.inf:
-                xd[u, k] = np.float32(np.nan)
-                for c in range(c0, c0 + QK):
-                    xq[u, c] = 0
-            elif amax == 0:
-                xd[u, k] = np.float32(0.0)
-                for c in range(c0, c0 + QK):
-                    xq[u, c] = 0
-            else:
-                d = amax / np.float32(127.0)
-                inv = np.float32(1.0) / d
-                xd[u, k] = d
-                for c in range(c0, c0 + QK):
-                    q = np.rint(x[u, c] * inv)
-                    xq[u, c] = np.int8(min(max(q, np.float32(-127.0)), np.float32(127.0)))
-            s = 0
-            for c in range(c0, c0 + QK):
-                s += np.int32(xq[u, c])
-            xc[u, k] = 8 * s
-
-
-@njit(cache=True, nogil=True)
-def activation_buffers(b, cols):
-    """Empty (xq, xd, xc) for `quantize_activations` of a [b, cols] activation."""
-    nb = cols // QK
-    xq = np.empty((b, cols), dtype=np.int8)  # [b, cols]
-    xd = np.empty((b, nb), dtype=np.float32)  # [b, nb]
-    xc = np.empty((b, nb), dtype=np.int32)  # [b, nb]
-    return xq, xd, xc
-
-
-# ---------------------------------------------------------------------------------------------
 # one row group against one or two activation rows
 
 

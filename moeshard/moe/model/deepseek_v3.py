@@ -55,8 +55,12 @@ MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Config(SwigluExperts):
+    """DeepSeek-V3's body: MLA attention and its router. Kimi Linear's config extends it
+    (KDA layers, no positions), and Kimi K3's extends Kimi Linear's; `from_hf` of each reads
+    its own dialect (keyword-only fields, so a subclass adds required ones)."""
+
     model_type: str  # "deepseek_v3" or "kimi_k2"
     vocab_size: int
     hidden_size: int  # H

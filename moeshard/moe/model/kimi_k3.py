@@ -34,7 +34,7 @@ a default.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -66,56 +66,18 @@ def _choice(raw: dict[str, Any], key: str, allowed: str, source: str) -> None:
         raise ConfigError(f"{source}: '{key}' {value!r} unsupported (Kimi K3 uses {allowed!r})")
 
 
-@dataclass(frozen=True)
-class Config:
+@dataclass(frozen=True, kw_only=True)
+class Config(kimi_linear.Config):
+    """Kimi Linear's fields (K3's text model is one), and what K3 adds: KDA's decay bound,
+    LatentMoE's latent width, attention residuals, SiTU."""
+
     model_type: str  # kimi_k3 (the text model's own type is kimi_linear)
-    vocab_size: int
-    hidden_size: int  # H
-    num_hidden_layers: int
-    num_attention_heads: int  # MLA heads
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int  # the shared key part (never rotated)
-    v_head_dim: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    n_experts: int
-    top_k: int
-    expert_intermediate: int
-    dense_intermediate: int
-    n_shared_experts: int
-    n_group: int
-    topk_group: int
-    norm_topk_prob: bool
-    routed_scaling_factor: float
-    first_k_dense_replace: int
-    kda_layers: tuple[int, ...]  # zero-based
-    kda_heads: int
-    kda_head_dim: int
-    kda_kernel: int
     gate_lower_bound: float  # KDA's decay bound (log space), in [-5, 0)
     latent_size: int  # routed_expert_hidden_size: the routed experts' width L
     attn_res_block_size: int
     situ_beta: float
     situ_linear_beta: float
     has_vision: bool = False  # a vision tower in the checkpoint (not run)
-    attention_bias: bool = False
-    rope_interleave: bool = False  # unused: no rotation
-    max_position_embeddings: int = 1 << 20
-    eos_token_id: tuple[int, ...] = field(default_factory=tuple)
-
-    @property
-    def moe_layers(self) -> tuple[int, ...]:
-        return tuple(range(self.first_k_dense_replace, self.num_hidden_layers))
-
-    @property
-    def mla_layers(self) -> tuple[int, ...]:
-        return tuple(i for i in range(self.num_hidden_layers) if i not in self.kda_layers)
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
     def expert_hidden(self) -> int:

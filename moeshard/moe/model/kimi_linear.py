@@ -16,14 +16,14 @@ never a default (transformers' own config would quietly make every fourth layer 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from moeshard.moe.errors import ConfigError
 from moeshard.moe.model import deepseek_v3
-from moeshard.moe.model.config import SwigluExperts, check_int, decoder_shapes, require
+from moeshard.moe.model.config import RopeConfig, check_int, decoder_shapes, require
 from moeshard.moe.model.kda import KdaState, KdaWeights, kda_forward
 from moeshard.moe.model.layers import Segments, rms_norm
 
@@ -79,50 +79,22 @@ class LinearAttention:
         )
 
 
-@dataclass(frozen=True)
-class Config(SwigluExperts):
-    model_type: str
-    vocab_size: int
-    hidden_size: int  # H
-    num_hidden_layers: int
-    num_attention_heads: int  # MLA heads
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int  # the shared key part (no rotation here)
-    v_head_dim: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    n_experts: int
-    top_k: int
-    expert_intermediate: int
-    dense_intermediate: int
-    n_shared_experts: int
-    n_group: int
-    topk_group: int
-    norm_topk_prob: bool
-    routed_scaling_factor: float
-    first_k_dense_replace: int
+@dataclass(frozen=True, kw_only=True)
+class Config(deepseek_v3.Config):
+    """DeepSeek-V3's fields (MLA without positions here), and the KDA layers'."""
+
     kda_layers: tuple[int, ...]  # zero-based
     kda_heads: int
     kda_head_dim: int
     kda_kernel: int
+    rope: RopeConfig | None = None  # no rotation: MLA without positions, KDA's convolutions
     attention_bias: bool = False
     rope_interleave: bool = False  # unused: no rotation
     max_position_embeddings: int = 1 << 20
-    eos_token_id: tuple[int, ...] = field(default_factory=tuple)
-
-    @property
-    def moe_layers(self) -> tuple[int, ...]:
-        return tuple(range(self.first_k_dense_replace, self.num_hidden_layers))
 
     @property
     def mla_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_hidden_layers) if i not in self.kda_layers)
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], source: str) -> Config:
