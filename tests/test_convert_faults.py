@@ -60,11 +60,10 @@ def assert_one_line(err: str, *parts: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def demo_model(tmp_path_factory) -> Path:
-    """models/demo-hf converted (q4_0 experts, bf16 trunk), once for the module."""
-    out = tmp_path_factory.mktemp("demo") / "model"
-    assert main(["convert", str(DEMO), str(out), "--quiet"]) in (0, None)
-    return out
+def demo_model(demo) -> Path:
+    """models/demo-hf converted (q4_0 experts, bf16 trunk): the session's (tests copy it
+    before they change anything)."""
+    return demo
 
 
 # -- 1. a disk that fills up ------------------------------------------------------------------

@@ -44,11 +44,9 @@ COORDINATOR_FILES = [
 
 
 @pytest.fixture(scope="module")
-def full(tmp_path_factory) -> Path:
+def full(demo) -> Path:
     """The embedded model converted as `make demo` does (q4_0 experts, bf16 trunk)."""
-    out = tmp_path_factory.mktemp("full") / "model"
-    assert main(["convert", str(DEMO), str(out), "--quiet"]) == 0
-    return out
+    return demo
 
 
 @pytest.fixture(scope="module")

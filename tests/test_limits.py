@@ -454,7 +454,7 @@ def test_the_work_gate_queues_in_order_and_refuses_at_once_when_full():
         with pytest.raises(Busy, match="within 0.2 s"):
             with gate.hold(one, 1, 0.2):
                 pass
-        assert 0.2 <= time.perf_counter() - t0 < 1
+        assert 0.2 <= time.perf_counter() - t0 < 2.5  # its own wait, not the holder's 5 s
 
 
 def test_node_flags_default_to_the_limits_defaults_and_size_the_server():

@@ -533,7 +533,7 @@ def test_a_node_that_trickles_bytes_is_cut_off_at_the_deadline():
             node.fetch(timeout_s=1.0)
         elapsed = time.perf_counter() - t0
         assert (err.value.code, err.value.evidence) == ("DEADLINE_EXCEEDED", False)
-        assert 1.0 <= elapsed < 1.5
+        assert 1.0 <= elapsed < 4.0  # the 1 s deadline, not the 6 s the record would take
         wait_until(node.ended.is_set, 5, what="the trickling stream to end")
     finally:
         node.close()

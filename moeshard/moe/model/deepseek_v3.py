@@ -37,6 +37,7 @@ from moeshard.moe.model.config import (
     require,
     yarn_mscale,
 )
+from moeshard.moe.model.decoder import prenorm_forward_batch
 from moeshard.moe.model.layers import (
     Segments,
     apply_rope,
@@ -250,25 +251,34 @@ class Transformer:
         """Several sequences in one pass (continuous batching), as the Qwen family's
         `forward_batch`: attention per sequence on its own cache, everything else (and one
         experts call per MoE layer) over every sequence's rows."""
-        c, w = self.config, self.trunk
         seq = Segments(batch)
         rope = [
             rope_cos_sin(np.arange(cache.length, cache.length + len(ids)), self.inv_freq,
                          self.rope_scale)
             for ids, cache in seq.batch
         ]  # fmt: skip  # cos, sin [T_s, rope/2] per sequence
-        x = w.embed("model.embed_tokens.weight", seq.ids)  # [N, H]
-        for i in range(c.num_hidden_layers):
-            w.enter_layer(i)  # a streamed trunk makes layer i resident and starts reading i + 1
+
+        def mix(i: int, h: np.ndarray) -> np.ndarray:
+            return seq.each(h, lambda s, hs, cache: self.attention(i, hs, *rope[s], cache))
+
+        return self.decode_rows(seq, mix, last_only)
+
+    def decode_rows(self, seq: Segments, mix, last_only: bool) -> list[np.ndarray]:
+        """The pre-norm decoder over `seq` with `mix(i, h)` as layer i's token mixer: this
+        family's norms, MLPs and experts (`decoder.prenorm_forward_batch`)."""
+        c, w = self.config, self.trunk
+
+        def norms(i: int) -> tuple[np.ndarray, np.ndarray]:
             p = f"model.layers.{i}."
-            h = rms_norm(x, w.vector(p + "input_layernorm.weight"), c.rms_norm_eps)  # [N, H]
-            x = x + seq.each(h, lambda s, hs, cache, i=i: self.attention(i, hs, *rope[s], cache))
-            h = rms_norm(x, w.vector(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
-            x = x + (self.moe(i, h) if i in c.moe_layers else self.dense_mlp(i, h))  # [N, H]
-        seq.advance()
-        x = rms_norm(x, w.vector("model.norm.weight"), c.rms_norm_eps)  # [N, H]
+            return w.vector(p + "input_layernorm.weight"), w.vector(
+                p + "post_attention_layernorm.weight"
+            )
+
+        def mlp(i: int, h: np.ndarray) -> np.ndarray:
+            return self.moe(i, h) if i in c.moe_layers else self.dense_mlp(i, h)  # [N, H]
+
         head = "model.embed_tokens" if c.tie_word_embeddings else "lm_head"
-        return seq.logits(x, w.linear(head), last_only)  # [T_s, V] (or [1, V]) each
+        return prenorm_forward_batch(self, seq, mix, mlp, norms, head, last_only)
 
     def absorbed_kv_b(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """kv_b_proj split per head: W_uk [heads, nope, rank], W_uv^T [heads, rank, v]."""

@@ -43,6 +43,7 @@ from moeshard.moe.errors import ConfigError
 from moeshard.moe.kernels import quant
 from moeshard.moe.model import deepseek_v3, kimi_linear
 from moeshard.moe.model.config import check_float, check_int, decoder_shapes, require
+from moeshard.moe.model.decoder import norm_rows
 from moeshard.moe.model.kda import KdaWeights
 from moeshard.moe.model.layers import Segments, next_layer_hint, rms_norm, sigmoid, softmax
 
@@ -321,15 +322,15 @@ class Transformer(kimi_linear.Transformer):
             x = self._residual(partial, blocks, p + "self_attention_res") if blocks else partial
             if i % c.attn_res_block_size == 0:  # this layer opens a block
                 blocks.append(partial)
-            h = rms_norm(x, w.vector(p + "input_layernorm.weight"), c.rms_norm_eps)  # [N, H]
+            h = norm_rows(x, w.vector(p + "input_layernorm.weight"), c.rms_norm_eps)  # [N, H]
             a = seq.each(h, lambda s, hs, cache, i=i: self.mixer(i, hs, cache))  # [N, H]
             partial = a if i % c.attn_res_block_size == 0 else partial + a
             x = self._residual(partial, blocks, p + "mlp_res")  # [N, H]
-            h = rms_norm(x, w.vector(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
+            h = norm_rows(x, w.vector(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
             partial = partial + (self.moe(i, h) if i in c.moe_layers else self.dense_mlp(i, h))
         seq.advance()
         x = self._residual(partial, blocks, "model.output_attn_res")  # [N, H]
-        x = rms_norm(x, w.vector("model.norm.weight"), c.rms_norm_eps)  # [N, H]
+        x = norm_rows(x, w.vector("model.norm.weight"), c.rms_norm_eps)  # [N, H]
         head = "model.embed_tokens" if c.tie_word_embeddings else "lm_head"
         return seq.logits(x, w.linear(head), last_only)  # [T_s, V] (or [1, V]) each
 

@@ -25,7 +25,7 @@ from moeshard.moe.errors import ConfigError
 from moeshard.moe.model import deepseek_v3
 from moeshard.moe.model.config import RopeConfig, check_int, decoder_shapes, require
 from moeshard.moe.model.kda import KdaState, KdaWeights, kda_forward
-from moeshard.moe.model.layers import Segments, rms_norm
+from moeshard.moe.model.layers import Segments
 
 MODEL_TYPES = ("kimi_linear",)
 MAX_KDA_WIDTH = 1 << 16
@@ -288,22 +288,14 @@ class Transformer(deepseek_v3.Transformer):
     def forward_batch(self, batch, last_only: bool = False) -> list[np.ndarray]:
         """Several sequences in one pass (continuous batching): KDA and attention per
         sequence on its own cache, everything else over every sequence's rows."""
-        c, w = self.config, self.trunk
         seq = Segments(batch)
         for cache in seq.caches():
             cache.snapshot()
-        x = w.embed("model.embed_tokens.weight", seq.ids)  # [N, H]
-        for i in range(c.num_hidden_layers):
-            w.enter_layer(i)  # a streamed trunk makes layer i resident and starts reading i + 1
-            p = f"model.layers.{i}."
-            h = rms_norm(x, w.vector(p + "input_layernorm.weight"), c.rms_norm_eps)  # [N, H]
-            x = x + seq.each(h, lambda s, hs, cache, i=i: self.mixer(i, hs, cache))  # [N, H]
-            h = rms_norm(x, w.vector(p + "post_attention_layernorm.weight"), c.rms_norm_eps)
-            x = x + (self.moe(i, h) if i in c.moe_layers else self.dense_mlp(i, h))  # [N, H]
-        seq.advance()
-        x = rms_norm(x, w.vector("model.norm.weight"), c.rms_norm_eps)  # [N, H]
-        head = "model.embed_tokens" if c.tie_word_embeddings else "lm_head"
-        return seq.logits(x, w.linear(head), last_only)  # [T_s, V] (or [1, V]) each
+
+        def mix(i: int, h: np.ndarray) -> np.ndarray:
+            return seq.each(h, lambda s, hs, cache: self.mixer(i, hs, cache))  # [N, H]
+
+        return self.decode_rows(seq, mix, last_only)
 
     def mixer(self, i: int, h: np.ndarray, cache: HybridCache) -> np.ndarray:
         """Layer i's token mixing for one sequence: KDA on its state, or MLA on its cache."""

@@ -24,12 +24,11 @@ from moeshard.moe.experts.backend import ExpertsBackend, PrefetchHint
 from moeshard.moe.kernels import quant
 from moeshard.moe.model import fused
 from moeshard.moe.model.config import RopeConfig, SwigluExperts, decoder_shapes, parse_rope, require
+from moeshard.moe.model.decoder import prenorm_forward_batch
 from moeshard.moe.model.fused import (
     QK_NORM_CODES,
-    add_rms_norm,
     gqa_attention,
     gqa_attention_many,
-    rms_norm_rows,
     route_softmax_topk,
 )
 from moeshard.moe.model.layers import Segments, rope_cos_sin, sigmoid, swiglu_mlp, uses_hints
@@ -272,35 +271,25 @@ class Transformer:
         the experts backend gets one call per layer with all of them; attention runs per
         sequence on its own cache.  Every kernel computes a row the same way whatever other
         rows are in the call, so a sequence's logits are the same bits as alone."""
-        c, w = self.config, self.trunk
-        eps = c.rms_norm_eps
         seq = Segments(batch)
         positions = np.concatenate(
             [np.arange(cache.length, cache.length + len(ids)) for ids, cache in seq.batch]
         )  # [N]: each row's position in its own sequence
         rope = rope_cos_sin(positions, self.inv_freq, self.rope_scale)  # cos, sin [N, D/2]
-        x = w.embed("model.embed_tokens.weight", seq.ids)  # [N, H], the residual, in place
-        hints = uses_hints(self.experts)
-        delta = None  # the last block's output, added to x by the next norm
-        for i in range(c.num_hidden_layers):
-            w.enter_layer(i)  # a streamed trunk makes layer i resident and starts reading i + 1
+        caches, hints = seq.caches(), uses_hints(self.experts)
+
+        def norms(i: int) -> tuple[np.ndarray, np.ndarray]:
             ly = self._layer(i)
-            h = np.empty_like(x)  # [N, H]
-            if delta is None:
-                rms_norm_rows(x, ly.input_norm, eps, h)
-            else:
-                add_rms_norm(x, delta, ly.input_norm, eps, h)  # x += delta; h = norm(x)
-            attn = self._attention(i, ly, h, rope, seq.caches(), seq.bounds)
-            h = np.empty_like(x)  # [N, H]
-            add_rms_norm(x, attn, ly.post_norm, eps, h)
-            delta = self._moe(i, ly, h, hints) if ly.moe else self._dense_mlp(ly, h)  # [N, H]
-        seq.advance()
-        h = np.empty_like(x)  # [N, H]
-        if delta is None:
-            rms_norm_rows(x, w.vector("model.norm.weight"), eps, h)
-        else:
-            add_rms_norm(x, delta, w.vector("model.norm.weight"), eps, h)
-        return seq.logits(h, w.linear(self._head), last_only)  # [T_s, V] (or [1, V]) each
+            return ly.input_norm, ly.post_norm
+
+        def mix(i: int, h: np.ndarray) -> np.ndarray:
+            return self._attention(i, self._layer(i), h, rope, caches, seq.bounds)  # [N, H]
+
+        def mlp(i: int, h: np.ndarray) -> np.ndarray:
+            ly = self._layer(i)
+            return self._moe(i, ly, h, hints) if ly.moe else self._dense_mlp(ly, h)  # [N, H]
+
+        return prenorm_forward_batch(self, seq, mix, mlp, norms, self._head, last_only)
 
     def _attention(self, i: int, ly: _Layer, h, rope, caches, bounds) -> np.ndarray:
         """h [N, H] (sequence s in rows bounds[s]:bounds[s + 1]; rope: cos, sin [N, D/2] at
