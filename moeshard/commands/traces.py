@@ -115,6 +115,25 @@ def add_simulate(sub) -> None:
     p.add_argument(
         "--validate", metavar="MODEL", help="run MODEL for real and print measured vs simulated"
     )
+    p.add_argument(
+        "--swarm",
+        metavar="FILE",
+        help="a network of nodes described in FILE (TOML: moeshard/moe/analysis/swarm.py has "
+        "the fields) instead of one box; --ram, --disk and the throughputs are then the file's",
+    )
+    p.add_argument(
+        "--nodes", metavar="N,N,...", help="with --swarm: one line per node count (its one class)"
+    )
+    p.add_argument(
+        "--coordinator-ram", metavar="SIZE", help="with --swarm: the coordinator's RAM instead"
+    )
+    p.add_argument(
+        "--trunk-hosts",
+        type=int,
+        metavar="N",
+        help="with --swarm: the trunk split tensor-parallel over N hosts of the coordinator's "
+        "kind (a model of a later step, not built)",
+    )
     p.add_argument("--policy", default="lru", help="with --validate: cache policy")
     p.add_argument("--prefetch", action="store_true", help="with --validate: prefetch on")
     p.add_argument("--tokens", type=int, default=48, help="with --validate: decode tokens")
@@ -163,6 +182,8 @@ def cmd_simulate(args) -> int:
 
     merged = trace.merge([trace.load(p) for p in args.traces])
     geometry = simulate.geometry_of(args.geometry)
+    if args.swarm:
+        return _simulate_swarm(args, merged, geometry)
     if args.trunk:
         geometry = simulate.with_trunk(geometry, args.trunk)
     ram = parse_size(args.ram)
@@ -178,6 +199,40 @@ def cmd_simulate(args) -> int:
         prefetch_recall=args.prefetch_recall,
     )
     print(simulate.table(results, geometry, ram, args.disk))
+    return EXIT_OK
+
+
+def _simulate_swarm(args, merged, geometry) -> int:
+    """`simulate --swarm FILE [--nodes N,...]`: one line per node count."""
+    from dataclasses import replace
+
+    from moeshard.moe.analysis import simulate, swarm
+    from moeshard.moe.units import parse_size
+
+    spec = swarm.load_swarm(args.swarm)
+    if args.trunk:
+        spec = replace(spec, coordinator=replace(spec.coordinator, trunk=args.trunk))
+    if args.trunk_hosts:
+        if args.trunk_hosts < 1:
+            raise MoeshardError(f"--trunk-hosts {args.trunk_hosts}: need at least 1")
+        spec = replace(spec, coordinator=replace(spec.coordinator, trunk_hosts=args.trunk_hosts))
+    if args.coordinator_ram:
+        ram = parse_size(args.coordinator_ram)
+        spec = replace(spec, coordinator=replace(spec.coordinator, ram=ram))
+    counts = [spec.node_count]
+    if args.nodes:
+        try:
+            counts = [int(n) for n in args.nodes.split(",")]
+        except ValueError:
+            raise MoeshardError(f"--nodes {args.nodes!r}: node counts, e.g. 8,16,32") from None
+        if min(counts) < spec.replicas:
+            raise MoeshardError(f"--nodes: at least --replicas ({spec.replicas}) nodes")
+    tokens = simulate.project(merged, geometry)
+    results = [
+        swarm.simulate_swarm(tokens, geometry, spec if n == spec.node_count else spec.with_nodes(n))
+        for n in counts
+    ]
+    print(swarm.table(results, geometry, spec, args.swarm))
     return EXIT_OK
 
 

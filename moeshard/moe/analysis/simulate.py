@@ -49,6 +49,7 @@ class Geometry:
     trunk_bytes: int  # whole trunk as stored
     params: float  # total parameters, for the report
     trunk_params: float | None = None  # the trunk's parameters, where known (`with_trunk`)
+    row_width: int = 0  # the rows an expert takes and returns (K3: latent), for wire sizes
 
 
 # bytes per weight of a trunk stored in each format (norms and routers, under 1% of a trunk,
@@ -116,15 +117,16 @@ def k3_geometry() -> Geometry:
     routed = (layers - 1) * n_experts * 3 * latent * expert_inter
     record = mxfp4_record(latent, expert_inter)
     return Geometry(
-        "k3", layers - 1, n_experts, 16, record, 2 * trunk, float(trunk + routed), float(trunk)
-    )
+        "k3", layers - 1, n_experts, 16, record, 2 * trunk, float(trunk + routed), float(trunk),
+        row_width=latent,
+    )  # fmt: skip
 
 
 GEOMETRIES = {
     # Kimi K3: 2.78 T parameters, 92 MoE layers of 896 experts, 16 active, MXFP4 experts.
     "k3": k3_geometry(),
     # Kimi-K2 (DeepSeek-V3 architecture): 1.04 T, 384 experts, 8 active, 60 MoE layers.
-    "k2": Geometry("k2", 60, 384, 8, q4_record(7168, 2048), int(16.0e9), 1.04e12),
+    "k2": Geometry("k2", 60, 384, 8, q4_record(7168, 2048), int(16.0e9), 1.04e12, row_width=7168),
 }
 
 
@@ -402,6 +404,7 @@ def geometry_of(spec: str) -> Geometry:
         trunk.stat().st_size if trunk.exists() else 0,
         float(params.get("trunk", 0) + params.get("experts", 0)),
         float(params.get("trunk", 0)) or None,
+        row_width=c.expert_hidden,
     )
 
 

@@ -23,6 +23,7 @@ import json
 from contextlib import ExitStack
 from pathlib import Path
 
+from moeshard.moe.analysis.placement import plan_placement
 from moeshard.moe.convert.converter import COPIED_FILES as MODEL_FILES
 from moeshard.moe.convert.outdir import PLAN_FILE, check_output, staged
 from moeshard.moe.errors import MoeshardError, StoreError
@@ -61,24 +62,6 @@ def _smoothed(counts, keys, path) -> dict[tuple[int, int], float]:
         raise MoeshardError(f"{path}: expert {unknown[0][1]} of layer {unknown[0][0]} not in model")
     mean = sum(counts.values()) / max(len(keys), 1) or 1.0
     return {k: counts.get(k, 0.0) + 1e-3 * mean for k in keys}
-
-
-def plan_placement(
-    loads: dict[tuple[int, int], float], record_bytes: int, nodes: int, replicas: int
-) -> list[list[tuple[int, int]]]:
-    """Greedy: heaviest expert first onto the R least-loaded nodes. Returns keys per node."""
-    if nodes < 1 or not 1 <= replicas <= nodes:
-        raise MoeshardError(f"need 1 <= --replicas ({replicas}) <= --nodes ({nodes})")
-    load = [0.0] * nodes
-    nbytes = [0] * nodes
-    placed: list[list[tuple[int, int]]] = [[] for _ in range(nodes)]
-    for key in sorted(loads, key=lambda k: (-loads[k], k)):
-        best = sorted(range(nodes), key=lambda n: (load[n], nbytes[n], n))[:replicas]
-        for n in best:
-            load[n] += loads[key]
-            nbytes[n] += record_bytes
-            placed[n].append(key)
-    return [sorted(keys) for keys in placed]
 
 
 def _write_node_dir(model: ModelDir, keys, out: Path) -> int:

@@ -1,0 +1,335 @@
+"""`moeshard simulate TRACE --swarm FILE`: what a network of nodes does for a model.
+
+The swarm file (TOML) describes the coordinator, the node classes and how they are used:
+
+    replicas = 2            # copies of every expert (`moeshard shard --replicas`)
+    batch = 1               # sequences each coordinator decodes together
+    coordinators = 1        # coordinators sharing the same nodes
+    wire = "f32"            # activations sent (f32 or bf16); partial sums come back in f64
+    replica_choice = "rank" # rank: the first holder, as placed; least-busy: the holder with
+                            # the least work in this step so far
+    [coordinator]
+    ram = "64G"             # the trunk is resident when it fits in 90% of this, else streamed
+    trunk = "q8_0"          # the trunk's format (default: as the geometry has it)
+    disk = "pcie4-nvme"     # a disk profile name or file (`moeshard bench disk`)
+    memory_gbps = 20        # trunk compute: its bytes over this
+    trunk_hosts = 1         # a model of the trunk split over this many hosts tensor-parallel
+                            # (each reads 1/n of every layer; two exchanges per layer)
+    trunk_rtt_ms = 0.3      # the round trip between those hosts
+    [[nodes]]               # a class of nodes; several classes may be listed
+    count = 16
+    ram = "8G"              # expert cache (records beyond it are read from the node's disk)
+    disk = "pcie4-nvme"
+    kernel_gbps = 7         # expert kernel throughput: a record's bytes over this
+    rtt_ms = [0.2, 0.5]     # each node's round trip to the coordinator, drawn in this range
+    link_gbit = 1           # each node's link, each way
+
+Placement is `moeshard shard`'s own plan (`placement.plan_placement`, balanced by the trace's
+usage). Each node keeps an LRU cache of its records. Per decode step and MoE layer, the
+coordinator computes the layer's trunk, then sends one request to every node holding a routed
+expert (the replica chosen by `replica_choice`), all at once; the layer waits for the slowest:
+
+    node time = RTT + (rows out + partial sums back) / link + queueing
+                + its missed records read from its disk (the part the previous layer's
+                  prefetch hint did not hide) + its experts' compute
+
+With M coordinators the nodes share their time: the queueing is an M/D/1 wait on each node's
+load, and the swarm's tokens/s is capped by its busiest node (`SwarmResult.bound`).
+A trace's tokens come from `simulate.project` (its layers reused cyclically and its expert ids
+scaled at another geometry), as in the single-box simulation.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from moeshard.moe.analysis.cachesim import ReplayCache
+from moeshard.moe.analysis.disk import Disk
+from moeshard.moe.analysis.placement import plan_placement
+from moeshard.moe.analysis.simulate import Geometry, with_trunk
+from moeshard.moe.errors import MoeshardError
+from moeshard.moe.units import parse_size
+
+WIRE_BYTES = {"f32": 4, "bf16": 2}  # per activation sent; partial sums come back as float64
+RESULT_BYTES = 8
+REPLICA_CHOICES = ("rank", "least-busy")
+TRUNK_RAM_SHARE = 0.9  # the trunk is resident when it fits in this share of the coordinator's RAM
+
+
+@dataclass(frozen=True)
+class NodeClass:
+    count: int
+    ram: int  # bytes of expert cache
+    disk: Disk
+    kernel_gbps: float
+    rtt_ms: tuple[float, float]  # each node's round trip, drawn uniformly in [low, high]
+    link_gbit: float
+
+
+@dataclass(frozen=True)
+class Coordinator:
+    ram: int
+    trunk: str | None
+    disk: Disk
+    memory_gbps: float
+    trunk_hosts: int = 1  # tensor-parallel hosts the trunk is split over (a model: not built)
+    trunk_rtt_ms: float = 0.3
+
+
+@dataclass(frozen=True)
+class Swarm:
+    coordinator: Coordinator
+    nodes: tuple[NodeClass, ...]
+    replicas: int = 2
+    batch: int = 1
+    coordinators: int = 1
+    wire: str = "f32"
+    replica_choice: str = "rank"
+    prefetch_recall: float = 0.8
+
+    @property
+    def node_count(self) -> int:
+        return sum(c.count for c in self.nodes)
+
+    def with_nodes(self, count: int) -> Swarm:
+        """The swarm with `count` nodes of its (one) node class: for sweeps."""
+        if len(self.nodes) != 1:
+            raise MoeshardError("--nodes scales a swarm of one node class; this file has more")
+        return replace(self, nodes=(replace(self.nodes[0], count=count),))
+
+
+def load_swarm(path: str | Path) -> Swarm:
+    """The swarm in a TOML file, every field checked (one line naming the file and field)."""
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise MoeshardError(f"{path}: not a readable swarm file ({exc})") from None
+    where = str(path)
+    c = _table(raw, "coordinator", where)
+    coordinator = Coordinator(
+        ram=_size(c, "ram", where),
+        trunk=c.get("trunk"),
+        disk=Disk.load(str(c.get("disk", "pcie4-nvme"))),
+        memory_gbps=_positive(c, "memory_gbps", where, 20.0),
+        trunk_hosts=int(c.get("trunk_hosts", 1)),
+        trunk_rtt_ms=float(c.get("trunk_rtt_ms", 0.3)),
+    )
+    if coordinator.trunk_hosts < 1 or coordinator.trunk_rtt_ms < 0:
+        raise MoeshardError(f"{where}: trunk_hosts must be at least 1, trunk_rtt_ms >= 0")
+    classes = raw.get("nodes")
+    if not isinstance(classes, list) or not classes:
+        raise MoeshardError(f"{where}: needs at least one [[nodes]] class")
+    nodes = []
+    for i, n in enumerate(classes):
+        at = f"{where} [[nodes]] #{i + 1}"
+        rtt = n.get("rtt_ms", [0.3, 0.3])
+        rtt = (rtt, rtt) if isinstance(rtt, int | float) else tuple(rtt)
+        if len(rtt) != 2 or not all(isinstance(v, int | float) and v >= 0 for v in rtt):
+            raise MoeshardError(f"{at}: rtt_ms must be a number or [low, high] in ms")
+        count = n.get("count")
+        if not isinstance(count, int) or count < 1:
+            raise MoeshardError(f"{at}: count must be a positive integer")
+        nodes.append(
+            NodeClass(
+                count=count,
+                ram=_size(n, "ram", at),
+                disk=Disk.load(str(n.get("disk", "pcie4-nvme"))),
+                kernel_gbps=_positive(n, "kernel_gbps", at, 7.0),
+                rtt_ms=(float(min(rtt)), float(max(rtt))),
+                link_gbit=_positive(n, "link_gbit", at, 1.0),
+            )
+        )
+    swarm = Swarm(
+        coordinator,
+        tuple(nodes),
+        replicas=int(raw.get("replicas", 2)),
+        batch=int(raw.get("batch", 1)),
+        coordinators=int(raw.get("coordinators", 1)),
+        wire=str(raw.get("wire", "f32")),
+        replica_choice=str(raw.get("replica_choice", "rank")),
+        prefetch_recall=float(raw.get("prefetch_recall", 0.8)),
+    )
+    check(swarm, where)
+    return swarm
+
+
+def check(swarm: Swarm, where: str) -> None:
+    if not 1 <= swarm.replicas <= swarm.node_count:
+        raise MoeshardError(f"{where}: replicas {swarm.replicas} for {swarm.node_count} nodes")
+    if swarm.batch < 1 or swarm.coordinators < 1:
+        raise MoeshardError(f"{where}: batch and coordinators must be at least 1")
+    if swarm.wire not in WIRE_BYTES:
+        raise MoeshardError(f"{where}: wire {swarm.wire!r}: f32 or bf16")
+    if swarm.replica_choice not in REPLICA_CHOICES:
+        raise MoeshardError(f"{where}: replica_choice {swarm.replica_choice!r}: rank or least-busy")
+    if not 0 <= swarm.prefetch_recall <= 1:
+        raise MoeshardError(f"{where}: prefetch_recall must be between 0 and 1")
+
+
+def _table(raw: dict, name: str, where: str) -> dict:
+    value = raw.get(name)
+    if not isinstance(value, dict):
+        raise MoeshardError(f"{where}: needs a [{name}] table")
+    return value
+
+
+def _size(raw: dict, key: str, where: str) -> int:
+    if key not in raw:
+        raise MoeshardError(f"{where}: missing {key}")
+    return parse_size(str(raw[key]))
+
+
+def _positive(raw: dict, key: str, where: str, default: float) -> float:
+    value = raw.get(key, default)
+    if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise MoeshardError(f"{where}: {key} must be a positive number")
+    return float(value)
+
+
+def trunk_layer_s(g: Geometry, coord: Coordinator) -> float:
+    """Seconds of one layer's trunk on the coordinator: its share of the trunk's bytes over the
+    memory bandwidth when the share fits in RAM, else over its disk's (streamed; compute
+    overlaps the read). Split over `trunk_hosts` hosts, each reads 1/n of the layer at once and
+    the layer costs two exchanges between them (after attention and after the MLP)."""
+    hosts = coord.trunk_hosts
+    share = g.trunk_bytes / g.layers / hosts  # bytes of one layer on one host
+    if g.trunk_bytes / hosts <= TRUNK_RAM_SHARE * coord.ram:
+        s = share / (coord.memory_gbps * 1e9)
+    else:
+        s = max(share / (coord.disk.gbps(8 << 20, 4) * 1e9), share / (coord.memory_gbps * 1e9))
+    return s + (2 * coord.trunk_rtt_ms / 1e3 if hosts > 1 else 0.0)
+
+
+@dataclass
+class SwarmResult:
+    nodes: int
+    s_per_token: float  # one sequence's seconds per token
+    tokens_per_s: float  # the swarm's, over every coordinator and sequence
+    bound: str  # what limits tokens_per_s: "latency" or "node <i> busy"
+    hit_rate: float  # the nodes' expert caches
+    wire_bytes_per_token: float  # one coordinator's, both ways
+    parts: dict[str, float] = field(default_factory=dict)  # seconds per step on the critical path
+
+
+def simulate_swarm(tokens: list[np.ndarray], g: Geometry, swarm: Swarm, seed: int = 0):
+    """Predicted decode of `tokens` (per token: [layers, k] expert keys, `simulate.project`)."""
+    if not g.row_width:
+        raise MoeshardError(f"geometry {g.name}: the experts' row width is not known")
+    if swarm.coordinator.trunk:
+        g = with_trunk(g, swarm.coordinator.trunk)
+    rng = np.random.default_rng(seed)
+    nodes = [c for c in swarm.nodes for _ in range(c.count)]  # one NodeClass per node
+    rtt = [rng.uniform(*c.rtt_ms) / 1e3 for c in nodes]  # seconds
+    usage = Counter(int(k) for t in tokens for k in t.reshape(-1))
+    keys = range(g.layers * g.n_experts)
+    mean = sum(usage.values()) / len(keys)
+    loads = {(k // g.n_experts, k % g.n_experts): usage.get(k, 0) + 1e-3 * mean for k in keys}
+    placed = plan_placement(loads, g.record_bytes, len(nodes), swarm.replicas)
+    holders: dict[int, list[int]] = {}
+    for n, held in enumerate(placed):
+        for layer, expert in held:
+            holders.setdefault(layer * g.n_experts + expert, []).append(n)
+    caches = [ReplayCache(max(0, c.ram // g.record_bytes), "lru", set()) for c in nodes]
+    trunk_s = trunk_layer_s(g, swarm.coordinator)
+    steps = [tokens[i : i + swarm.batch] for i in range(0, len(tokens), swarm.batch)]
+    steps = [s for s in steps if len(s) == swarm.batch] or [tokens[: swarm.batch]]
+    parts = Counter()
+    busy = np.zeros(len(nodes))  # seconds of disk + compute per node, over all steps
+    total = 0.0
+    hits = accesses = 0
+    wire = 0.0
+    prev_layer_s = 0.0
+    for step in steps:
+        for i in range(g.layers):
+            rows_of: Counter = Counter()  # expert key -> rows routed to it
+            for token in step:
+                rows_of.update(int(k) for k in token[i])
+            work: dict[int, list[int]] = {}  # node -> its experts this layer
+            for key in sorted(rows_of):
+                options = holders[key]
+                if swarm.replica_choice == "least-busy":
+                    n = min(options, key=lambda n: (len(work.get(n, ())), busy[n], n))
+                else:
+                    n = options[0]
+                work.setdefault(n, []).append(key)
+            slowest, slowest_parts = 0.0, {}
+            for n, experts in work.items():
+                c, cache = nodes[n], caches[n]
+                cache.begin_call()
+                misses = [k for k in experts if k not in cache]
+                accesses += len(experts)
+                hits += len(experts) - len(misses)
+                for k in misses:
+                    cache.insert(k, set(experts))
+                for k in experts:
+                    cache.touch(k)
+                rows = len(step)  # every row of the step goes to a node with any of its experts
+                sent = rows * g.row_width * (WIRE_BYTES[swarm.wire] + RESULT_BYTES)
+                wire += sent
+                transfer = sent / (c.link_gbit * 1e9 / 8)
+                read = 0.0
+                if misses:
+                    depth = min(len(misses), 8)
+                    read = len(misses) * g.record_bytes / (c.disk.gbps(g.record_bytes, depth) * 1e9)
+                    hidden = swarm.prefetch_recall * min(read, prev_layer_s)
+                    read -= hidden
+                compute = len(experts) * g.record_bytes / (c.kernel_gbps * 1e9)
+                busy[n] += read + compute
+                # M coordinators: this node's share of their work, as an M/D/1 wait
+                rho = min(0.95, (swarm.coordinators - 1) * (read + compute) / max(
+                    prev_layer_s or (rtt[n] + read + compute), 1e-9))  # fmt: skip
+                queue = rho / (2 * (1 - rho)) * (read + compute)
+                t = rtt[n] + transfer + queue + read + compute
+                if t > slowest:
+                    slowest = t
+                    slowest_parts = {"network": rtt[n] + transfer, "queueing": queue,
+                                     "disk": read, "compute": compute}  # fmt: skip
+            layer_s = trunk_s + slowest
+            parts.update({"trunk": trunk_s, **slowest_parts})
+            total += layer_s
+            prev_layer_s = layer_s
+    n_steps = len(steps)
+    s_token = total / n_steps
+    per_token_busy = busy / (n_steps * swarm.batch)  # [nodes] seconds of work per token
+    by_latency = swarm.coordinators * swarm.batch / s_token
+    worst = int(np.argmax(per_token_busy))
+    by_nodes = 1 / per_token_busy[worst] if per_token_busy[worst] > 0 else math.inf
+    tokens_per_s, bound = min((by_latency, "latency"), (by_nodes, f"node {worst} busy"))
+    if bound != "latency":  # saturated: each user gets its share of the busiest node
+        s_token = swarm.coordinators * swarm.batch / tokens_per_s
+    return SwarmResult(
+        nodes=len(nodes),
+        s_per_token=s_token,
+        tokens_per_s=tokens_per_s,
+        bound=bound,
+        hit_rate=hits / max(accesses, 1),
+        wire_bytes_per_token=wire / (n_steps * swarm.batch),
+        parts={k: v / n_steps for k, v in parts.items()},
+    )
+
+
+def table(results: list[SwarmResult], g: Geometry, swarm: Swarm, label: str) -> str:
+    """One line per result: s/token, the swarm's tokens/s, and where a step's time goes."""
+    lines = [
+        f"{label}: geometry {g.name} ({g.layers} MoE layers, {g.n_experts} experts of "
+        f"{g.record_bytes / 1e6:.1f} MB, top-{g.top_k}); replicas {swarm.replicas}, batch "
+        f"{swarm.batch}, {swarm.coordinators} coordinator(s), replica choice "
+        f"{swarm.replica_choice}, wire {swarm.wire}",
+        f"{'nodes':>6} {'s/token':>9} {'swarm tok/s':>12} {'bound':>14} {'hit':>6} "
+        f"{'wire KB/tok':>11}  per step: trunk / network / queueing / disk / compute (s)",
+    ]
+    for r in results:
+        p = r.parts
+        lines.append(
+            f"{r.nodes:>6} {r.s_per_token:>9.3f} {r.tokens_per_s:>12.2f} {r.bound:>14} "
+            f"{r.hit_rate:>6.1%} {r.wire_bytes_per_token / 1e3:>11.1f}  "
+            f"{p.get('trunk', 0):.3f} / {p.get('network', 0):.3f} / {p.get('queueing', 0):.3f} / "
+            f"{p.get('disk', 0):.3f} / {p.get('compute', 0):.3f}"
+        )
+    return "\n".join(lines)

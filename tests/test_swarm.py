@@ -1,0 +1,126 @@
+"""The swarm simulator (`moeshard simulate --swarm`): its file is checked field by field, and
+its predictions move the way the model in moeshard/moe/analysis/swarm.py says they must."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from helpers import ROOT
+
+from moeshard.moe.analysis.simulate import Geometry
+from moeshard.moe.analysis.swarm import load_swarm, simulate_swarm
+from moeshard.moe.errors import MoeshardError
+
+G = Geometry("test", layers=8, n_experts=64, top_k=4, record_bytes=4 << 20,
+             trunk_bytes=800 << 20, params=0.0, row_width=1024)  # fmt: skip
+
+SWARM = """
+replicas = 2
+[coordinator]
+ram = "8G"
+[[nodes]]
+count = {count}
+ram = "{ram}"
+rtt_ms = {rtt}
+link_gbit = 1
+"""
+
+
+def tokens(n: int = 40, seed: int = 0) -> list[np.ndarray]:
+    """n decoded tokens of G, skewed routing: [layers, k] keys each."""
+    rng = np.random.default_rng(seed)
+    p = 1 / np.arange(1, G.n_experts + 1)
+    p /= p.sum()
+    out = []
+    for _ in range(n):
+        rows = [rng.choice(G.n_experts, G.top_k, replace=False, p=p) + i * G.n_experts
+                for i in range(G.layers)]  # fmt: skip
+        out.append(np.stack(rows))
+    return out
+
+
+def swarm(tmp_path, count=8, ram="64M", rtt="[0.3, 0.3]", extra=""):
+    path = tmp_path / f"s{count}-{ram}-{len(extra)}.toml"
+    path.write_text(extra + SWARM.format(count=count, ram=ram, rtt=rtt))
+    return load_swarm(path)
+
+
+def test_more_nodes_hold_more_in_their_caches_and_answer_sooner(tmp_path):
+    small = simulate_swarm(tokens(), G, swarm(tmp_path, 4))
+    large = simulate_swarm(tokens(), G, swarm(tmp_path, 16))
+    assert large.hit_rate > small.hit_rate
+    assert large.s_per_token < small.s_per_token
+
+
+def test_each_layer_waits_one_round_trip(tmp_path):
+    """10 ms more RTT on every node costs 10 ms per MoE layer per token (nothing else moves)."""
+    near = simulate_swarm(tokens(), G, swarm(tmp_path, 8, rtt="[0.3, 0.3]"))
+    far = simulate_swarm(tokens(), G, swarm(tmp_path, 8, rtt="[10.3, 10.3]"))
+    assert far.s_per_token - near.s_per_token == pytest.approx(G.layers * 0.010, rel=0.05)
+
+
+def test_a_trunk_too_big_for_the_coordinator_is_streamed_and_costs_more(tmp_path):
+    fits = simulate_swarm(tokens(), G, swarm(tmp_path, 8))
+    s = swarm(tmp_path, 8)
+    small = replace(s, coordinator=replace(s.coordinator, ram=256 << 20))
+    assert simulate_swarm(tokens(), G, small).parts["trunk"] > fits.parts["trunk"]
+
+
+def test_many_coordinators_are_capped_by_the_busiest_node(tmp_path):
+    one = simulate_swarm(tokens(), G, swarm(tmp_path, 4, ram="8M"))
+    s = swarm(tmp_path, 4, ram="8M")
+    many = simulate_swarm(tokens(), G, replace(s, coordinators=64))
+    assert many.tokens_per_s > one.tokens_per_s
+    assert many.bound.startswith("node ")  # saturated: more users, not more tokens
+    assert many.s_per_token > one.s_per_token
+
+
+def test_spreading_the_replicas_is_no_slower_than_the_first_holder(tmp_path):
+    s = swarm(tmp_path, 8, ram="8M")
+    rank = simulate_swarm(tokens(), G, s)
+    spread = simulate_swarm(tokens(), G, replace(s, replica_choice="least-busy"))
+    assert spread.s_per_token <= rank.s_per_token * 1.001
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("replicas = 2\n[[nodes]]\ncount = 2\nram = '1G'\n", "needs a [coordinator] table"),
+        ("[coordinator]\nram = '1G'\n", "at least one [[nodes]]"),
+        ("[coordinator]\nram = '1G'\n[[nodes]]\ncount = 0\nram = '1G'\n", "count"),
+        ("[coordinator]\nram = '1G'\n[[nodes]]\ncount = 2\nram = '1G'\nrtt_ms = 'lan'\n", "rtt_ms"),
+        ("replicas = 3\n[coordinator]\nram = '1G'\n[[nodes]]\ncount = 2\nram = '1G'\n", "replicas"),
+        ("[coordinator\n", "not a readable swarm file"),
+    ],
+)
+def test_a_bad_swarm_file_is_one_clear_error(tmp_path, text, says):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(MoeshardError, match=r"bad\.toml.*" + says.replace("[", r"\[")):
+        load_swarm(path)
+
+
+def test_the_command_prints_one_line_per_node_count(tmp_path, converted):
+    model = converted("qwen3_moe")
+    trace = tmp_path / "t.npz"
+    run = [sys.executable, "-m", "moeshard"]
+    made = subprocess.run(
+        [*run, "generate", str(model), "--prompt-ids", "1,2,3", "--max-tokens", "12",
+         "--trace", str(trace)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    file = tmp_path / "s.toml"
+    file.write_text(SWARM.format(count=4, ram="1G", rtt="[0.2, 0.5]"))
+    out = subprocess.run(
+        [*run, "simulate", str(trace), "--geometry", "k3", "--swarm", str(file),
+         "--nodes", "4,8"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines()[2:]]
+    assert [r[0] for r in rows] == ["4", "8"] and all(float(r[1]) > 0 for r in rows)
