@@ -16,6 +16,7 @@ The swarm file (TOML) describes the coordinator, the node classes and how they a
     trunk_hosts = 1         # a model of the trunk split over this many hosts tensor-parallel
                             # (each reads 1/n of every layer; two exchanges per layer)
     trunk_rtt_ms = 0.3      # the round trip between those hosts
+    layer_overhead_ms = 0.1 # per layer beyond the trunk's bytes: router, glue, the fan-out
     [[nodes]]               # a class of nodes; several classes may be listed
     count = 16
     ram = "8G"              # expert cache (records beyond it are read from the node's disk)
@@ -23,15 +24,21 @@ The swarm file (TOML) describes the coordinator, the node classes and how they a
     kernel_gbps = 7         # expert kernel throughput: a record's bytes over this
     rtt_ms = [0.2, 0.5]     # each node's round trip to the coordinator, drawn in this range
     link_gbit = 1           # each node's link, each way
+    call_overhead_ms = 1.0  # per request beyond the wire: gRPC, encoding, both ends' Python
 
 Placement is `moeshard shard`'s own plan (`placement.plan_placement`, balanced by the trace's
 usage). Each node keeps an LRU cache of its records. Per decode step and MoE layer, the
 coordinator computes the layer's trunk, then sends one request to every node holding a routed
 expert (the replica chosen by `replica_choice`), all at once; the layer waits for the slowest:
 
-    node time = RTT + (rows out + partial sums back) / link + queueing
+    node time = RTT + call overhead + (rows out + partial sums back) / link + queueing
                 + its missed records read from its disk (the part the previous layer's
                   prefetch hint did not hide) + its experts' compute
+
+The two overheads' defaults were measured on this project's 2-core AMD EPYC: a layer's call to
+one node on loopback took 1.02-1.07 ms at p50 (`moeshard bench rpc out/demo --nodes 3`,
+"RemoteExperts, 1 node(s), stream"), and the demo decoded in RAM at 0.7 ms a token over its
+6 layers, of which its trunk's bytes explain about a third.
 
 With M coordinators the nodes share their time: the queueing is an M/D/1 wait on each node's
 load, and the swarm's tokens/s is capped by its busiest node (`SwarmResult.bound`).
@@ -70,6 +77,7 @@ class NodeClass:
     kernel_gbps: float
     rtt_ms: tuple[float, float]  # each node's round trip, drawn uniformly in [low, high]
     link_gbit: float
+    call_overhead_ms: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,7 @@ class Coordinator:
     memory_gbps: float
     trunk_hosts: int = 1  # tensor-parallel hosts the trunk is split over (a model: not built)
     trunk_rtt_ms: float = 0.3
+    layer_overhead_ms: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -119,6 +128,7 @@ def load_swarm(path: str | Path) -> Swarm:
         memory_gbps=_positive(c, "memory_gbps", where, 20.0),
         trunk_hosts=int(c.get("trunk_hosts", 1)),
         trunk_rtt_ms=float(c.get("trunk_rtt_ms", 0.3)),
+        layer_overhead_ms=_non_negative(c, "layer_overhead_ms", where, 0.1),
     )
     if coordinator.trunk_hosts < 1 or coordinator.trunk_rtt_ms < 0:
         raise MoeshardError(f"{where}: trunk_hosts must be at least 1, trunk_rtt_ms >= 0")
@@ -143,6 +153,7 @@ def load_swarm(path: str | Path) -> Swarm:
                 kernel_gbps=_positive(n, "kernel_gbps", at, 7.0),
                 rtt_ms=(float(min(rtt)), float(max(rtt))),
                 link_gbit=_positive(n, "link_gbit", at, 1.0),
+                call_overhead_ms=_non_negative(n, "call_overhead_ms", at, 1.0),
             )
         )
     swarm = Swarm(
@@ -185,6 +196,13 @@ def _size(raw: dict, key: str, where: str) -> int:
     return parse_size(str(raw[key]))
 
 
+def _non_negative(raw: dict, key: str, where: str, default: float) -> float:
+    value = raw.get(key, default)
+    if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise MoeshardError(f"{where}: {key} must be a number >= 0")
+    return float(value)
+
+
 def _positive(raw: dict, key: str, where: str, default: float) -> float:
     value = raw.get(key, default)
     if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
@@ -203,6 +221,7 @@ def trunk_layer_s(g: Geometry, coord: Coordinator) -> float:
         s = share / (coord.memory_gbps * 1e9)
     else:
         s = max(share / (coord.disk.gbps(8 << 20, 4) * 1e9), share / (coord.memory_gbps * 1e9))
+    s += coord.layer_overhead_ms / 1e3
     return s + (2 * coord.trunk_rtt_ms / 1e3 if hosts > 1 else 0.0)
 
 
@@ -285,10 +304,11 @@ def simulate_swarm(tokens: list[np.ndarray], g: Geometry, swarm: Swarm, seed: in
                 rho = min(0.95, (swarm.coordinators - 1) * (read + compute) / max(
                     prev_layer_s or (rtt[n] + read + compute), 1e-9))  # fmt: skip
                 queue = rho / (2 * (1 - rho)) * (read + compute)
-                t = rtt[n] + transfer + queue + read + compute
+                network = rtt[n] + c.call_overhead_ms / 1e3 + transfer
+                t = network + queue + read + compute
                 if t > slowest:
                     slowest = t
-                    slowest_parts = {"network": rtt[n] + transfer, "queueing": queue,
+                    slowest_parts = {"network": network, "queueing": queue,
                                      "disk": read, "compute": compute}  # fmt: skip
             layer_s = trunk_s + slowest
             parts.update({"trunk": trunk_s, **slowest_parts})
