@@ -79,10 +79,14 @@ def test_many_coordinators_are_capped_by_the_busiest_node(tmp_path):
     assert many.s_per_token > one.s_per_token
 
 
-def test_spreading_the_replicas_is_no_slower_than_the_first_holder(tmp_path):
+def test_choosing_replicas_by_finish_time_beats_the_first_holder(tmp_path):
+    """The runtime's rule (the holder that would finish its share of the layer first) and
+    plain spreading both beat always asking the first holder."""
     s = swarm(tmp_path, 8, ram="8M")
-    rank = simulate_swarm(tokens(), G, s)
+    rank = simulate_swarm(tokens(), G, replace(s, replica_choice="rank"))
+    finish = simulate_swarm(tokens(), G, s)  # the default
     spread = simulate_swarm(tokens(), G, replace(s, replica_choice="least-busy"))
+    assert finish.s_per_token < rank.s_per_token
     assert spread.s_per_token <= rank.s_per_token * 1.001
 
 

@@ -6,8 +6,9 @@ The swarm file (TOML) describes the coordinator, the node classes and how they a
     batch = 1               # sequences each coordinator decodes together
     coordinators = 1        # coordinators sharing the same nodes
     wire = "f32"            # activations sent (f32 or bf16); partial sums come back in f64
-    replica_choice = "rank" # rank: the first holder, as placed; least-busy: the holder with
-                            # the least work in this step so far
+    replica_choice = "finish"  # finish: the holder that would finish its share of the layer
+                            # first, as the runtime chooses (RemoteExperts._assign); rank:
+                            # the first holder, as placed; least-busy: the fewest experts
     [coordinator]
     ram = "64G"             # the trunk is resident when it fits in 90% of this, else streamed
     trunk = "q8_0"          # the trunk's format (default: as the geometry has it)
@@ -65,7 +66,8 @@ from moeshard.moe.units import parse_size
 
 WIRE_BYTES = {"f32": 4, "bf16": 2}  # per activation sent; partial sums come back as float64
 RESULT_BYTES = 8
-REPLICA_CHOICES = ("rank", "least-busy")
+REPLICA_CHOICES = ("finish", "rank", "least-busy")
+CALL_COST_S = 0.3e-3  # one more node in a layer, as the runtime scores it (call_cost_ms)
 TRUNK_RAM_SHARE = 0.9  # the trunk is resident when it fits in this share of the coordinator's RAM
 
 
@@ -99,7 +101,7 @@ class Swarm:
     batch: int = 1
     coordinators: int = 1
     wire: str = "f32"
-    replica_choice: str = "rank"
+    replica_choice: str = "finish"
     prefetch_recall: float = 0.8
 
     @property
@@ -163,7 +165,7 @@ def load_swarm(path: str | Path) -> Swarm:
         batch=int(raw.get("batch", 1)),
         coordinators=int(raw.get("coordinators", 1)),
         wire=str(raw.get("wire", "f32")),
-        replica_choice=str(raw.get("replica_choice", "rank")),
+        replica_choice=str(raw.get("replica_choice", "finish")),
         prefetch_recall=float(raw.get("prefetch_recall", 0.8)),
     )
     check(swarm, where)
@@ -178,7 +180,8 @@ def check(swarm: Swarm, where: str) -> None:
     if swarm.wire not in WIRE_BYTES:
         raise MoeshardError(f"{where}: wire {swarm.wire!r}: f32 or bf16")
     if swarm.replica_choice not in REPLICA_CHOICES:
-        raise MoeshardError(f"{where}: replica_choice {swarm.replica_choice!r}: rank or least-busy")
+        choices = ", ".join(REPLICA_CHOICES)
+        raise MoeshardError(f"{where}: replica_choice {swarm.replica_choice!r}: one of {choices}")
     if not 0 <= swarm.prefetch_recall <= 1:
         raise MoeshardError(f"{where}: prefetch_recall must be between 0 and 1")
 
@@ -256,6 +259,15 @@ def simulate_swarm(tokens: list[np.ndarray], g: Geometry, swarm: Swarm, seed: in
             holders.setdefault(layer * g.n_experts + expert, []).append(n)
     caches = [ReplayCache(max(0, c.ram // g.record_bytes), "lru", set()) for c in nodes]
     trunk_s = trunk_layer_s(g, swarm.coordinator)
+    expert_s = [g.record_bytes / (c.kernel_gbps * 1e9) for c in nodes]
+
+    def finish_s(n: int, taken: int) -> float:
+        """When node n would finish its share of the layer with one expert more: the runtime's
+        score (its round trip and overhead, its experts' time; a node not yet in the layer
+        costs the coordinator one more call)."""
+        fixed = rtt[n] + nodes[n].call_overhead_ms / 1e3
+        return fixed + (taken + 1) * expert_s[n] + (0.0 if taken else CALL_COST_S)
+
     steps = [tokens[i : i + swarm.batch] for i in range(0, len(tokens), swarm.batch)]
     steps = [s for s in steps if len(s) == swarm.batch] or [tokens[: swarm.batch]]
     parts = Counter()
@@ -272,7 +284,9 @@ def simulate_swarm(tokens: list[np.ndarray], g: Geometry, swarm: Swarm, seed: in
             work: dict[int, list[int]] = {}  # node -> its experts this layer
             for key in sorted(rows_of):
                 options = holders[key]
-                if swarm.replica_choice == "least-busy":
+                if swarm.replica_choice == "finish":
+                    n = min(options, key=lambda n: finish_s(n, len(work.get(n, ()))))
+                elif swarm.replica_choice == "least-busy":
                     n = min(options, key=lambda n: (len(work.get(n, ())), busy[n], n))
                 else:
                     n = options[0]
