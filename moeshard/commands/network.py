@@ -219,6 +219,12 @@ def add_shard(sub) -> None:
         "--trace", help="usage to balance by: a trace (.npz), a --profile-out JSON, or {'L:E': n}"
     )
     p.add_argument(
+        "--capacity",
+        metavar="W,W,...",
+        help="a relative weight per node (e.g. its RAM in GB): a node of twice the weight gets "
+        "twice the expected load, the hottest experts first (default: all equal)",
+    )
+    p.add_argument(
         "--out", required=True, help="directory to create (node-00, node-01, ..., coordinator)"
     )
     p.add_argument(
@@ -232,7 +238,19 @@ def add_shard(sub) -> None:
 def cmd_shard(args) -> int:
     from moeshard.moe.convert.placement import shard_model
 
-    plan = shard_model(args.model, args.nodes, args.replicas, args.out, args.trace, args.force)
+    capacity = None
+    if args.capacity:
+        try:
+            capacity = [float(w) for w in args.capacity.split(",")]
+        except ValueError:
+            raise MoeshardError(f"--capacity {args.capacity!r}: numbers, e.g. 16,8,8") from None
+        if len(capacity) != args.nodes or not all(0 < w < float("inf") for w in capacity):
+            raise MoeshardError(
+                f"--capacity: {args.nodes} positive weights, one per node (got {args.capacity!r})"
+            )
+    plan = shard_model(
+        args.model, args.nodes, args.replicas, args.out, args.trace, args.force, capacity
+    )
     for node in plan["nodes"]:
         print(
             f"{node['dir']}: {len(node['experts'])} experts, expected load "

@@ -6,6 +6,7 @@ The swarm file (TOML) describes the coordinator, the node classes and how they a
     batch = 1               # sequences each coordinator decodes together
     coordinators = 1        # coordinators sharing the same nodes
     wire = "f32"            # activations sent (f32 or bf16); partial sums come back in f64
+    placement = "equal"     # equal, or "ram": each node weighted by its RAM (`shard --capacity`)
     replica_choice = "finish"  # finish: the holder that would finish its share of the layer
                             # first, as the runtime chooses (RemoteExperts._assign); rank:
                             # the first holder, as placed; least-busy: the fewest experts
@@ -103,6 +104,7 @@ class Swarm:
     wire: str = "f32"
     replica_choice: str = "finish"
     prefetch_recall: float = 0.8
+    placement: str = "equal"
 
     @property
     def node_count(self) -> int:
@@ -167,6 +169,7 @@ def load_swarm(path: str | Path) -> Swarm:
         wire=str(raw.get("wire", "f32")),
         replica_choice=str(raw.get("replica_choice", "finish")),
         prefetch_recall=float(raw.get("prefetch_recall", 0.8)),
+        placement=str(raw.get("placement", "equal")),
     )
     check(swarm, where)
     return swarm
@@ -182,6 +185,8 @@ def check(swarm: Swarm, where: str) -> None:
     if swarm.replica_choice not in REPLICA_CHOICES:
         choices = ", ".join(REPLICA_CHOICES)
         raise MoeshardError(f"{where}: replica_choice {swarm.replica_choice!r}: one of {choices}")
+    if swarm.placement not in ("equal", "ram"):
+        raise MoeshardError(f"{where}: placement {swarm.placement!r}: equal or ram")
     if not 0 <= swarm.prefetch_recall <= 1:
         raise MoeshardError(f"{where}: prefetch_recall must be between 0 and 1")
 
@@ -252,7 +257,8 @@ def simulate_swarm(tokens: list[np.ndarray], g: Geometry, swarm: Swarm, seed: in
     keys = range(g.layers * g.n_experts)
     mean = sum(usage.values()) / len(keys)
     loads = {(k // g.n_experts, k % g.n_experts): usage.get(k, 0) + 1e-3 * mean for k in keys}
-    placed = plan_placement(loads, g.record_bytes, len(nodes), swarm.replicas)
+    capacity = [float(c.ram) for c in nodes] if swarm.placement == "ram" else None
+    placed = plan_placement(loads, g.record_bytes, len(nodes), swarm.replicas, capacity)
     holders: dict[int, list[int]] = {}
     for n, held in enumerate(placed):
         for layer, expert in held:
@@ -354,7 +360,7 @@ def table(results: list[SwarmResult], g: Geometry, swarm: Swarm, label: str) -> 
         f"{label}: geometry {g.name} ({g.layers} MoE layers, {g.n_experts} experts of "
         f"{g.record_bytes / 1e6:.1f} MB, top-{g.top_k}); replicas {swarm.replicas}, batch "
         f"{swarm.batch}, {swarm.coordinators} coordinator(s), replica choice "
-        f"{swarm.replica_choice}, wire {swarm.wire}",
+        f"{swarm.replica_choice}, placement {swarm.placement}, wire {swarm.wire}",
         f"{'nodes':>6} {'s/token':>9} {'swarm tok/s':>12} {'bound':>14} {'hit':>6} "
         f"{'wire KB/tok':>11}  per step: trunk / network / queueing / disk / compute (s)",
     ]

@@ -154,15 +154,17 @@ def shard_model(
     out: str | Path,
     trace: str | Path | None = None,
     force: bool = False,
+    capacity: list[float] | None = None,
 ) -> dict:
-    """Write OUT/node-00 ... node-(N-1), OUT/coordinator and OUT/plan.json; returns the plan."""
+    """Write OUT/node-00 ... node-(N-1), OUT/coordinator and OUT/plan.json; returns the plan.
+    `capacity`: a relative weight per node (`plan_placement`)."""
     out = check_output(out, [model_path], force, "shards")
     model = ModelDir(model_path)
     try:
         _check_source(model)
         _check_shard_set_size(model, nodes)
         with staged(out, out.with_name(out.name + ".partial")) as tmp:
-            return _write_shard_set(model, nodes, replicas, out, tmp, trace)
+            return _write_shard_set(model, nodes, replicas, out, tmp, trace, capacity)
     finally:
         model.close()
 
@@ -190,7 +192,9 @@ def _check_shard_set_size(model: ModelDir, nodes: int) -> None:
         raise MoeshardError(f"--nodes {nodes}: more than the model's {records} expert records")
 
 
-def _write_shard_set(model: ModelDir, nodes, replicas, out: Path, tmp: Path, trace) -> dict:
+def _write_shard_set(
+    model: ModelDir, nodes, replicas, out: Path, tmp: Path, trace, capacity=None
+) -> dict:
     """The shard set for `out`, written into `tmp`; returns the plan."""
     keys = sorted(model.locations)
     if trace:
@@ -198,7 +202,7 @@ def _write_shard_set(model: ModelDir, nodes, replicas, out: Path, tmp: Path, tra
     else:
         loads = dict.fromkeys(keys, 1.0)
     record_bytes = max(loc.nbytes for _, loc in model.locations.values())
-    placed = plan_placement(loads, record_bytes, nodes, replicas)
+    placed = plan_placement(loads, record_bytes, nodes, replicas, capacity)
     node_plans = []
     for n, mine in enumerate(placed):
         name = f"node-{n:02d}"
