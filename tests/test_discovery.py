@@ -25,7 +25,7 @@ from moeshard.moe.identity.tls import client_tls
 from moeshard.moe.model.model_dir import ModelDir
 from moeshard.moe.wire import moeshard_pb2 as pb
 from moeshard.moe.wire import moeshard_pb2_grpc as pb_grpc
-from moeshard.node.announce import advertised_addresses
+from moeshard.moe.wire.hosts import advertised_addresses
 from moeshard.node.daemon import Node, NodeConfig
 
 BROWSE_S = 1.5  # one zeroconf browse; a wait repeats it (mDNS answers can be late)

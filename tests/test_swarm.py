@@ -179,3 +179,27 @@ def test_shard_takes_a_capacity_per_node(tmp_path, converted):
         )  # fmt: skip
         assert refused.returncode == 2 and "--capacity" in refused.stderr, (bad, refused.stderr)
         assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--nodes", "4"], "--nodes: only with --swarm FILE"),
+        (["--coordinator-ram", "8G"], "--coordinator-ram: only with --swarm FILE"),
+        (["--swarm", "SWARM", "--trunk-hosts", "0"], "--trunk-hosts 0: need at least 1"),
+        (["--swarm", "SWARM", "--nodes", "1"], "at least --replicas (2) nodes"),
+        (["--swarm", "SWARM", "--nodes", "4,x"], "node counts"),
+    ],
+)
+def test_simulate_refuses_swarm_options_it_cannot_use(tmp_path, args, says):
+    trace = tmp_path / "t.npz"
+    trace.write_bytes(b"")  # (refused before the trace is read)
+    file = tmp_path / "s.toml"
+    file.write_text(SWARM.format(count=4, ram="1G", rtt="0.3"))
+    argv = [a.replace("SWARM", str(file)) for a in args]
+    out = subprocess.run(
+        [sys.executable, "-m", "moeshard", "simulate", str(trace), *argv],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2 and says in out.stderr, out.stderr
+    assert out.stderr.count("\n") == 1  # one line

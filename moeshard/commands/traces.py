@@ -180,10 +180,10 @@ def cmd_simulate(args) -> int:
         print(sim_validate.report(runs, predictions, seen))
         return EXIT_OK
 
+    if args.swarm:
+        return _simulate_swarm(args)
     merged = trace.merge([trace.load(p) for p in args.traces])
     geometry = simulate.geometry_of(args.geometry)
-    if args.swarm:
-        return _simulate_swarm(args, merged, geometry)
     if args.trunk:
         geometry = simulate.with_trunk(geometry, args.trunk)
     ram = parse_size(args.ram)
@@ -202,17 +202,19 @@ def cmd_simulate(args) -> int:
     return EXIT_OK
 
 
-def _simulate_swarm(args, merged, geometry) -> int:
-    """`simulate --swarm FILE [--nodes N,...]`: one line per node count."""
+def _simulate_swarm(args) -> int:
+    """`simulate --swarm FILE [--nodes N,...]`: one line per node count (the file and the
+    options checked before the traces are read)."""
     from dataclasses import replace
 
     from moeshard.moe.analysis import simulate, swarm
+    from moeshard.moe.storage import traces as trace
     from moeshard.moe.units import parse_size
 
     spec = swarm.load_swarm(args.swarm)
     if args.trunk:
         spec = replace(spec, coordinator=replace(spec.coordinator, trunk=args.trunk))
-    if args.trunk_hosts:
+    if args.trunk_hosts is not None:
         if args.trunk_hosts < 1:
             raise MoeshardError(f"--trunk-hosts {args.trunk_hosts}: need at least 1")
         spec = replace(spec, coordinator=replace(spec.coordinator, trunk_hosts=args.trunk_hosts))
@@ -227,6 +229,8 @@ def _simulate_swarm(args, merged, geometry) -> int:
             raise MoeshardError(f"--nodes {args.nodes!r}: node counts, e.g. 8,16,32") from None
         if min(counts) < spec.replicas:
             raise MoeshardError(f"--nodes: at least --replicas ({spec.replicas}) nodes")
+    merged = trace.merge([trace.load(p) for p in args.traces])
+    geometry = simulate.geometry_of(args.geometry)
     tokens = simulate.project(merged, geometry)
     results = [
         swarm.simulate_swarm(tokens, geometry, spec if n == spec.node_count else spec.with_nodes(n))
@@ -245,6 +249,12 @@ def _check_simulate_options(args) -> None:
     for option, value in (("--kernel-gbps", args.kernel_gbps), ("--memory-gbps", args.memory_gbps)):
         if not (math.isfinite(value) and value > 0):
             raise MoeshardError(f"{option} {value:g}: need a positive, finite number of GB/s")
+    swarm_only = [f"--{o.replace('_', '-')}" for o in ("nodes", "coordinator_ram", "trunk_hosts")
+                  if getattr(args, o) is not None]  # fmt: skip
+    if args.swarm and args.validate:
+        raise MoeshardError("--swarm and --validate: one at a time (--validate runs one box)")
+    if swarm_only and not args.swarm:
+        raise MoeshardError(f"{', '.join(swarm_only)}: only with --swarm FILE")
     recall = args.prefetch_recall
     if not (math.isfinite(recall) and 0 <= recall <= 1):
         raise MoeshardError(f"--prefetch-recall {recall:g}: need a share between 0 and 1")

@@ -17,7 +17,6 @@ The full holdings come from the node's Info RPC; TXT stays small (one packet).
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import logging
 import socket
 import threading
@@ -27,10 +26,9 @@ from zeroconf import IPVersion, ServiceInfo, Zeroconf
 from moeshard.moe.identity.keys import Identity
 from moeshard.moe.identity.signed import ANNOUNCE_TTL_S, sign_announcement
 from moeshard.moe.wire.constants import SERVICE_TYPE
+from moeshard.moe.wire.hosts import advertised_addresses
 
 log = logging.getLogger(__name__)
-
-WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 
 def shard_summary(held) -> dict[str, str]:
@@ -43,20 +41,6 @@ def shard_summary(held) -> dict[str, str]:
         "layers": f"{layers[0]}-{layers[-1]}" if layers else "",
         "digest": digest,
     }
-
-
-def advertised_addresses(host: str) -> list[str]:
-    """The IPv4 addresses to put in the service record for a server bound to `host`."""
-    if host not in WILDCARD_HOSTS:
-        return [socket.gethostbyname(host)]
-    import ifaddr
-
-    addrs = []
-    for adapter in ifaddr.get_adapters():
-        for ip in adapter.ips:
-            if isinstance(ip.ip, str) and not ipaddress.ip_address(ip.ip).is_loopback:
-                addrs.append(ip.ip)
-    return addrs or ["127.0.0.1"]
 
 
 class Announcer:

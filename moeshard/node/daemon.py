@@ -34,7 +34,7 @@ from moeshard.moe.storage.io import align_up
 from moeshard.moe.storage.manifest import FORMAT_VERSION
 from moeshard.moe.wire import health_pb2_grpc
 from moeshard.moe.wire.constants import MAX_MESSAGE_BYTES, WIRE_VERSION
-from moeshard.moe.wire.hosts import is_loopback
+from moeshard.moe.wire.hosts import advertised_addresses, is_loopback
 from moeshard.moe.wire.names import name_problem, safe_node_name
 from moeshard.node.access import AccessPolicy
 from moeshard.node.checks import NodeIdentity
@@ -234,20 +234,6 @@ class Node:
         self.model.close()
 
 
-def _peer_host(host: str) -> str:
-    """The host to put in this node's `ID@HOST:PORT`: the bound one, or for a wildcard bind
-    the address of the interface the default route leaves by (a UDP socket's connect sends
-    nothing), else the hostname."""
-    if host not in ("", "0.0.0.0", "::", "[::]"):
-        return host
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("192.0.2.1", 9))  # TEST-NET-1: routed, never reached
-            return s.getsockname()[0]
-    except OSError:
-        return socket.gethostname()
-
-
 def run(config: NodeConfig, out) -> int:
     """The `moeshard node` process: serve until SIGTERM/SIGINT, then drain and return 0."""
     return_big_buffers()
@@ -266,7 +252,9 @@ def run(config: NodeConfig, out) -> int:
         file=out,
         flush=True,
     )
-    print(f"as --peers: {ident.node_id}@{_peer_host(config.host)}:{port}", file=out, flush=True)
+    first, *others = advertised_addresses(config.host)  # what the announcement carries too
+    also = f" (this host's other addresses: {', '.join(others)})" if others else ""
+    print(f"as --peers: {ident.node_id}@{first}:{port}{also}", file=out, flush=True)
     print(f"limits: {node.limits.summary()}", file=out, flush=True)
     print(f"ledger: {node.servicer.ledger.path}", file=out, flush=True)
     if node.servicer.bad:
