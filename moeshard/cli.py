@@ -154,6 +154,7 @@ BENCHES = [  # name, module in coordinator.bench, what it measures
     ("attack", "attack", "strangers attack nodes and the server: what honest users keep"),
     ("compare-llamacpp", "compare_llamacpp", "moeshard vs llama.cpp built here, side by side"),
     ("serve", "serve", "the API under 1..N concurrent clients: tok/s, first token, expert cost"),
+    ("swarm", "swarm", "4-16 nodes in namespaces with latency: measured vs simulated s/token"),
 ]
 
 

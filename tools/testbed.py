@@ -21,13 +21,11 @@ no peer list). Every scenario's tokens must equal the single-node output:
                      running zeroconf browse (or its prober) and given work again
 
 Prints a table (scenario, outcome, tokens/s, failovers) and exits 1 if any scenario failed.
-`--delay-relay` is the internal entry point of the delay relay (one per node namespace).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
@@ -39,7 +37,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from testbed_lib.bed import FIXTURE, MOESHARD, Bed, run  # noqa: E402  # noqa: E402
-from testbed_lib.delay import _relay  # noqa: E402
 from testbed_lib.results import Result  # noqa: E402
 from testbed_lib.scenarios import GROUPS, scenarios  # noqa: E402
 
@@ -120,12 +117,9 @@ def print_table(results: list[Result], seconds: float, delay_mode: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--delay-relay":
-        asyncio.run(_relay(int(sys.argv[2]), sys.argv[3], float(sys.argv[4]) / 1e3))
-    else:
-        os.environ.setdefault("PYTHONUNBUFFERED", "1")
-        try:
-            sys.exit(main())
-        except KeyboardInterrupt:
-            print("testbed: interrupted", file=sys.stderr)
-            sys.exit(130)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("testbed: interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -168,7 +168,7 @@ def cmd_generate(args) -> int:
         if args.trace:
             from moeshard.moe.experts.recorder import TraceRecorder
 
-            recorder = TraceRecorder(rt.transformer.experts, trace_meta(rt))
+            recorder = TraceRecorder(rt.transformer.experts, rt.trace_meta())
             rt.transformer.experts = recorder
         stream = None if args.json else rt.text_streamer(sys.stdout)
         if monitor:
@@ -446,16 +446,3 @@ def _report_streaming(args, rt, stats: dict) -> None:
         f"+ interpreter {fmt_bytes(stats['interpreter_overhead_bytes'])})]",
         file=sys.stderr,
     )
-
-
-def trace_meta(rt) -> dict:
-    c = rt.config
-    return {
-        "model_id": rt.model.model_id,
-        "model_type": c.model_type,
-        "n_experts": c.n_experts,
-        "top_k": c.top_k,
-        "moe_layers": list(c.moe_layers),
-        "hidden_size": c.hidden_size,
-        "expert_intermediate": c.expert_intermediate,
-    }

@@ -203,6 +203,7 @@ def client_config(args, **fields):
     --insecure."""
     from moeshard.coordinator.remote.config import RemoteConfig
 
+    fields.setdefault("hedge", not getattr(args, "no_hedge", False))
     return RemoteConfig.for_client(args.key, args.insecure, **fields)
 
 
@@ -221,8 +222,15 @@ def add_shard(sub) -> None:
     p.add_argument(
         "--capacity",
         metavar="W,W,...",
-        help="a relative weight per node (e.g. its RAM in GB): a node of twice the weight gets "
-        "twice the expected load, the hottest experts first (default: all equal)",
+        help="a relative weight per node (e.g. its RAM in GB times its disk's GB/s): a node of "
+        "twice the weight gets twice the expected load, the hottest experts first (default: all "
+        "equal)",
+    )
+    p.add_argument(
+        "--domains",
+        metavar="D,D,...",
+        help="a failure-domain label per node (a house, a power circuit, an uplink): every "
+        "expert's replicas go to different domains where there are enough",
     )
     p.add_argument(
         "--out", required=True, help="directory to create (node-00, node-01, ..., coordinator)"
@@ -248,8 +256,15 @@ def cmd_shard(args) -> int:
             raise MoeshardError(
                 f"--capacity: {args.nodes} positive weights, one per node (got {args.capacity!r})"
             )
+    domains = None
+    if args.domains:
+        domains = [d.strip() for d in args.domains.split(",")]
+        if len(domains) != args.nodes or not all(domains):
+            raise MoeshardError(
+                f"--domains: {args.nodes} non-empty labels, one per node (got {args.domains!r})"
+            )
     plan = shard_model(
-        args.model, args.nodes, args.replicas, args.out, args.trace, args.force, capacity
+        args.model, args.nodes, args.replicas, args.out, args.trace, args.force, capacity, domains
     )
     for node in plan["nodes"]:
         print(
@@ -262,6 +277,12 @@ def cmd_shard(args) -> int:
         f"no expert records), {coord['bytes'] / 1e6:.1f} MB (the full model directory: "
         f"{coord['source_bytes'] / 1e6:.1f} MB)"
     )
+    if domains is not None:
+        kept = "keeps" if plan["survives_any_domain"] else "does NOT keep"
+        print(
+            f"failure domains {', '.join(sorted(set(domains)))}: losing any one of them "
+            f"{kept} a copy of every expert"
+        )
     print(f"plan written to {plan['plan_file']}")
     return EXIT_OK
 
@@ -321,6 +342,12 @@ def add_peer_options(p, required: bool) -> None:
         metavar="N",
         help="with --discover: browse until N nodes are found, for at most 10 x "
         "--discover-timeout (at least 5 s), and fail with fewer",
+    )
+    p.add_argument(
+        "--no-hedge",
+        action="store_true",
+        help="never send a late node's rows to a replica as well (hedged requests are on by "
+        "default: a reply later than the node's recent p95 is hedged once)",
     )
     add_client_identity(p)
 

@@ -232,8 +232,11 @@ def _simulate_swarm(args) -> int:
     merged = trace.merge([trace.load(p) for p in args.traces])
     geometry = simulate.geometry_of(args.geometry)
     tokens = simulate.project(merged, geometry)
+    warm = simulate.prefill_sets(merged, geometry)  # the prompt's pass fills the caches first
     results = [
-        swarm.simulate_swarm(tokens, geometry, spec if n == spec.node_count else spec.with_nodes(n))
+        swarm.simulate_swarm(
+            tokens, geometry, spec if n == spec.node_count else spec.with_nodes(n), warm=warm
+        )
         for n in counts
     ]
     print(swarm.table(results, geometry, spec, args.swarm))

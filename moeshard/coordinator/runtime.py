@@ -78,6 +78,19 @@ class Runtime:
     def config(self):
         return self.model.config
 
+    def trace_meta(self) -> dict:
+        """What a routing trace of this model records about it (`TraceRecorder`)."""
+        c = self.config
+        return {
+            "model_id": self.model.model_id,
+            "model_type": c.model_type,
+            "n_experts": c.n_experts,
+            "top_k": c.top_k,
+            "moe_layers": list(c.moe_layers),
+            "hidden_size": c.hidden_size,
+            "expert_intermediate": c.expert_intermediate,
+        }
+
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise StoreError(f"{self.model.path}: no {TOKENIZER_FILES}; use --prompt-ids")

@@ -105,3 +105,9 @@ def from_environment() -> Lie | None:
     if lie is not None:
         log.warning("FAILPOINT: this node lies (%s); for tests only", lie)
     return lie
+
+
+def swapped(held: list[int], ids: np.ndarray) -> np.ndarray:
+    """`wrong_expert`: each held expert id replaced by the next one held (others kept)."""
+    swap = {e: held[(held.index(e) + 1) % len(held)] for e in held}
+    return np.vectorize(lambda e: swap.get(int(e), int(e)))(ids)  # [T, used]

@@ -122,6 +122,11 @@ class Guard:
 
     # -- admission ------------------------------------------------------------------------
 
+    def waiting(self) -> int:
+        """Forward calls waiting for a compute place now (every client's)."""
+        with self.work.lock:
+            return len(self.work.waiting)
+
     @contextmanager
     def admit(self, client: str, kind: str, peer: str = ""):
         """Count a unary call (`kind` "call"), a ForwardStream ("stream") or a Record stream

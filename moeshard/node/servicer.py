@@ -431,6 +431,7 @@ class ExpertNodeServicer:
             experts_computed=int(np.unique(ids[ids >= 0]).size),
             compute_ms=compute_ms,
             request_id=request.request_id,
+            queued=self.inflight + self.guard.waiting(),  # (a snapshot: no lock needed)
         )
         if request.session:
             self._receipt(request, reply, ids, live)
@@ -448,9 +449,9 @@ class ExpertNodeServicer:
             return out
         if lie.mode != "wrong_expert":
             return lie.alter(out, self.lie_rng)
-        held = sorted(e for lay, e in self.held - self.bad if lay == layer)
-        swap = {e: held[(held.index(e) + 1) % len(held)] for e in held}
-        wrong = np.vectorize(lambda e: swap.get(int(e), int(e)))(ids)  # [T, used]
+        wrong = failpoints.swapped(
+            sorted(e for lay, e in self.held - self.bad if lay == layer), ids
+        )
         lied = np.zeros_like(out)  # [T, H]
         if live.any():
             with self.compute_lock:  # (a test's lie: no turn taken)

@@ -32,6 +32,8 @@ class RemoteConfig:
     max_backoff_s: float = 30.0  # longest ban between probes
     probe_interval_s: float = 0.2  # how often the prober looks for banned nodes due a probe
     prefetch: bool = True  # forward next-layer prefetch hints to the nodes
+    hedge: bool = True  # a reply later than its node's recent p95: its rows go to a replica too
+    queue_aware: bool = True  # a node's stated queue raises its expected finish time
     degrade: bool = False  # drop experts no live node holds (renormalising) instead of failing
     own_experts: bool = False  # compute experts no live node holds from this directory's records
     identity: Identity | None = None  # this client's key (mutual TLS); None = --insecure

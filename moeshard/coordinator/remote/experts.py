@@ -24,7 +24,9 @@ import grpc
 import numpy as np
 
 from moeshard.coordinator.remote.audit import Auditor
-from moeshard.coordinator.remote.config import RemoteConfig, RemoteError, UncoveredError
+from moeshard.coordinator.remote.config import RemoteConfig, RemoteError
+from moeshard.coordinator.remote.degrade import drop, dropped_per_layer, missing_error
+from moeshard.coordinator.remote.gather import Attempt, Round, Share, gather
 from moeshard.coordinator.remote.peers import Peer, PeerSet
 from moeshard.coordinator.remote.transport import ForwardStream, PeerSpec, StreamCall, UnaryCall
 from moeshard.coordinator.remote.trust import Trust
@@ -86,6 +88,8 @@ class RemoteExperts(ExpertsBase):
         self.bytes_received = 0
         self.layer_calls = 0
         self.retries = 0
+        self.hedges = 0  # shares whose reply came later than their node's p95: hedged
+        self.hedge_wins = 0  # ... whose answer came from the hedge
         self.dropped: dict[tuple[int, int], int] = defaultdict(int)  # --degrade drops
         self.layer_ms: list[float] = []  # fan-out wall time of each layer call
         self._pending_hints: set = set()
@@ -125,8 +129,8 @@ class RemoteExperts(ExpertsBase):
                 break
             except _Missing as miss:
                 if not self.config.degrade:
-                    raise self._missing_error(layer, miss.experts) from None
-                ids, weights = self._drop(layer, ids, weights, miss.experts)
+                    raise missing_error(self.peers.peers, layer, miss.experts) from None
+                ids, weights = drop(self.dropped, layer, ids, weights, miss.experts)
         self.layer_ms.append((time.perf_counter() - t0) * 1e3)
         if len(self.layer_ms) > LAYER_HISTORY:
             del self.layer_ms[: LAYER_HISTORY // 2]
@@ -140,6 +144,11 @@ class RemoteExperts(ExpertsBase):
         chosen: dict[int, Peer] = {}
         missing: list[int] = []
         cost = self.config.call_cost_ms
+        at, clock = time.monotonic(), time.perf_counter()  # (call send times: perf_counter)
+
+        def queue_ms(p: Peer) -> float:
+            return p.queue_ms(at) if self.config.queue_aware else 0.0
+
         for expert in experts:
             no = excluded.get(expert, ())
             cands = [p for p in live if p.holds(layer, expert) and p.addr not in no]
@@ -153,11 +162,15 @@ class RemoteExperts(ExpertsBase):
 
             def score(p: Peer) -> tuple[float, int]:
                 # When this node would finish its share of the layer if it also took `expert`
-                # (calls run in parallel, so the layer ends with the slowest node); involving
-                # one more node costs the coordinator `cost` of CPU. Ties: fewer calls so far.
-                # A node with a poorer reputation costs more (`reputation.rank_weight`).
+                # (calls run in parallel, so the layer ends with the slowest node): its
+                # measured round trip beyond compute, the wait its stated queue implies (and
+                # its lateness, while a reply abandoned for a hedge is still out), its experts'
+                # time; involving one more node costs the coordinator `cost` of CPU.
+                # Ties: fewer calls so far. A node with a poorer reputation costs more
+                # (`reputation.rank_weight`).
                 n = load[p.addr]
-                finish = p.overhead_ms + (n + 1) * p.expert_ms + (0.0 if n else cost)
+                wait = queue_ms(p) + p.late_ms(clock)
+                finish = p.overhead_ms + wait + (n + 1) * p.expert_ms + (0.0 if n else cost)
                 return finish * p.weight, p.calls
 
             best = min(cands, key=score)
@@ -180,53 +193,101 @@ class RemoteExperts(ExpertsBase):
                 raise _Missing(missing)
             if not todo:
                 break
-            by_peer: dict[str, tuple[Peer, list[int]]] = {}
-            for expert, peer in chosen.items():
-                by_peer.setdefault(peer.addr, (peer, []))[1].append(expert)
+            by_peer = _by_peer(chosen)
             for peer, _ in by_peer.values():  # the only holders left: their audits first
                 self.trust.wait_backlog(peer.node_id)
                 _wait_until(peer.busy_until)  # ... and their "busy" backoff
-            calls = [
-                call
+            shares = [
+                Share(Attempt(*sent))
                 for peer, mine in by_peer.values()
-                for call in self._requests(peer, layer, hidden, ids, weights, mine)
+                for sent in self._requests(peer, layer, hidden, ids, weights, mine)
             ]
             if hint is not None:  # the next layer's reads start while this layer computes
                 self.prefetch(hint.layer, hint.predicted)
                 hint = None
+            rnd = Round(layer, hidden, ids, weights, excluded)
+            hedge = partial(self._hedge, rnd) if self.config.hedge else None
+            judge = partial(self._judge, rnd)
+            gather(shares, judge, hedge, self.peers.hedge_after_ms, self._late)
+            answers = {id(s): s.answer() for s in shares}
+            for share in shares:  # an answer resting on a peer that failed elsewhere: none
+                if answers[id(share)] and any(a.peer.addr in rnd.bad for a in answers[id(share)]):
+                    answers[id(share)] = None
+            # an expert is done only when every share carrying it (row chunks) has its answer
+            undone = {e for s in shares if answers[id(s)] is None for e in s.first.experts}
             done: list[int] = []
-            fatal: RemoteError | None = None
-            got: dict[str, list] = defaultdict(list)  # peer addr -> its parts this round
-            bad: set[str] = set()  # peers with a failed or refused reply: none of theirs count
-            for peer, experts, rows, request, call in calls:  # every reply is consumed
-                try:
-                    reply, rtt = call.result()
-                except grpc.RpcError as exc:
-                    fatal = self._failed(peer, layer, experts, exc, excluded) or fatal
-                    bad.add(peer.addr)
-                    continue
-                self.peers.record_latency(peer, rtt, reply.compute_ms, len(experts))
-                self.peers.not_busy(peer)
-                self.bytes_received += reply.ByteSize()
-                part = self.trust.accept(peer, experts, len(rows), request, reply, rtt)
-                if part is None:  # a lie, or its sender convicted while it was in flight
-                    _exclude(excluded, experts, peer)
-                    bad.add(peer.addr)
-                    continue
-                got[peer.addr].append((experts, rows, part))
-            for addr, results in got.items():
-                if addr in bad:  # its experts go to replicas in the next round
-                    continue
-                for experts, rows, part in results:
-                    parts.append((experts[0], rows, part))
-                    done.extend(experts)
-            if fatal is not None:
-                raise fatal
+            for share in shares:
+                answer = answers[id(share)]
+                if answer is None or undone & set(share.first.experts):
+                    continue  # its experts go to replicas in the next round
+                self.hedge_wins += answer[0] is not share.first
+                parts.extend((a.experts[0], a.rows, a.part) for a in answer)
+                done.extend(share.first.experts)
+            if rnd.fatals:
+                raise rnd.fatals[-1]
             if len(done) < len(todo):
                 self.retries += 1
             todo = [e for e in todo if e not in set(done)]
         ordered = sorted(parts, key=lambda p: p[0])
         return combine(hidden.shape, ((rows, part) for _, rows, part in ordered), dtype)
+
+    def _judge(self, rnd: Round, a: Attempt) -> None:
+        """Settle attempt `a`, whose call has completed (or is past its deadline): its
+        verified part, or failed (its node banned, refused or caught lying)."""
+        try:
+            reply, rtt = a.call.result()
+        except grpc.RpcError as exc:
+            error = self._failed(a.peer, rnd.layer, a.experts, exc, rnd.excluded)
+            rnd.fatals.extend([error] if error is not None else [])
+            rnd.bad.add(a.peer.addr)
+            a.failed = True
+            return
+        self.peers.record_latency(a.peer, rtt, reply.compute_ms, len(a.experts), reply.queued)
+        self.peers.not_busy(a.peer)
+        self.bytes_received += reply.ByteSize()
+        part = self.trust.accept(a.peer, a.experts, len(a.rows), a.request, reply, rtt)
+        if part is None:  # a lie, or its sender convicted while it was in flight
+            _exclude(rnd.excluded, a.experts, a.peer)
+            rnd.bad.add(a.peer.addr)
+            a.failed = True
+            return
+        a.part = part
+
+    def _late(self, a: Attempt) -> None:
+        """An attempt abandoned for a hedge: until its reply comes, its node counts as late by
+        the time since it was sent (`Peer.late_ms`), and then its round trip counts in its
+        estimate, so a node that froze is not chosen again as if it had been quick (a
+        cancelled unary call: its time so far)."""
+        sent = a.call.sent_at
+        with self.peers.lock:
+            a.peer.late.append(sent)
+
+        def record(_future) -> None:
+            with self.peers.lock:
+                a.peer.late.remove(sent)
+            try:
+                reply, rtt = a.call.result()
+            except Exception:  # noqa: BLE001 (cancelled or failed: its time so far)
+                self.peers.record_latency(a.peer, time.perf_counter() - sent, 0.0, 1)
+                return
+            self.peers.record_latency(a.peer, rtt, reply.compute_ms, len(a.experts), reply.queued)
+
+        a.call.ready.add_done_callback(record)
+
+    def _hedge(self, rnd: Round, share: Share) -> None:
+        """The late `share`'s rows to other holders of its experts (none: nobody else)."""
+        share.hedged = True
+        first = share.first
+        avoid = {e: rnd.excluded.get(e, set()) | {first.peer.addr} for e in first.experts}
+        chosen, missing = self._assign(rnd.layer, first.experts, avoid)
+        if missing:  # an expert no other live node holds: nothing to hedge with
+            return
+        for peer, mine in _by_peer(chosen).values():
+            sends = self._requests(
+                peer, rnd.layer, rnd.hidden, rnd.ids, rnd.weights, mine, first.rows
+            )
+            share.hedges.extend(Attempt(*sent) for sent in sends)
+        self.hedges += 1
 
     def _own_holds(self, layer: int, expert: int) -> bool:
         return self.own is not None and (layer, expert) in self.own.shards.locations
@@ -243,11 +304,13 @@ class RemoteExperts(ExpertsBase):
         self.own_calls += 1
         return experts[0], rows, part
 
-    def _requests(self, peer: Peer, layer, hidden, ids, weights, experts: list[int]):
-        """Send `peer` the rows that route to `experts`, in as many Forward calls as its
-        stated limits need; [(peer, experts, rows, request, call)]."""
+    def _requests(self, peer: Peer, layer, hidden, ids, weights, experts: list[int], among=None):
+        """Send `peer` the rows that route to `experts` (of the rows `among`, if given), in as
+        many Forward calls as its stated limits need; [(peer, experts, rows, request, call)]."""
         mine = np.isin(ids, experts)  # [T, k]
         rows = np.nonzero(mine.any(axis=1))[0]  # [n]
+        if among is not None:
+            rows = np.intersect1d(rows, among)  # [n'] (a hedge: the late share's rows only)
         per_call = rows_per_call(peer, hidden.shape[1], ids.shape[1], self.wire_dtype)
         calls = []
         for chunk in np.array_split(rows, -(-len(rows) // per_call)):  # [<= per_call] each
@@ -276,7 +339,8 @@ class RemoteExperts(ExpertsBase):
             peer.calls += 1
             peer.last_used = time.monotonic()
         if self.config.transport == "unary":
-            return UnaryCall(peer.stub.Forward.future(request, timeout=self.config.deadline_s))
+            future = peer.stub.Forward.future(request, timeout=self.config.deadline_s)
+            return UnaryCall(future, self.config.deadline_s)
         ended = None
         with self.peers.lock:
             if peer.stream is not None and peer.stream.ended():
@@ -287,14 +351,13 @@ class RemoteExperts(ExpertsBase):
             stream = peer.stream
         if ended is not None:
             self._check_finished(peer, ended, ENDED_STREAM_WAIT_S)
-        stream.send(request)
 
         def broken(stream: ForwardStream, peer=peer) -> None:
             with self.peers.lock:  # this stream is finished: the next call opens a new one
                 if peer.stream is stream:
                     peer.stream = None
 
-        return StreamCall(stream, self.peers.watchdog, self.config.deadline_s, broken)
+        return StreamCall(stream, request, self.config.deadline_s, broken)
 
     def _failed(self, peer, layer, experts, exc: grpc.RpcError, excluded) -> RemoteError | None:
         """Handle one failed call; returns the error to raise when retrying cannot help."""
@@ -313,32 +376,6 @@ class RemoteExperts(ExpertsBase):
                 f"node {peer.addr} refused layer {layer}: {code.name}: {exc.details()}"
             )
         return None
-
-    def _missing_error(self, layer: int, experts: list[int]) -> UncoveredError:
-        peers = self.peers.peers
-        unknown = [p.addr for p in peers if not p.held]
-        nobody = f"no node; {len(unknown)} never reached" if unknown else "no node"
-        holders = {
-            e: [f"{p.addr} (down)" for p in peers if p.holds(layer, e)] or [nobody] for e in experts
-        }
-        text = "; ".join(
-            f"expert {e} of layer {layer} (held by {', '.join(h)})" for e, h in holders.items()
-        )
-        return UncoveredError(f"no live node holds {text}")
-
-    def _drop(self, layer, ids, weights, experts) -> tuple[np.ndarray, np.ndarray]:
-        """--degrade: remove `experts` from the routing, rescale the rest to the same total."""
-        gone = np.isin(ids, experts)  # [T, k]
-        if not self.dropped:  # one warning per run; the counts per layer come at the end
-            log.warning("--degrade: dropping experts no live node holds; the output is degraded")
-        for expert in experts:
-            self.dropped[(layer, int(expert))] += int((ids == expert).sum())
-            log.debug("layer %d: dropped expert %d (no live node holds it)", layer, expert)
-        total = weights.sum(axis=1, keepdims=True)  # [T, 1]
-        kept = np.where(gone, np.float32(0), weights)  # [T, k]
-        kept_sum = kept.sum(axis=1, keepdims=True)  # [T, 1]
-        scale = np.divide(total, kept_sum, out=np.zeros_like(total), where=kept_sum > 0)  # [T, 1]
-        return np.where(gone, -1, ids), (kept * scale).astype(np.float32)
 
     # -- prefetch -----------------------------------------------------------------------------
 
@@ -364,23 +401,18 @@ class RemoteExperts(ExpertsBase):
 
     # -- reporting ----------------------------------------------------------------------------
 
-    def _dropped_per_layer(self) -> dict[int, int]:
-        """--degrade: expert slots dropped per layer (token x slot pairs), layers in order."""
-        per_layer: dict[int, int] = defaultdict(int)
-        for (layer, _), n in self.dropped.items():
-            per_layer[layer] += n
-        return dict(sorted(per_layer.items()))
-
     def stats(self) -> dict:
         return {
             "expert_bytes_read": 0,  # the nodes read the experts
             "layer_calls": self.layer_calls,
             "retries": self.retries,
+            "hedges": self.hedges,
+            "hedge_wins": self.hedge_wins,
             "own_calls": self.own_calls,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "dropped": {f"{a}:{b}": n for (a, b), n in self.dropped.items()},
-            "dropped_per_layer": self._dropped_per_layer(),
+            "dropped_per_layer": dropped_per_layer(self.dropped),
             **self.trust.stats(),
             "nodes": [
                 {
@@ -443,6 +475,14 @@ def _wait_until(at: float) -> None:
     left = at - time.monotonic()
     if left > 0:
         time.sleep(left)
+
+
+def _by_peer(chosen: dict[int, Peer]) -> dict[str, tuple[Peer, list[int]]]:
+    """expert -> peer, as peer address -> (peer, its experts)."""
+    by_peer: dict[str, tuple[Peer, list[int]]] = {}
+    for expert, peer in chosen.items():
+        by_peer.setdefault(peer.addr, (peer, []))[1].append(expert)
+    return by_peer
 
 
 def _exclude(excluded: dict[int, set[str]], experts: list[int], peer: Peer) -> None:

@@ -3,11 +3,12 @@
 `PeerSet` admits a node after an Info call (same model id, format and hidden size), bans a
 node that fails with exponential backoff, and runs a prober thread that re-admits banned nodes
 once their health check says SERVING and their Info still matches, refreshes the latency of
-idle nodes, and ticks the stream watchdog.
+idle nodes.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -15,11 +16,12 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 
 from moeshard.coordinator.remote.config import RemoteConfig, RemoteError
 from moeshard.coordinator.remote.reach import why_unreachable
 from moeshard.coordinator.remote.reputation import rank_weight
-from moeshard.coordinator.remote.transport import ForwardStream, PeerSpec, PinError, Watchdog, dial
+from moeshard.coordinator.remote.transport import ForwardStream, PeerSpec, PinError, dial
 from moeshard.moe.identity.signed import check_info
 from moeshard.moe.identity.tls import TLSMaterial, client_tls
 from moeshard.moe.kernels.build import ARITHMETIC
@@ -38,6 +40,10 @@ LATENCY_HISTORY = 4096  # round trips kept per node
 BUSY_FIRST_S = 0.01  # the first wait after a node says "busy"; doubled while it repeats ...
 BUSY_MAX_S = 0.5  # ... up to this
 BUSY_LIMIT_S = 10.0  # busy without a break for this long: banned as a failing node
+QUEUE_FRESH_S = 1.0  # a node's stated queue counts for this long after its reply
+HEDGE_WINDOW = 64  # a node's recent round trips its hedge point is the p95 of
+HEDGE_MIN_SAMPLES = 16  # ... once it has this many
+SWARM_WINDOW = 256  # the swarm's recent round trips (every node's) its p95 is taken over
 
 
 @dataclass
@@ -73,6 +79,22 @@ class Peer:
     busy_backoff_s: float = 0.0  # the wait after its last "busy" (doubles while it repeats)
     busy_since: float = 0.0  # monotonic time of the first "busy" in a row (0: none)
     busy: int = 0  # "busy" answers so far
+    compute_ms: float = 0.0  # smoothed compute time of one of its calls
+    queued: int = 0  # calls it said it was computing or holding at its last reply
+    queued_at: float = 0.0  # monotonic time of that reply
+    late: list = field(default_factory=list)  # send times of replies abandoned, still out
+    hedge_ms: float = 0.0  # its recent p95 round trip (0: too few yet): `PeerSet.hedge_after_ms`
+
+    def late_ms(self, now: float) -> float:
+        """How late its oldest reply abandoned for a hedge is by now (0: none is out)."""
+        return (now - min(self.late)) * 1e3 if self.late else 0.0
+
+    def queue_ms(self, now: float) -> float:
+        """The wait its stated queue implies (a stale statement counts for nothing). A node
+        can only make itself look slower this way: its measured round trips set the rest."""
+        if now - self.queued_at > QUEUE_FRESH_S:
+            return 0.0
+        return self.queued * self.compute_ms
 
     @property
     def addr(self) -> str:
@@ -118,9 +140,10 @@ class PeerSet:
         self.tls = None if config.identity is None else client_tls(config.identity)
         self.lock = threading.Lock()
         self.peers: list[Peer] = []
+        self.recent_ms: collections.deque = collections.deque(maxlen=SWARM_WINDOW)  # every node's
+        self.swarm_p95_ms = 0.0  # the p95 of the swarm's recent round trips (0: too few yet)
         self.ignored: dict[str, str] = {}  # addr -> why it is not used
         self.disqualified: dict[str, str] = {}  # node id -> why it is never used again
-        self.watchdog = Watchdog()
         for spec in dict.fromkeys(specs):
             self._connect(spec)
         if not any(p.up for p in self.peers):
@@ -299,23 +322,39 @@ class PeerSet:
         with self.lock:
             return [p for p in self.peers if p.up]
 
-    def record_latency(self, peer: Peer, seconds: float, compute_ms: float, experts: int) -> None:
+    def record_latency(
+        self, peer: Peer, seconds: float, compute_ms: float, experts: int, queued: int = 0
+    ) -> None:
         ms = seconds * 1e3
         a = self.config.ewma_alpha
         with self.lock:
             peer.ewma_ms = (1 - a) * peer.ewma_ms + a * ms
             peer.overhead_ms = (1 - a) * peer.overhead_ms + a * max(ms - compute_ms, 0.0)
             peer.expert_ms = (1 - a) * peer.expert_ms + a * compute_ms / max(experts, 1)
+            peer.compute_ms = (1 - a) * peer.compute_ms + a * compute_ms
+            peer.queued, peer.queued_at = queued, time.monotonic()
             peer.latencies_ms.append(ms)
             if len(peer.latencies_ms) > LATENCY_HISTORY:
                 del peer.latencies_ms[: LATENCY_HISTORY // 2]
+            self.recent_ms.append(ms)
+            if len(self.recent_ms) >= HEDGE_MIN_SAMPLES and len(peer.latencies_ms) % 4 == 0:
+                self.swarm_p95_ms = float(np.percentile(self.recent_ms, 95))
+            recent = peer.latencies_ms[-HEDGE_WINDOW:]
+            if len(recent) >= HEDGE_MIN_SAMPLES and len(peer.latencies_ms) % 4 == 0:
+                peer.hedge_ms = float(np.percentile(recent, 95))
+
+    def hedge_after_ms(self, peer: Peer) -> float:
+        """How late a reply of `peer` may be before it is hedged: its own recent p95, or the
+        swarm's if lower or if it has too few round trips of its own (a node that is often
+        slow has a high p95 of its own); 0: not yet known."""
+        own, swarm = peer.hedge_ms, self.swarm_p95_ms
+        return min(own, swarm) if own and swarm else own or swarm
 
     # -- the prober ---------------------------------------------------------------------------
 
     def _probe_loop(self) -> None:
         while not self._stop.wait(self.config.probe_interval_s):
             now = time.monotonic()
-            self.watchdog.tick(now)
             self._refresh_idle(now)
             self._reweigh()
             for peer in list(self.peers):

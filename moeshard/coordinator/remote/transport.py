@@ -8,9 +8,12 @@ stream reply has no gRPC deadline of its own, so `StreamCall` registers its dead
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import grpc
@@ -95,18 +98,31 @@ def dial(spec: PeerSpec, tls: TLSMaterial | None, timeout: float) -> tuple[grpc.
 class UnaryCall:
     """One Forward future; result() -> (reply, seconds from send to completion)."""
 
-    def __init__(self, future):
+    def __init__(self, future, deadline_s: float):
         self.sent_at = time.perf_counter()
+        self.deadline = self.sent_at + deadline_s + 1.0  # gRPC ends it at its own deadline
         self.finished = 0.0
+        self.ready: Future = Future()  # completed with the call (for waiting on several)
         self.future = future
         future.add_done_callback(self._done)
 
     def _done(self, _future) -> None:
         self.finished = time.perf_counter()
+        self.ready.set_result(None)
+
+    def deadline_left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def done(self) -> bool:
+        return self.future.done()
 
     def result(self):
         reply = self.future.result()
         return reply, max(self.finished, self.sent_at) - self.sent_at
+
+    def abandon(self) -> None:
+        """Another node's answer was taken instead: cancel this call."""
+        self.future.cancel()
 
 
 class StreamError(grpc.RpcError):
@@ -125,38 +141,60 @@ class StreamError(grpc.RpcError):
 
 
 class ForwardStream:
-    """A persistent ForwardStream: requests go in through a queue, replies come back in order."""
+    """A persistent ForwardStream: requests go in through a queue; a reader thread takes the
+    replies as they come (in request order) and completes each request's future, so the
+    coordinator can wait for several nodes at once, with a timeout (hedged requests)."""
 
     def __init__(self, stub: pb_grpc.ExpertNodeStub):
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.replies = stub.ForwardStream(iter(self.outbox.get, None))
         self.timed_out = False
         self.sent = self.received = 0  # replies come in order: received <= sent, honestly
+        self.unsolicited = 0  # replies no request asked for (a duplicate: a lie)
+        self.lock = threading.Lock()
+        self.waiting: collections.deque[Future] = collections.deque()  # in request order
+        self.reader = threading.Thread(target=self._read, name="forward-stream", daemon=True)
+        self.reader.start()
 
-    def send(self, request) -> None:
-        self.sent += 1
+    def send(self, request) -> Future:
+        """Send `request`; its future gets the reply (or the stream's error)."""
+        future: Future = Future()
+        with self.lock:
+            self.sent += 1
+            self.waiting.append(future)
         self.outbox.put(request)
+        return future
+
+    def _read(self) -> None:
+        error: grpc.RpcError | None = None
+        try:
+            for reply in self.replies:
+                with self.lock:
+                    future = self.waiting.popleft() if self.waiting else None
+                    if future is None:
+                        self.unsolicited += 1
+                    else:
+                        self.received += 1
+                if future is not None:
+                    future.set_result(reply)
+            error = StreamError(grpc.StatusCode.UNAVAILABLE, "stream closed by the node")
+        except grpc.RpcError as exc:
+            error = exc
+            if self.timed_out:
+                error = StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "no reply by the deadline")
+        except ValueError:  # grpc's "call error 8": closed meanwhile by the client's end
+            error = StreamError(grpc.StatusCode.CANCELLED, "stream closed")
+        with self.lock:
+            left, self.waiting = list(self.waiting), collections.deque()
+        for future in left:
+            future.set_exception(error)
 
     def ended(self) -> bool:
         """Whether the node has already ended this stream (a reply would only raise)."""
         return self.replies.done()
 
-    def receive(self):
-        try:
-            reply = next(self.replies)
-            self.received += 1
-            return reply
-        except StopIteration:
-            raise StreamError(grpc.StatusCode.UNAVAILABLE, "stream closed by the node") from None
-        except grpc.RpcError:
-            if self.timed_out:
-                raise StreamError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED, "no reply by the deadline"
-                ) from None
-            raise
-
     def cancel(self) -> None:
-        """Called by the watchdog when a reply is overdue."""
+        """A reply is overdue: end the stream (its waiting requests fail)."""
         self.timed_out = True
         self.replies.cancel()
 
@@ -165,70 +203,54 @@ class ForwardStream:
         self.replies.cancel()
 
     def finish(self, wait_s: float) -> int:
-        """Half-close the stream and read it to its end (at most `wait_s`); returns how many
-        replies came that no request asked for. A reply sent twice is otherwise only noticed
-        when the next request's reply is read, which never happens if the node gets no more
-        work (issue 15's duplicate liar went unseen that way)."""
+        """Half-close the stream and let the reader take it to its end (at most `wait_s`);
+        returns how many replies came that no request asked for. A reply sent twice is
+        otherwise only noticed when the next request's reply is read, which never happens if
+        the node gets no more work (issue 15's duplicate liar went unseen that way)."""
         self.outbox.put(None)
-        unsolicited = 0
-        timer = threading.Timer(wait_s, self.replies.cancel)
-        timer.start()
-        try:
-            for _ in self.replies:
-                if self.received < self.sent:  # a reply nobody waited for: not a lie
-                    self.received += 1
-                else:
-                    unsolicited += 1
-        except grpc.RpcError:
-            pass  # cancelled at the deadline, or the node ended it with an error
-        except ValueError:
-            pass  # grpc's "call error 8": closed meanwhile by the client's end (Ctrl-C)
-        finally:
-            timer.cancel()
-            self.replies.cancel()
-        return unsolicited
-
-
-class Watchdog:
-    """Deadlines of stream replies being waited for; `tick` cancels the overdue streams."""
-
-    def __init__(self):
-        self.waiting: dict[int, tuple[ForwardStream, float]] = {}
-        self.lock = threading.Lock()
-
-    def watch(self, key: int, stream: ForwardStream, deadline: float) -> None:
-        with self.lock:
-            self.waiting[key] = (stream, deadline)
-
-    def done(self, key: int) -> None:
-        with self.lock:
-            self.waiting.pop(key, None)
-
-    def tick(self, now: float) -> None:
-        with self.lock:
-            overdue = [s for s, deadline in self.waiting.values() if now > deadline]
-        for stream in overdue:
-            stream.cancel()
+        self.reader.join(wait_s)
+        self.replies.cancel()
+        self.reader.join(1.0)
+        return self.unsolicited
 
 
 class StreamCall:
-    """One request on a peer's stream; result() waits for its reply under the deadline.
-    `on_broken` is called when the stream fails, so the next call opens a new one."""
+    """One request on a peer's stream; result() waits for its reply under the deadline (an
+    overdue reply cancels the stream). `on_broken` is called when the stream fails, so the
+    next call opens a new one."""
 
-    def __init__(self, stream: ForwardStream, watchdog: Watchdog, deadline_s: float, on_broken):
-        self.stream, self.watchdog, self.on_broken = stream, watchdog, on_broken
+    def __init__(self, stream: ForwardStream, request, deadline_s: float, on_broken):
+        self.stream, self.on_broken = stream, on_broken
         self.sent_at = time.perf_counter()
-        self.deadline = time.monotonic() + deadline_s
+        self.deadline = self.sent_at + deadline_s
+        self.future = self.ready = stream.send(request)
+        self.finished = 0.0
+        self.future.add_done_callback(self._done)
+
+    def _done(self, _future) -> None:
+        self.finished = time.perf_counter()
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def deadline_left(self) -> float:
+        return self.deadline - time.perf_counter()
 
     def result(self):
-        key = id(self)
-        self.watchdog.watch(key, self.stream, self.deadline)
         try:
-            reply = self.stream.receive()
+            reply = self.future.result(timeout=max(self.deadline_left(), 0.0))
+        except FutureTimeout:
+            self.stream.cancel()
+            self.on_broken(self.stream)
+            raise StreamError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "no reply by the deadline"
+            ) from None
         except grpc.RpcError:
             self.on_broken(self.stream)
             self.stream.close()
             raise
-        finally:
-            self.watchdog.done(key)
-        return reply, time.perf_counter() - self.sent_at
+        return reply, max(self.finished, self.sent_at) - self.sent_at
+
+    def abandon(self) -> None:
+        """Another node's answer was taken instead: this reply is left to arrive and be
+        dropped (one message of a stream cannot be cancelled; the node computes it anyway)."""

@@ -29,23 +29,38 @@ The swarm file (TOML) describes the coordinator, the node classes and how they a
     call_overhead_ms = 1.0  # per request beyond the wire: gRPC, encoding, both ends' Python
 
 Placement is `moeshard shard`'s own plan (`placement.plan_placement`, balanced by the trace's
-usage). Each node keeps an LRU cache of its records. Per decode step and MoE layer, the
-coordinator computes the layer's trunk, then sends one request to every node holding a routed
-expert (the replica chosen by `replica_choice`), all at once; the layer waits for the slowest:
+usage), or a real plan's (`bench swarm`). Each node is simulated in time
+(`swarm_nodes.SimNode`): its LRU cache, its disk's queue, its cores. Per decode step and MoE
+layer, the coordinator computes the layer's trunk, then sends one request to every node holding
+a routed expert (the replica chosen by `replica_choice`), all at once, and the next layer's
+prefetch hint right after them (a guess of `prefetch_recall` of the next layer's experts; the
+rest of the guess is wrong, and every guessed record not cached is read); the layer waits for
+the slowest reply:
 
-    node time = RTT + call overhead + (rows out + partial sums back) / link + queueing
-                + its missed records read from its disk (the part the previous layer's
-                  prefetch hint did not hide) + its experts' compute
+    reply = RTT + call overhead + (rows out + partial sums back) / link + queueing
+            + waiting for the node's disk (its missed records, behind the reads already
+              queued there: earlier misses and prefetches) and cores + its experts' compute
+
+and the coordinator's per-call cost for every node beyond the first. A prefetched record still
+in flight counts as a hit, as the store counts it. With `shared_host` every node runs on one
+machine (`moeshard bench swarm`): one disk queue, `host_cores` cores that the nodes' kernels and
+each call's and hint's processing (`host_call_cpu_ms`, `host_hint_cpu_ms`) share, and the
+trunk shares them too.
 
 The two overheads' defaults were measured on this project's 2-core AMD EPYC: a layer's call to
 one node on loopback took 1.02-1.07 ms at p50 (`moeshard bench rpc out/demo --nodes 3`,
 "RemoteExperts, 1 node(s), stream"), and the demo decoded in RAM at 0.7 ms a token over its
-6 layers, of which its trunk's bytes explain about a third.
+6 layers, of which its trunk's bytes explain about a third. `moeshard bench swarm` checks the
+whole model against real node daemons in network namespaces (docs/results.md).
 
 With M coordinators the nodes share their time: the queueing is an M/D/1 wait on each node's
 load, and the swarm's tokens/s is capped by its busiest node (`SwarmResult.bound`).
 A trace's tokens come from `simulate.project` (its layers reused cyclically and its expert ids
-scaled at another geometry), as in the single-box simulation.
+scaled at another geometry), as in the single-box simulation, and the prompt's experts
+(`simulate.prefill_sets`) are put in the caches first.
+
+Hedged requests are not modelled: they cut the tail of a step's latency (a node that stalls
+now and then), and this model predicts mean seconds per token.
 """
 
 from __future__ import annotations
@@ -58,10 +73,10 @@ from pathlib import Path
 
 import numpy as np
 
-from moeshard.moe.analysis.cachesim import ReplayCache
 from moeshard.moe.analysis.disk import Disk
 from moeshard.moe.analysis.placement import plan_placement
-from moeshard.moe.analysis.simulate import Geometry, with_trunk
+from moeshard.moe.analysis.simulate import Geometry, _predict, with_trunk
+from moeshard.moe.analysis.swarm_nodes import SimNode, Timeline
 from moeshard.moe.errors import MoeshardError
 from moeshard.moe.units import parse_size
 
@@ -92,6 +107,7 @@ class Coordinator:
     trunk_hosts: int = 1  # tensor-parallel hosts the trunk is split over (a model: not built)
     trunk_rtt_ms: float = 0.3
     layer_overhead_ms: float = 0.1
+    trunk_ms: float = 0.0  # measured trunk time per token (replaces the bytes model above)
 
 
 @dataclass(frozen=True)
@@ -105,6 +121,11 @@ class Swarm:
     replica_choice: str = "finish"
     prefetch_recall: float = 0.8
     placement: str = "equal"
+    shared_host: bool = False  # every node on one machine (`bench swarm`): their disk reads
+    # and expert compute share its disk and cores, so a layer's node work adds up
+    host_call_cpu_ms: float = 0.0  # shared host: the CPU time one call costs (both ends)
+    host_hint_cpu_ms: float = 0.0  # ... and one prefetch hint
+    host_cores: int = 1  # shared host: its cores; each node's kernels run on one of them
 
     @property
     def node_count(self) -> int:
@@ -223,6 +244,8 @@ def trunk_layer_s(g: Geometry, coord: Coordinator) -> float:
     memory bandwidth when the share fits in RAM, else over its disk's (streamed; compute
     overlaps the read). Split over `trunk_hosts` hosts, each reads 1/n of the layer at once and
     the layer costs two exchanges between them (after attention and after the MLP)."""
+    if coord.trunk_ms:
+        return coord.trunk_ms / 1e3 / g.layers
     hosts = coord.trunk_hosts
     share = g.trunk_bytes / g.layers / hosts  # bytes of one layer on one host
     if g.trunk_bytes / hosts <= TRUNK_RAM_SHARE * coord.ram:
@@ -241,11 +264,22 @@ class SwarmResult:
     bound: str  # what limits tokens_per_s: "latency" or "node <i> busy"
     hit_rate: float  # the nodes' expert caches
     wire_bytes_per_token: float  # one coordinator's, both ways
+    read_bytes_per_token: float = 0.0  # the nodes' disk reads (misses and prefetches)
     parts: dict[str, float] = field(default_factory=dict)  # seconds per step on the critical path
 
 
-def simulate_swarm(tokens: list[np.ndarray], g: Geometry, swarm: Swarm, seed: int = 0):
-    """Predicted decode of `tokens` (per token: [layers, k] expert keys, `simulate.project`)."""
+def simulate_swarm(
+    tokens: list[np.ndarray],
+    g: Geometry,
+    swarm: Swarm,
+    seed: int = 0,
+    placed: list[list[tuple[int, int]]] | None = None,
+    warm: list[np.ndarray] | None = None,
+) -> SwarmResult:
+    """Predicted decode of `tokens` (per token: [layers, k] expert keys, `simulate.project`);
+    `placed`: the (MoE layer index, expert) keys each node holds, when a real shard plan is
+    replayed (default: `plan_placement` on the trace's usage); `warm` (per layer, the prompt's
+    experts: `simulate.prefill_sets`) is put in the chosen holders' caches first, uncounted."""
     if not g.row_width:
         raise MoeshardError(f"geometry {g.name}: the experts' row width is not known")
     if swarm.coordinator.trunk:
@@ -258,14 +292,26 @@ def simulate_swarm(tokens: list[np.ndarray], g: Geometry, swarm: Swarm, seed: in
     mean = sum(usage.values()) / len(keys)
     loads = {(k // g.n_experts, k % g.n_experts): usage.get(k, 0) + 1e-3 * mean for k in keys}
     capacity = [float(c.ram) for c in nodes] if swarm.placement == "ram" else None
-    placed = plan_placement(loads, g.record_bytes, len(nodes), swarm.replicas, capacity)
+    if placed is None:
+        placed = plan_placement(loads, g.record_bytes, len(nodes), swarm.replicas, capacity)
     holders: dict[int, list[int]] = {}
     for n, held in enumerate(placed):
         for layer, expert in held:
             holders.setdefault(layer * g.n_experts + expert, []).append(n)
-    caches = [ReplayCache(max(0, c.ram // g.record_bytes), "lru", set()) for c in nodes]
+    shared_disk, shared_cpu = Timeline(), Timeline(swarm.host_cores)
+    sim_nodes = [
+        SimNode(
+            g,
+            c.ram,
+            c.disk,
+            c.kernel_gbps,
+            shared_disk if swarm.shared_host else Timeline(),
+            shared_cpu if swarm.shared_host else Timeline(),
+        )  # fmt: skip
+        for c in nodes
+    ]
     trunk_s = trunk_layer_s(g, swarm.coordinator)
-    expert_s = [g.record_bytes / (c.kernel_gbps * 1e9) for c in nodes]
+    expert_s = [node.expert_s for node in sim_nodes]
 
     def finish_s(n: int, taken: int) -> float:
         """When node n would finish its share of the layer with one expert more: the runtime's
@@ -274,66 +320,75 @@ def simulate_swarm(tokens: list[np.ndarray], g: Geometry, swarm: Swarm, seed: in
         fixed = rtt[n] + nodes[n].call_overhead_ms / 1e3
         return fixed + (taken + 1) * expert_s[n] + (0.0 if taken else CALL_COST_S)
 
+    def assign(keys) -> dict[int, list[int]]:
+        """node -> the keys it computes, chosen by `replica_choice`."""
+        work: dict[int, list[int]] = {}
+        for key in sorted(keys):
+            options = holders[key]
+            if swarm.replica_choice == "finish":
+                n = min(options, key=lambda n: finish_s(n, len(work.get(n, ()))))
+            elif swarm.replica_choice == "least-busy":
+                n = min(options, key=lambda n: (len(work.get(n, ())), sim_nodes[n].busy_s, n))
+            else:
+                n = options[0]
+            work.setdefault(n, []).append(key)
+        return work
+
+    for layer_keys in warm or []:
+        for n, mine in assign(int(k) for k in layer_keys).items():
+            sim_nodes[n].warm(mine)
     steps = [tokens[i : i + swarm.batch] for i in range(0, len(tokens), swarm.batch)]
     steps = [s for s in steps if len(s) == swarm.batch] or [tokens[: swarm.batch]]
     parts = Counter()
-    busy = np.zeros(len(nodes))  # seconds of disk + compute per node, over all steps
-    total = 0.0
+    now = 0.0
     hits = accesses = 0
     wire = 0.0
     prev_layer_s = 0.0
     for step in steps:
         for i in range(g.layers):
-            rows_of: Counter = Counter()  # expert key -> rows routed to it
-            for token in step:
-                rows_of.update(int(k) for k in token[i])
-            work: dict[int, list[int]] = {}  # node -> its experts this layer
-            for key in sorted(rows_of):
-                options = holders[key]
-                if swarm.replica_choice == "finish":
-                    n = min(options, key=lambda n: finish_s(n, len(work.get(n, ()))))
-                elif swarm.replica_choice == "least-busy":
-                    n = min(options, key=lambda n: (len(work.get(n, ())), busy[n], n))
-                else:
-                    n = options[0]
-                work.setdefault(n, []).append(key)
-            slowest, slowest_parts = 0.0, {}
-            for n, experts in work.items():
-                c, cache = nodes[n], caches[n]
-                cache.begin_call()
-                misses = [k for k in experts if k not in cache]
-                accesses += len(experts)
-                hits += len(experts) - len(misses)
-                for k in misses:
-                    cache.insert(k, set(experts))
-                for k in experts:
-                    cache.touch(k)
-                rows = len(step)  # every row of the step goes to a node with any of its experts
-                sent = rows * g.row_width * (WIRE_BYTES[swarm.wire] + RESULT_BYTES)
+            keys = {int(k) for token in step for k in token[i]}
+            work = assign(keys)
+            if swarm.shared_host:  # the trunk shares the cores with the nodes' leftover work
+                now = shared_cpu.take_all(now, trunk_s)
+            else:
+                now += trunk_s  # the router has run: the calls go out
+            rows = len(step)  # every row of the step goes to a node with any of its experts
+            sent = rows * g.row_width * (WIRE_BYTES[swarm.wire] + RESULT_BYTES)
+            call_cpu = swarm.host_call_cpu_ms / 1e3
+            received, network_of = {}, {}
+            for n, mine in sorted(work.items(), key=lambda item: rtt[item[0]]):
+                c = nodes[n]
+                network_of[n] = rtt[n] + c.call_overhead_ms / 1e3 + sent / (c.link_gbit * 1e9 / 8)
                 wire += sent
-                transfer = sent / (c.link_gbit * 1e9 / 8)
-                read = 0.0
-                if misses:
-                    depth = min(len(misses), 8)
-                    read = len(misses) * g.record_bytes / (c.disk.gbps(g.record_bytes, depth) * 1e9)
-                    hidden = swarm.prefetch_recall * min(read, prev_layer_s)
-                    read -= hidden
-                compute = len(experts) * g.record_bytes / (c.kernel_gbps * 1e9)
-                busy[n] += read + compute
+                received[n], got = sim_nodes[n].receive(mine, now + network_of[n] / 2, call_cpu)
+                hits += got
+                accesses += len(mine)
+            # the next layer's hint goes out right after the calls, before their replies
+            if swarm.prefetch_recall > 0 and i + 1 < g.layers:
+                guess = {k for token in step for k in _predict(
+                    token[i + 1], g, swarm.prefetch_recall, rng)}  # fmt: skip
+                for n, mine in assign(guess).items():
+                    sim_nodes[n].prefetch(mine, now + rtt[n] / 2, swarm.host_hint_cpu_ms / 1e3)
+            replies, compute_of = {}, {}
+            for n, call in received.items():
+                ready, compute_of[n] = sim_nodes[n].compute(call)
+                network = network_of[n]
                 # M coordinators: this node's share of their work, as an M/D/1 wait
-                rho = min(0.95, (swarm.coordinators - 1) * (read + compute) / max(
-                    prev_layer_s or (rtt[n] + read + compute), 1e-9))  # fmt: skip
-                queue = rho / (2 * (1 - rho)) * (read + compute)
-                network = rtt[n] + c.call_overhead_ms / 1e3 + transfer
-                t = network + queue + read + compute
-                if t > slowest:
-                    slowest = t
-                    slowest_parts = {"network": network, "queueing": queue,
-                                     "disk": read, "compute": compute}  # fmt: skip
-            layer_s = trunk_s + slowest
-            parts.update({"trunk": trunk_s, **slowest_parts})
-            total += layer_s
-            prev_layer_s = layer_s
+                work_s = ready - now - network / 2
+                rho = min(0.95, (swarm.coordinators - 1) * work_s / max(
+                    prev_layer_s or (rtt[n] + work_s), 1e-9))  # fmt: skip
+                queue = rho / (2 * (1 - rho)) * work_s
+                replies[n] = (ready + network / 2 + queue, network, queue)
+            last = max(replies, key=lambda n: replies[n][0])
+            done, network, queue = replies[last]
+            end = done + CALL_COST_S * (len(work) - 1)  # the coordinator reads every reply
+            wait = end - now - network - queue - compute_of[last]
+            parts.update({"trunk": trunk_s, "network": network, "queueing": queue,
+                          "disk": max(0.0, wait), "compute": compute_of[last]})  # fmt: skip
+            prev_layer_s = end - now + trunk_s
+            now = end
+    total = now
+    busy = np.array([node.busy_s for node in sim_nodes])
     n_steps = len(steps)
     s_token = total / n_steps
     per_token_busy = busy / (n_steps * swarm.batch)  # [nodes] seconds of work per token
@@ -350,6 +405,7 @@ def simulate_swarm(tokens: list[np.ndarray], g: Geometry, swarm: Swarm, seed: in
         bound=bound,
         hit_rate=hits / max(accesses, 1),
         wire_bytes_per_token=wire / (n_steps * swarm.batch),
+        read_bytes_per_token=sum(n.read_bytes for n in sim_nodes) / (n_steps * swarm.batch),
         parts={k: v / n_steps for k, v in parts.items()},
     )
 

@@ -23,7 +23,7 @@ import json
 from contextlib import ExitStack
 from pathlib import Path
 
-from moeshard.moe.analysis.placement import plan_placement
+from moeshard.moe.analysis.placement import plan_placement, survives_any_domain
 from moeshard.moe.convert.converter import COPIED_FILES as MODEL_FILES
 from moeshard.moe.convert.outdir import PLAN_FILE, check_output, staged
 from moeshard.moe.errors import MoeshardError, StoreError
@@ -155,16 +155,18 @@ def shard_model(
     trace: str | Path | None = None,
     force: bool = False,
     capacity: list[float] | None = None,
+    domains: list[str] | None = None,
 ) -> dict:
     """Write OUT/node-00 ... node-(N-1), OUT/coordinator and OUT/plan.json; returns the plan.
-    `capacity`: a relative weight per node (`plan_placement`)."""
+    `capacity`: a relative weight per node; `domains`: a failure domain per node
+    (`plan_placement`)."""
     out = check_output(out, [model_path], force, "shards")
     model = ModelDir(model_path)
     try:
         _check_source(model)
         _check_shard_set_size(model, nodes)
         with staged(out, out.with_name(out.name + ".partial")) as tmp:
-            return _write_shard_set(model, nodes, replicas, out, tmp, trace, capacity)
+            return _write_shard_set(model, nodes, replicas, out, tmp, trace, capacity, domains)
     finally:
         model.close()
 
@@ -193,7 +195,7 @@ def _check_shard_set_size(model: ModelDir, nodes: int) -> None:
 
 
 def _write_shard_set(
-    model: ModelDir, nodes, replicas, out: Path, tmp: Path, trace, capacity=None
+    model: ModelDir, nodes, replicas, out: Path, tmp: Path, trace, capacity=None, domains=None
 ) -> dict:
     """The shard set for `out`, written into `tmp`; returns the plan."""
     keys = sorted(model.locations)
@@ -202,7 +204,7 @@ def _write_shard_set(
     else:
         loads = dict.fromkeys(keys, 1.0)
     record_bytes = max(loc.nbytes for _, loc in model.locations.values())
-    placed = plan_placement(loads, record_bytes, nodes, replicas, capacity)
+    placed = plan_placement(loads, record_bytes, nodes, replicas, capacity, domains)
     node_plans = []
     for n, mine in enumerate(placed):
         name = f"node-{n:02d}"
@@ -233,6 +235,8 @@ def _write_shard_set(
         "balanced_by": "trace" if trace else "count",
         "trace": str(trace) if trace else None,
         "holders": holders,
+        "domains": domains,
+        "survives_any_domain": survives_any_domain(placed, domains) if domains else None,
         "plan_file": str(out / PLAN_FILE),
     }
     write_file(tmp / PLAN_FILE, (json.dumps(plan, indent=1) + "\n").encode())

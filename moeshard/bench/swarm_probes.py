@@ -1,0 +1,104 @@
+"""What `moeshard bench swarm` measures before each run, to give the simulator: a node's round
+trip beyond its compute and its kernel for one expert (one-row Forwards straight to it), and
+the CPU this machine spends on one node's share of a layer call and on one prefetch hint
+(through the coordinator's real path, timed by /proc/stat); after the run, the nodes' cache
+and read counters (Info)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moeshard.moe.wire import codec
+from moeshard.moe.wire import moeshard_pb2 as pb
+
+NODE_COUNTERS = ("hits", "accesses", "bytes_read", "predicted_used", "used_after_hint")
+
+
+@dataclass
+class Probed:
+    call_ms: list[float]  # per node (plan order): a one-row Forward's round trip beyond compute
+    expert_ms: float  # a node's kernel for one expert in its cache (median over nodes)
+    call_cpu_ms: float  # this machine's CPU per node call of a layer, beyond its kernels
+    hint_cpu_ms: float  # ... per prefetch hint
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds this machine has been busy (all cores, every process: /proc/stat)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def probe_all(experts, plan: dict) -> Probed:
+    direct = [
+        direct_ms(experts, peer, plan["nodes"][i]) for i, peer in enumerate(experts.peers.peers)
+    ]
+    expert_ms = statistics.median(d[1] for d in direct)
+    call, hint = path_cpu_ms(experts, plan, expert_ms)
+    return Probed([d[0] for d in direct], expert_ms, call, hint)
+
+
+def direct_ms(experts, peer, node: dict, calls: int = 7) -> tuple[float, float]:
+    """(ms of a one-row Forward beyond the node's compute, ms of its compute) to `peer`,
+    medians of `calls` calls for one expert it holds (read once first, then cached)."""
+    layer, expert = node["experts"][0]
+    request = pb.ForwardRequest(
+        model_id=experts.model_id,
+        layer=layer,
+        hidden=codec.encode(np.ones((1, experts.hidden_size), np.float32)),  # [1, H]
+        ids=codec.encode(np.full((1, 1), expert, np.int32), codec.I32),  # [1, 1]
+        weights=codec.encode(np.ones((1, 1), np.float32)),  # [1, 1]
+        out_dtype=codec.F64,
+    )
+    beyond, compute = [], []
+    for i in range(calls + 1):
+        t0 = time.perf_counter()
+        reply = peer.stub.Forward(request, timeout=10.0)
+        if i:  # the first call read the record
+            beyond.append((time.perf_counter() - t0) * 1e3 - reply.compute_ms)
+            compute.append(reply.compute_ms)
+    return statistics.median(beyond), statistics.median(compute)
+
+
+def path_cpu_ms(experts, plan: dict, expert_ms: float, calls: int = 100) -> tuple[float, float]:
+    """Milliseconds of this machine's CPU (coordinator, relays and nodes together) that one
+    node's share of a layer call costs beyond its kernel, and one prefetch hint: (call,
+    hint). Through the coordinator's real path, on a layer call that fans out to every node
+    at once (a row routed to one expert each holds, in their caches), so the cost of many
+    calls in flight together is in it."""
+    layer = plan["nodes"][0]["experts"][0][0]
+    mine = sorted({next(e for lay, e in n["experts"] if lay == layer) for n in plan["nodes"]})
+    hidden = np.ones((1, experts.hidden_size), np.float32)  # [1, H]
+    ids = np.array([mine])  # [1, k]
+    weights = np.full((1, len(mine)), 1 / len(mine), np.float32)  # [1, k]
+    for _ in range(3):  # read once, then in the nodes' caches
+        experts(layer, hidden, ids, weights)
+    before = sum(p.calls for p in experts.peers.peers)
+    t0 = busy_cpu_s()
+    for _ in range(calls):
+        experts(layer, hidden, ids, weights)
+    node_calls = sum(p.calls for p in experts.peers.peers) - before
+    call = ((busy_cpu_s() - t0) * 1e3 - calls * len(mine) * expert_ms) / node_calls
+    t0 = busy_cpu_s()
+    for _ in range(calls):
+        experts.prefetch(layer, ids[:, :1])
+        for hint in list(experts._pending_hints):  # blocking waits: no polling on the CPU
+            hint.result()
+    return max(call, 0.0), (busy_cpu_s() - t0) / calls * 1e3
+
+
+def node_counters(experts) -> dict:
+    """The nodes' cache and read counters summed, and the coordinator's wire bytes."""
+    out = dict.fromkeys(NODE_COUNTERS, 0.0)
+    for p in experts.live_peers():
+        info = p.stub.Info(pb.InfoRequest(nonce=os.urandom(16)), timeout=5.0)
+        for k in out:
+            out[k] += info.stats.get(k, 0.0)
+    out["wire"] = experts.bytes_sent + experts.bytes_received
+    return out
