@@ -34,7 +34,14 @@ from pathlib import Path
 
 from moeshard.bench.netbed import NODE_PORT, NetBed, check_tools
 from moeshard.bench.rpc_nodes import NodeProcs
-from moeshard.bench.swarm_probes import Probed, busy_cpu_s, node_counters, probe_all
+from moeshard.bench.swarm_probes import (
+    CpuSpent,
+    Probed,
+    busy_cpu_s,
+    idle_cores,
+    node_counters,
+    probe_all,
+)
 from moeshard.coordinator.generate import SamplingOptions, generate
 from moeshard.coordinator.remote.config import RemoteConfig
 from moeshard.coordinator.runtime import open_local, open_remote
@@ -113,9 +120,11 @@ def trunk_ms_per_token(path: Path, tokens: int) -> float:
         rt.close()
 
 
-def disk_profile(path: Path, record_bytes: int) -> Disk:
-    """This machine's O_DIRECT reads of the model's record file at record size, depth 1-8."""
-    from moeshard.bench.disk import raw_read_gbps
+def disk_profile(path: Path, record_bytes: int) -> tuple[Disk, float]:
+    """This machine's O_DIRECT reads of the model's record file at record size, depth 1-8;
+    and the CPU one read through the store's reader costs (ms; /proc/stat, less the idle
+    load), which the nodes' reads take from the cores they share."""
+    from moeshard.bench.disk import raw_read_gbps, reader_gbps
 
     targets = [
         (f, off)
@@ -126,7 +135,10 @@ def disk_profile(path: Path, record_bytes: int) -> Disk:
     for depth in (1, 2, 4, 8):
         runs = [raw_read_gbps(targets, record_bytes, depth, 0.4, seed=r) for r in range(3)]
         points.append([record_bytes, depth, statistics.median(runs)])
-    return Disk(points)
+    seconds = 1.0
+    with CpuSpent(idle_cores()) as spent:
+        gbps = reader_gbps(targets, record_bytes, 4, seconds)
+    return Disk(points), spent.seconds * 1e3 / (gbps * 1e9 * seconds / record_bytes)
 
 
 def start_nodes(bed: NetBed, procs: NodeProcs, plan: dict, key, flags=()) -> str:
@@ -182,6 +194,8 @@ def run_config(bed: NetBed, shards: Path, plan: dict, rtt_ms: float, ram: int, t
             opts = SamplingOptions(max_tokens=tokens + 1)
             r = generate(rt.transformer, PROMPT, opts, on_forward=mark)
             end = dict(node_counters(experts), cpu=busy_cpu_s())
+            rt.transformer.experts = experts
+            probed = Probed.mean(probed, probe_all(experts, plan))  # before and after the run
             d = {k: end[k] - start[k] for k in end}
             steps = len(r.decode_s)
             measured = Measured(
@@ -202,7 +216,7 @@ def run_config(bed: NetBed, shards: Path, plan: dict, rtt_ms: float, ram: int, t
 
 
 def simulated(trace, g, plan: dict, probed: Probed, recall: float, ram: int, disk: Disk,
-              trunk_ms: float) -> swarm.SwarmResult:  # fmt: skip
+              trunk_ms: float, read_cpu_ms: float = 0.0) -> swarm.SwarmResult:  # fmt: skip
     """The simulator's figure for one configuration, from what was measured: every node on
     this machine (its cores and disk shared), each with its probed round trip and kernel."""
     kernel_gbps = g.record_bytes / (probed.expert_ms / 1e3) / 1e9
@@ -229,6 +243,7 @@ def simulated(trace, g, plan: dict, probed: Probed, recall: float, ram: int, dis
         shared_host=True,
         host_call_cpu_ms=probed.call_cpu_ms,
         host_hint_cpu_ms=probed.hint_cpu_ms,
+        host_read_cpu_ms=read_cpu_ms,
         host_cores=os.cpu_count() or 1,  # each node computes on one thread (--threads 1)
     )
     moe = list(trace.moe_layers)  # the model's layer numbers -> the geometry's MoE layers
@@ -257,14 +272,14 @@ def run(args) -> int:
         return run_slow(args, work, key, shard)
     g = sim.geometry_of(str(path))
     trunk_ms = trunk_ms_per_token(path, args.tokens)
-    disk = disk_profile(path, g.record_bytes)
+    disk, read_cpu_ms = disk_profile(path, g.record_bytes)
     print(
         f"model {path.name}: {g.layers} MoE layers, {g.n_experts} experts of "
         f"{fmt_bytes(g.record_bytes)}, top-{g.top_k}; measured here: trunk {trunk_ms:.1f} "
         "ms/token, disk at record size "
         + ", ".join(f"QD{int(d)} {gb:.2f}" for _, d, gb in disk.points)
-        + " GB/s; nodes: one compute thread each, all on this machine's "
-        f"{os.cpu_count()} cores and disk"
+        + f" GB/s, {read_cpu_ms:.2f} ms of CPU per read; nodes: one compute thread each, all "
+        f"on this machine's {os.cpu_count()} cores and disk"
     )
     errors = []
     for n in counts:
@@ -276,11 +291,11 @@ def run(args) -> int:
         try:
             for rtt in rtts:
                 m, probed, trace = run_config(bed, shards, plan, rtt, ram, args.tokens, key)
-                s = simulated(trace, g, plan, probed, m.recall, ram, disk, trunk_ms)
+                s = simulated(trace, g, plan, probed, m.recall, ram, disk, trunk_ms, read_cpu_ms)
                 tag = f"{n}-{rtt:g}"
                 trace.save(work / f"trace-{tag}.npz")  # what `simulated` replays, kept
                 inputs = {"measured": asdict(m), "probed": asdict(probed), "ram": ram,
-                          "trunk_ms": trunk_ms, "disk": disk.points,
+                          "trunk_ms": trunk_ms, "disk": disk.points, "read_cpu_ms": read_cpu_ms,
                           "plan": str(shards / "plan.json")}  # fmt: skip
                 (work / f"measured-{tag}.json").write_text(json.dumps(inputs, indent=1))
                 errors.append((s.s_per_token - m.s_per_token) / m.s_per_token)

@@ -27,6 +27,16 @@ class Probed:
     call_cpu_ms: float  # this machine's CPU per node call of a layer, beyond its kernels
     hint_cpu_ms: float  # ... per prefetch hint
 
+    @staticmethod
+    def mean(a: Probed, b: Probed) -> Probed:
+        """The two probes averaged (one before a run, one after: a shared machine drifts)."""
+        return Probed(
+            [(x + y) / 2 for x, y in zip(a.call_ms, b.call_ms, strict=True)],
+            (a.expert_ms + b.expert_ms) / 2,
+            (a.call_cpu_ms + b.call_cpu_ms) / 2,
+            (a.hint_cpu_ms + b.hint_cpu_ms) / 2,
+        )
+
 
 def busy_cpu_s() -> float:
     """CPU seconds this machine has been busy (all cores, every process: /proc/stat)."""
@@ -36,12 +46,34 @@ def busy_cpu_s() -> float:
 
 
 def probe_all(experts, plan: dict) -> Probed:
-    direct = [
-        direct_ms(experts, peer, plan["nodes"][i]) for i, peer in enumerate(experts.peers.peers)
-    ]
+    peers = experts.peers.peers  # in the plan's order
+    direct = [direct_ms(experts, peer, plan["nodes"][i]) for i, peer in enumerate(peers)]
     expert_ms = statistics.median(d[1] for d in direct)
-    call, hint = path_cpu_ms(experts, plan, expert_ms)
+    call, hint = path_cpu_ms(experts, plan, expert_ms, idle_cores())
     return Probed([d[0] for d in direct], expert_ms, call, hint)
+
+
+def idle_cores(seconds: float = 1.0) -> float:
+    """The cores this machine keeps busy while nothing is asked of it (the daemons' timers
+    and pollers, other tenants): not charged to what a probe measures."""
+    t0, c0 = time.perf_counter(), busy_cpu_s()
+    time.sleep(seconds)
+    return (busy_cpu_s() - c0) / (time.perf_counter() - t0)
+
+
+class CpuSpent:
+    """CPU seconds the machine spent beyond its idle load over a `with` block."""
+
+    def __init__(self, idle: float):
+        self.idle, self.seconds = idle, 0.0
+
+    def __enter__(self):
+        self.t0, self.c0 = time.perf_counter(), busy_cpu_s()
+        return self
+
+    def __exit__(self, *exc):
+        wall = time.perf_counter() - self.t0
+        self.seconds = busy_cpu_s() - self.c0 - self.idle * wall
 
 
 def direct_ms(experts, peer, node: dict, calls: int = 7) -> tuple[float, float]:
@@ -66,12 +98,14 @@ def direct_ms(experts, peer, node: dict, calls: int = 7) -> tuple[float, float]:
     return statistics.median(beyond), statistics.median(compute)
 
 
-def path_cpu_ms(experts, plan: dict, expert_ms: float, calls: int = 100) -> tuple[float, float]:
+def path_cpu_ms(
+    experts, plan: dict, expert_ms: float, idle: float, calls: int = 100
+) -> tuple[float, float]:
     """Milliseconds of this machine's CPU (coordinator, relays and nodes together) that one
     node's share of a layer call costs beyond its kernel, and one prefetch hint: (call,
     hint). Through the coordinator's real path, on a layer call that fans out to every node
     at once (a row routed to one expert each holds, in their caches), so the cost of many
-    calls in flight together is in it."""
+    calls in flight together is in it. The machine's `idle` load is not charged to them."""
     layer = plan["nodes"][0]["experts"][0][0]
     mine = sorted({next(e for lay, e in n["experts"] if lay == layer) for n in plan["nodes"]})
     hidden = np.ones((1, experts.hidden_size), np.float32)  # [1, H]
@@ -80,17 +114,17 @@ def path_cpu_ms(experts, plan: dict, expert_ms: float, calls: int = 100) -> tupl
     for _ in range(3):  # read once, then in the nodes' caches
         experts(layer, hidden, ids, weights)
     before = sum(p.calls for p in experts.peers.peers)
-    t0 = busy_cpu_s()
-    for _ in range(calls):
-        experts(layer, hidden, ids, weights)
+    with CpuSpent(idle) as fanned:
+        for _ in range(calls):
+            experts(layer, hidden, ids, weights)
     node_calls = sum(p.calls for p in experts.peers.peers) - before
-    call = ((busy_cpu_s() - t0) * 1e3 - calls * len(mine) * expert_ms) / node_calls
-    t0 = busy_cpu_s()
-    for _ in range(calls):
-        experts.prefetch(layer, ids[:, :1])
-        for hint in list(experts._pending_hints):  # blocking waits: no polling on the CPU
-            hint.result()
-    return max(call, 0.0), (busy_cpu_s() - t0) / calls * 1e3
+    call = (fanned.seconds * 1e3 - calls * len(mine) * expert_ms) / node_calls
+    with CpuSpent(idle) as hinted:
+        for _ in range(calls):
+            experts.prefetch(layer, ids[:, :1])
+            for hint in list(experts._pending_hints):  # blocking waits: no polling on the CPU
+                hint.result()
+    return max(call, 0.0), max(hinted.seconds / calls * 1e3, 0.0)
 
 
 def node_counters(experts) -> dict:

@@ -125,6 +125,7 @@ class Swarm:
     # and expert compute share its disk and cores, so a layer's node work adds up
     host_call_cpu_ms: float = 0.0  # shared host: the CPU time one call costs (both ends)
     host_hint_cpu_ms: float = 0.0  # ... and one prefetch hint
+    host_read_cpu_ms: float = 0.0  # ... and one record read (syscall, pinning, checksum)
     host_cores: int = 1  # shared host: its cores; each node's kernels run on one of them
 
     @property
@@ -307,7 +308,8 @@ def simulate_swarm(
             c.kernel_gbps,
             shared_disk if swarm.shared_host else Timeline(),
             shared_cpu if swarm.shared_host else Timeline(),
-        )  # fmt: skip
+            swarm.host_read_cpu_ms / 1e3 if swarm.shared_host else 0.0,
+        )
         for c in nodes
     ]
     trunk_s = trunk_layer_s(g, swarm.coordinator)

@@ -49,7 +49,8 @@ class Timeline:
 
 class SimNode:
     def __init__(
-        self, g: Geometry, ram: int, disk: Disk, kernel_gbps: float, disk_line, cpu_line
+        self, g: Geometry, ram: int, disk: Disk, kernel_gbps: float, disk_line, cpu_line,
+        read_cpu_s: float = 0.0,
     ):  # fmt: skip
         self.g, self.disk = g, disk
         self.cache = ReplayCache(max(0, ram // g.record_bytes), "lru", set())
@@ -57,6 +58,7 @@ class SimNode:
         self.disk_line: Timeline = disk_line
         self.cpu_line: Timeline = cpu_line
         self.expert_s = g.record_bytes / (kernel_gbps * 1e9)
+        self.read_cpu_s = read_cpu_s  # a shared host's cores, per read (at submission)
         self.slot = np.arange(g.layers * g.n_experts)  # records in (layer, expert) order
         self.busy_s = 0.0  # seconds of reads and kernels, over the run
         self.read_bytes = 0
@@ -70,6 +72,8 @@ class SimNode:
         self.disk_line.take(begin, max(at) - begin)
         self.busy_s += max(at) - begin
         self.read_bytes += len(keys) * self.g.record_bytes
+        for _ in keys if self.read_cpu_s else ():  # the cores the reads take meanwhile
+            self.cpu_line.take(begin, self.read_cpu_s)
         return at
 
     def receive(self, keys: list[int], arrival: float, call_cpu_s: float = 0.0) -> tuple:
