@@ -7,20 +7,22 @@ for each added round trip (`--rtt-ms 0.2,2,10`) the nodes start afresh (cold cac
 namespaces (`moeshard.bench.netbed`) with `--ram` caps of `--ram-share` of the records each
 holds, so they read from their disks, and this process, the coordinator, greedy-decodes
 `--tokens` tokens through them with mutual TLS. Then the simulator is given what was measured
-here, not assumed:
+around that run, not assumed (`moeshard.bench.swarm_probes`):
 
 - the placement `shard` wrote, and each node's cache (its `--ram` over the record size);
-- each node's round trip, measured through its relay (grpc.health pings, median), and the
-  call overhead of a Forward beyond it, measured on the first node before the run;
-- the coordinator's trunk per token and the expert kernels' GB/s, from a profiled decode of
-  the model in RAM in this process;
-- this machine's disk (O_DIRECT reads of the model's own record file at record size);
-- the routing: the trace recorded during the measured run, replayed;
+- each node's round trip beyond its compute and its kernel for one expert (one-row Forwards
+  straight to it), and this machine's CPU per node call and per prefetch hint (through the
+  coordinator's real path), probed before and after the run and averaged;
+- the coordinator's trunk per token, from a profiled decode of the model in RAM;
+- this machine's disk (O_DIRECT reads of the model's records at record size) and the CPU one
+  read through the store's reader costs;
+- the prefetch hints' recall the nodes saw, and the routing: the run's trace, replayed;
 
 and prints, per configuration, the node caches' hit rate and bytes on the wire per token, both
-measured and simulated, ending `measured A s/token, simulated B s/token (error C%)`. Every
-node runs on this one machine: `host_cores` in the swarm tells the simulator so (the nodes'
-disk and compute work shares these cores and this disk).
+measured and simulated, ending `measured A s/token, simulated B s/token (error C%)`; exit 1
+unless every configuration is within 15%. Every node runs on this one machine: `shared_host`
+in the swarm tells the simulator so (the nodes' reads, kernels and calls share these cores and
+this disk). `--slow` runs the slow-node comparison instead (`moeshard.bench.swarm_slow`).
 """
 
 from __future__ import annotations

@@ -355,11 +355,22 @@ class PeerSet:
     def _probe_loop(self) -> None:
         while not self._stop.wait(self.config.probe_interval_s):
             now = time.monotonic()
+            self._expire_late()
             self._refresh_idle(now)
             self._reweigh()
             for peer in list(self.peers):
                 if not peer.up and not peer.disqualified and now >= peer.retry_at:
                     self._probe(peer)
+
+    def _expire_late(self) -> None:
+        """A reply abandoned for a hedge that has still not come by its deadline: its node is
+        failing, as if the call had been waited for (banned, its stream closed, which settles
+        the abandoned calls)."""
+        clock = time.perf_counter()
+        for peer in self.live():
+            oldest = min(peer.late, default=clock)
+            if clock - oldest > self.config.deadline_s:
+                self.ban(peer, "a reply abandoned for a hedge missed its deadline")
 
     def _reweigh(self) -> None:
         """Routing weights from the reputations as evidence comes in; keep it on disk."""

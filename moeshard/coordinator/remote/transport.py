@@ -1,9 +1,10 @@
 """How Forward calls travel: pinned TLS channels, unary futures, persistent bidi streams.
 
 A `ForwardStream` per node carries every Forward of a generation as messages on one HTTP/2
-stream (about half the per-call cost of a unary call); replies come back in request order. A
-stream reply has no gRPC deadline of its own, so `StreamCall` registers its deadline with a
-`Watchdog` that the peer prober ticks, and an overdue stream is cancelled.
+stream (about half the per-call cost of a unary call); replies come back in request order, and a
+reader thread per stream completes each request's future as its reply arrives. A stream reply
+has no gRPC deadline of its own: `StreamCall.result` waits for its future under the call's
+deadline, and an overdue reply cancels the stream.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ class UnaryCall:
 
 class StreamError(grpc.RpcError):
     """A ForwardStream that ended without a usable status: closed by the node, or a reply
-    that missed its deadline (the watchdog cancelled the stream)."""
+    that missed its deadline (the stream was cancelled)."""
 
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(details)
