@@ -225,3 +225,21 @@ def test_replicas_spread_over_failure_domains():
     assert max(map(len, placed)) - min(map(len, placed)) <= 2  # still balanced
     with pytest.raises(MoeshardError, match="one per node"):
         plan_placement(loads, 1, 6, 2, domains=["a", "b"])
+
+
+def test_hedged_requests_cut_the_tail_a_stalling_node_makes(tmp_path):
+    """One node of eight freezes 150 ms every second: with hedging (the runtime's rule) its
+    late shares go to the other holders, and the p99 step falls; without, the steps that meet
+    a freeze wait it out."""
+    path = tmp_path / "stall.toml"
+    fast = SWARM.format(count=7, ram="64M", rtt="[0.3, 0.3]")
+    slow = (
+        "\n[[nodes]]\ncount = 1\nram = '64M'\nrtt_ms = 0.3\nstall_ms = 150\nstall_every_s = 1.0\n"
+    )
+    path.write_text(fast + slow)
+    s = load_swarm(path)
+    hedged = simulate_swarm(tokens(200), G, s)
+    plain = simulate_swarm(tokens(200), G, replace(s, hedge=False))
+    assert hedged.hedges_per_token > 0 and plain.hedges_per_token == 0
+    assert hedged.p99_step_s < plain.p99_step_s / 1.5
+    assert hedged.s_per_token < plain.s_per_token

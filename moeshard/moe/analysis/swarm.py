@@ -7,6 +7,7 @@ The swarm file (TOML) describes the coordinator, the node classes and how they a
     coordinators = 1        # coordinators sharing the same nodes
     wire = "f32"            # activations sent (f32 or bf16); partial sums come back in f64
     placement = "equal"     # equal, or "ram": each node weighted by its RAM (`shard --capacity`)
+    hedge = true            # hedged requests, as the runtime sends them
     replica_choice = "finish"  # finish: the holder that would finish its share of the layer
                             # first, as the runtime chooses (RemoteExperts._assign); rank:
                             # the first holder, as placed; least-busy: the fewest experts
@@ -27,6 +28,8 @@ The swarm file (TOML) describes the coordinator, the node classes and how they a
     rtt_ms = [0.2, 0.5]     # each node's round trip to the coordinator, drawn in this range
     link_gbit = 1           # each node's link, each way
     call_overhead_ms = 1.0  # per request beyond the wire: gRPC, encoding, both ends' Python
+    stall_ms = 0            # nodes of this class freeze this long every stall_every_s
+    stall_every_s = 0       # (0: never; e.g. 150 and 1.0 for a box its owner also uses)
 
 Placement is `moeshard shard`'s own plan (`placement.plan_placement`, balanced by the trace's
 usage), or a real plan's (`bench swarm`). Each node is simulated in time
@@ -59,8 +62,9 @@ A trace's tokens come from `simulate.project` (its layers reused cyclically and 
 scaled at another geometry), as in the single-box simulation, and the prompt's experts
 (`simulate.prefill_sets`) are put in the caches first.
 
-Hedged requests are not modelled: they cut the tail of a step's latency (a node that stalls
-now and then), and this model predicts mean seconds per token.
+Hedged requests are sent as the runtime sends them (`swarm_hedge`; `hedge = false` turns
+them off); a node class may stall (`stall_ms` every `stall_every_s`, each node at a phase of
+its own), and the result's `p99_step_s` shows what hedging does to the tail.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ import math
 import tomllib
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +81,7 @@ import numpy as np
 from moeshard.moe.analysis.disk import Disk
 from moeshard.moe.analysis.placement import plan_placement
 from moeshard.moe.analysis.simulate import Geometry, _predict, with_trunk
+from moeshard.moe.analysis.swarm_hedge import Latencies, hedge_layer
 from moeshard.moe.analysis.swarm_nodes import SimNode, Timeline
 from moeshard.moe.errors import MoeshardError
 from moeshard.moe.units import parse_size
@@ -96,6 +102,8 @@ class NodeClass:
     rtt_ms: tuple[float, float]  # each node's round trip, drawn uniformly in [low, high]
     link_gbit: float
     call_overhead_ms: float = 1.0
+    stall_ms: float = 0.0  # a node that freezes this long ...
+    stall_every_s: float = 0.0  # ... this often (0: never), at a phase of its own
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,7 @@ class Swarm:
     replica_choice: str = "finish"
     prefetch_recall: float = 0.8
     placement: str = "equal"
+    hedge: bool = True  # hedged requests, as the runtime sends them (`swarm_hedge`)
     shared_host: bool = False  # every node on one machine (`bench swarm`): their disk reads
     # and expert compute share its disk and cores, so a layer's node work adds up
     host_call_cpu_ms: float = 0.0  # shared host: the CPU time one call costs (both ends)
@@ -180,6 +189,8 @@ def load_swarm(path: str | Path) -> Swarm:
                 rtt_ms=(float(min(rtt)), float(max(rtt))),
                 link_gbit=_positive(n, "link_gbit", at, 1.0),
                 call_overhead_ms=_non_negative(n, "call_overhead_ms", at, 1.0),
+                stall_ms=_non_negative(n, "stall_ms", at, 0.0),
+                stall_every_s=_non_negative(n, "stall_every_s", at, 0.0),
             )
         )
     swarm = Swarm(
@@ -192,6 +203,7 @@ def load_swarm(path: str | Path) -> Swarm:
         replica_choice=str(raw.get("replica_choice", "finish")),
         prefetch_recall=float(raw.get("prefetch_recall", 0.8)),
         placement=str(raw.get("placement", "equal")),
+        hedge=bool(raw.get("hedge", True)),
     )
     check(swarm, where)
     return swarm
@@ -266,6 +278,8 @@ class SwarmResult:
     hit_rate: float  # the nodes' expert caches
     wire_bytes_per_token: float  # one coordinator's, both ways
     read_bytes_per_token: float = 0.0  # the nodes' disk reads (misses and prefetches)
+    p99_step_s: float = 0.0  # the 99th percentile of one step's time
+    hedges_per_token: float = 0.0
     parts: dict[str, float] = field(default_factory=dict)  # seconds per step on the critical path
 
 
@@ -309,6 +323,7 @@ def simulate_swarm(
             shared_disk if swarm.shared_host else Timeline(),
             shared_cpu if swarm.shared_host else Timeline(),
             swarm.host_read_cpu_ms / 1e3 if swarm.shared_host else 0.0,
+            (c.stall_ms / 1e3, c.stall_every_s, float(rng.uniform(0, c.stall_every_s or 1))),
         )
         for c in nodes
     ]
@@ -339,6 +354,35 @@ def simulate_swarm(
     for layer_keys in warm or []:
         for n, mine in assign(int(k) for k in layer_keys).items():
             sim_nodes[n].warm(mine)
+    latencies, hedges, step_s = Latencies(len(nodes)), 0, []
+
+    def mdl_wait(n: int, work_s: float, prev_layer_s: float) -> float:
+        """M coordinators: node n's share of their work, as an M/D/1 wait on `work_s`."""
+        rho = min(0.95, (swarm.coordinators - 1) * work_s / max(
+            prev_layer_s or (rtt[n] + work_s), 1e-9))  # fmt: skip
+        return rho / (2 * (1 - rho)) * work_s
+
+    def hedged(work: dict, sent: float, prev: float, n: int, at: float) -> float | None:
+        """When node n's share, sent at `at` to the other holders of its experts, is back
+        (each waiting its own M/D/1 queue too)."""
+        alt: dict[int, list[int]] = {}
+        for key in work[n]:
+            others = [m for m in holders[key] if m != n]
+            if not others:
+                return None
+            m = min(others, key=lambda m: finish_s(m, len(alt.get(m, ()))))
+            alt.setdefault(m, []).append(key)
+        back = at
+        for m, mine in alt.items():
+            network = (
+                rtt[m] + nodes[m].call_overhead_ms / 1e3 + sent / (nodes[m].link_gbit * 1e9 / 8)
+            )
+            call, _ = sim_nodes[m].receive(mine, at + network / 2, swarm.host_call_cpu_ms / 1e3)
+            ready = sim_nodes[m].compute(call)[0]
+            wait = mdl_wait(m, ready - at - network / 2, prev)
+            back = max(back, ready + network / 2 + wait)
+        return back
+
     steps = [tokens[i : i + swarm.batch] for i in range(0, len(tokens), swarm.batch)]
     steps = [s for s in steps if len(s) == swarm.batch] or [tokens[: swarm.batch]]
     parts = Counter()
@@ -347,6 +391,7 @@ def simulate_swarm(
     wire = 0.0
     prev_layer_s = 0.0
     for step in steps:
+        step_start = now
         for i in range(g.layers):
             keys = {int(k) for token in step for k in token[i]}
             work = assign(keys)
@@ -371,16 +416,16 @@ def simulate_swarm(
                     token[i + 1], g, swarm.prefetch_recall, rng)}  # fmt: skip
                 for n, mine in assign(guess).items():
                     sim_nodes[n].prefetch(mine, now + rtt[n] / 2, swarm.host_hint_cpu_ms / 1e3)
-            replies, compute_of = {}, {}
+            replies, compute_of = {}, {}  # node -> [reply time, network, queueing]
             for n, call in received.items():
                 ready, compute_of[n] = sim_nodes[n].compute(call)
                 network = network_of[n]
-                # M coordinators: this node's share of their work, as an M/D/1 wait
-                work_s = ready - now - network / 2
-                rho = min(0.95, (swarm.coordinators - 1) * work_s / max(
-                    prev_layer_s or (rtt[n] + work_s), 1e-9))  # fmt: skip
-                queue = rho / (2 * (1 - rho)) * work_s
-                replies[n] = (ready + network / 2 + queue, network, queue)
+                queue = mdl_wait(n, ready - now - network / 2, prev_layer_s)
+                replies[n] = [ready + network / 2 + queue, network, queue]
+            if swarm.hedge:
+                hedges += hedge_layer(
+                    replies, now, latencies, partial(hedged, work, sent, prev_layer_s)
+                )
             last = max(replies, key=lambda n: replies[n][0])
             done, network, queue = replies[last]
             end = done + CALL_COST_S * (len(work) - 1)  # the coordinator reads every reply
@@ -389,6 +434,7 @@ def simulate_swarm(
                           "disk": max(0.0, wait), "compute": compute_of[last]})  # fmt: skip
             prev_layer_s = end - now + trunk_s
             now = end
+        step_s.append(now - step_start)
     total = now
     busy = np.array([node.busy_s for node in sim_nodes])
     n_steps = len(steps)
@@ -408,6 +454,8 @@ def simulate_swarm(
         hit_rate=hits / max(accesses, 1),
         wire_bytes_per_token=wire / (n_steps * swarm.batch),
         read_bytes_per_token=sum(n.read_bytes for n in sim_nodes) / (n_steps * swarm.batch),
+        p99_step_s=float(np.percentile(step_s, 99)),
+        hedges_per_token=hedges / (n_steps * swarm.batch),
         parts={k: v / n_steps for k, v in parts.items()},
     )
 
@@ -418,14 +466,17 @@ def table(results: list[SwarmResult], g: Geometry, swarm: Swarm, label: str) -> 
         f"{label}: geometry {g.name} ({g.layers} MoE layers, {g.n_experts} experts of "
         f"{g.record_bytes / 1e6:.1f} MB, top-{g.top_k}); replicas {swarm.replicas}, batch "
         f"{swarm.batch}, {swarm.coordinators} coordinator(s), replica choice "
-        f"{swarm.replica_choice}, placement {swarm.placement}, wire {swarm.wire}",
-        f"{'nodes':>6} {'s/token':>9} {'swarm tok/s':>12} {'bound':>14} {'hit':>6} "
-        f"{'wire KB/tok':>11}  per step: trunk / network / queueing / disk / compute (s)",
+        f"{swarm.replica_choice}, placement {swarm.placement}, wire {swarm.wire}, hedging "
+        f"{'on' if swarm.hedge else 'off'}",
+        f"{'nodes':>6} {'s/token':>9} {'p99 step':>9} {'swarm tok/s':>12} {'bound':>14} "
+        f"{'hit':>6} {'wire KB/tok':>11}  per step: trunk / network / queueing / disk / "
+        "compute (s)",
     ]
     for r in results:
         p = r.parts
         lines.append(
-            f"{r.nodes:>6} {r.s_per_token:>9.3f} {r.tokens_per_s:>12.2f} {r.bound:>14} "
+            f"{r.nodes:>6} {r.s_per_token:>9.3f} {r.p99_step_s:>9.3f} {r.tokens_per_s:>12.2f} "
+            f"{r.bound:>14} "
             f"{r.hit_rate:>6.1%} {r.wire_bytes_per_token / 1e3:>11.1f}  "
             f"{p.get('trunk', 0):.3f} / {p.get('network', 0):.3f} / {p.get('queueing', 0):.3f} / "
             f"{p.get('disk', 0):.3f} / {p.get('compute', 0):.3f}"

@@ -50,7 +50,7 @@ class Timeline:
 class SimNode:
     def __init__(
         self, g: Geometry, ram: int, disk: Disk, kernel_gbps: float, disk_line, cpu_line,
-        read_cpu_s: float = 0.0,
+        read_cpu_s: float = 0.0, stall: tuple[float, float, float] = (0.0, 0.0, 0.0),
     ):  # fmt: skip
         self.g, self.disk = g, disk
         self.cache = ReplayCache(max(0, ram // g.record_bytes), "lru", set())
@@ -59,6 +59,7 @@ class SimNode:
         self.cpu_line: Timeline = cpu_line
         self.expert_s = g.record_bytes / (kernel_gbps * 1e9)
         self.read_cpu_s = read_cpu_s  # a shared host's cores, per read (at submission)
+        self.stall_s, self.stall_every_s, self.stall_phase = stall  # frozen now and then
         self.slot = np.arange(g.layers * g.n_experts)  # records in (layer, expert) order
         self.busy_s = 0.0  # seconds of reads and kernels, over the run
         self.read_bytes = 0
@@ -76,6 +77,13 @@ class SimNode:
             self.cpu_line.take(begin, self.read_cpu_s)
         return at
 
+    def awake(self, t: float) -> float:
+        """`t`, or the end of the freeze it falls in (a node that stalls now and then)."""
+        if not self.stall_every_s:
+            return t
+        start = self.stall_phase + (t - self.stall_phase) // self.stall_every_s * self.stall_every_s
+        return start + self.stall_s if t < start + self.stall_s else t
+
     def receive(self, keys: list[int], arrival: float, call_cpu_s: float = 0.0) -> tuple:
         """The call for `keys` reaching the node at `arrival`: its missed records are queued on
         the disk and, on a shared host, its own processing (`call_cpu_s`: parsing, TLS,
@@ -86,6 +94,7 @@ class SimNode:
         for k, at in zip(demand, self._read(demand, arrival), strict=True):
             self.cache.insert(k, set(keys))
             self.ready[k] = at
+        arrival = self.awake(arrival)
         t = self.cpu_line.take(arrival, call_cpu_s) if call_cpu_s else arrival
         return (keys, t), len(keys) - len(demand)
 
@@ -95,7 +104,7 @@ class SimNode:
         kernels)."""
         keys, t = call
         for at in sorted(self.ready.pop(k, 0.0) for k in keys):
-            t = self.cpu_line.take(max(t, at), self.expert_s)
+            t = self.cpu_line.take(self.awake(max(t, at)), self.expert_s)
         for k in keys:
             self.cache.touch(k)
         seconds = len(keys) * self.expert_s
