@@ -43,6 +43,7 @@ BUSY_LIMIT_S = 10.0  # busy without a break for this long: banned as a failing n
 QUEUE_FRESH_S = 1.0  # a node's stated queue counts for this long after its reply
 HEDGE_WINDOW = 64  # a node's recent round trips its hedge point is the p95 of
 HEDGE_MIN_SAMPLES = 16  # ... once it has this many
+LATE_PING_S = 0.5  # a reply abandoned for a hedge this late: its node is pinged
 SWARM_WINDOW = 256  # the swarm's recent round trips (every node's) its p95 is taken over
 
 
@@ -365,12 +366,19 @@ class PeerSet:
     def _expire_late(self) -> None:
         """A reply abandoned for a hedge that has still not come by its deadline: its node is
         failing, as if the call had been waited for (banned, its stream closed, which settles
-        the abandoned calls)."""
-        clock = time.perf_counter()
+        the abandoned calls). One still out after LATE_PING_S: its node is pinged (a node
+        that died without closing its connections answers nothing) and banned if it fails."""
+        clock, now = time.perf_counter(), time.monotonic()
         for peer in self.live():
-            oldest = min(peer.late, default=clock)
-            if clock - oldest > self.config.deadline_s:
+            age = clock - min(peer.late, default=clock)
+            if age > self.config.deadline_s:
                 self.ban(peer, "a reply abandoned for a hedge missed its deadline")
+            elif age > LATE_PING_S and now - peer.last_ping > LATE_PING_S:
+                peer.last_ping = now
+                try:
+                    peer.ping_ms(LATE_PING_S)
+                except grpc.RpcError as exc:
+                    self.ban(peer, f"late, and its ping failed: {exc.code().name}")
 
     def _reweigh(self) -> None:
         """Routing weights from the reputations as evidence comes in; keep it on disk."""
