@@ -98,6 +98,7 @@ def test_choosing_replicas_by_finish_time_beats_the_first_holder(tmp_path):
         ("[coordinator]\nram = '1G'\n", "at least one [[nodes]]"),
         ("[coordinator]\nram = '1G'\n[[nodes]]\ncount = 0\nram = '1G'\n", "count"),
         ("[coordinator]\nram = '1G'\n[[nodes]]\ncount = 2\nram = '1G'\nrtt_ms = 'lan'\n", "rtt_ms"),
+        ("hedge = 'no'\n[coordinator]\nram = '1G'\n[[nodes]]\ncount = 2\nram = '1G'\n", "hedge"),
         ("replicas = 3\n[coordinator]\nram = '1G'\n[[nodes]]\ncount = 2\nram = '1G'\n", "replicas"),
         ("[coordinator\n", "not a readable swarm file"),
     ],

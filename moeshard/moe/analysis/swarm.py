@@ -203,7 +203,7 @@ def load_swarm(path: str | Path) -> Swarm:
         replica_choice=str(raw.get("replica_choice", "finish")),
         prefetch_recall=float(raw.get("prefetch_recall", 0.8)),
         placement=str(raw.get("placement", "equal")),
-        hedge=bool(raw.get("hedge", True)),
+        hedge=_flag(raw, "hedge", where, True),
     )
     check(swarm, where)
     return swarm
@@ -236,6 +236,13 @@ def _size(raw: dict, key: str, where: str) -> int:
     if key not in raw:
         raise MoeshardError(f"{where}: missing {key}")
     return parse_size(str(raw[key]))
+
+
+def _flag(raw: dict, key: str, where: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise MoeshardError(f"{where}: {key} must be true or false")
+    return value
 
 
 def _non_negative(raw: dict, key: str, where: str, default: float) -> float:
