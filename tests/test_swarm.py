@@ -56,6 +56,24 @@ def test_more_nodes_hold_more_in_their_caches_and_answer_sooner(tmp_path):
     assert large.s_per_token < small.s_per_token
 
 
+def test_replayed_hints_are_what_the_nodes_prefetch(tmp_path):
+    """Hints replayed from a trace decide what is read ahead: hints naming exactly the next
+    layer's experts make nearly every layer after the first a hit (in flight counts as a hit;
+    a node's two-record cache may still drop one, or the call pick the other replica); empty
+    hints prefetch nothing; a guess at recall 0.8 lies between."""
+    toks = tokens()
+    s = swarm(tmp_path, 8, ram="8M")  # two records per node: prefetch is all that helps
+    exact = [[row for row in t] for t in toks]
+    none = [[np.array([], np.int64) for _ in t] for t in toks]
+    perfect = simulate_swarm(toks, G, s, hints=exact)
+    nothing = simulate_swarm(toks, G, s, hints=none)
+    guessed = simulate_swarm(toks, G, s)
+    assert perfect.hit_rate > 0.8
+    assert nothing.hit_rate < guessed.hit_rate < perfect.hit_rate
+    with pytest.raises(MoeshardError, match="tokens of hints"):
+        simulate_swarm(toks, G, s, hints=exact[:-1])
+
+
 def test_each_layer_waits_one_round_trip(tmp_path):
     """10 ms more RTT on every node costs 10 ms per MoE layer per token (nothing else moves)."""
     near = simulate_swarm(tokens(), G, swarm(tmp_path, 8, rtt="[0.3, 0.3]"))

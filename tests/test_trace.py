@@ -9,6 +9,7 @@ import pytest
 
 from moeshard.cli import main
 from moeshard.moe.analysis import cachesim, coact
+from moeshard.moe.errors import MoeshardError
 from moeshard.moe.storage import traces as trace
 
 
@@ -36,6 +37,41 @@ def test_trace_records_every_decision(traces):
     assert t.ids.shape[1] == 2 and t.ids.max() < 8
     assert np.all(np.diff(t.weights.astype(np.float32), axis=1) <= 0)  # highest weight first
     assert len({tuple(sorted(r)) for r in t.ids.tolist()}) > 1
+
+
+def test_trace_records_the_prefetch_hints_sent(traces, tmp_path):
+    """Each row says what the previous MoE layer's hint predicted for it (-1: no hint, the
+    first MoE layer); the hints are the next router's guesses, so most are right."""
+    t = trace.load(traces[0])
+    assert t.hinted is not None and t.hinted.shape == t.ids.shape
+    first, second = t.layer == 1, t.layer == 2
+    assert np.all(t.hinted[first] == -1)
+    assert np.all(t.hinted[second] >= 0)
+    hit = [len(set(h) & set(r)) for h, r in zip(t.hinted[second], t.ids[second], strict=True)]
+    assert 0 < sum(hit) < t.ids[second].size  # a guess: mostly right, not a copy
+    # a trace without the column (older files) still loads, and merging keeps the column
+    bare = tmp_path / "bare.npz"
+    trace.Trace(t.position, t.layer, t.phase, t.run, t.ids, t.weights, t.meta).save(bare)
+    assert trace.load(bare).hinted is None
+    assert trace.merge([t, t]).hinted.shape[0] == 2 * len(t.layer)
+    assert trace.merge([t, trace.load(bare)]).hinted is None
+
+
+def test_a_corrupted_hint_column_is_refused(traces, tmp_path):
+    t = trace.load(traces[0])
+    bad = tmp_path / "bad.npz"
+    trace.Trace(*trace_columns(t), t.meta, t.hinted[:-1]).save(bad)
+    with pytest.raises(MoeshardError, match="columns of different lengths"):
+        trace.load(bad)
+    hinted = t.hinted.copy()
+    hinted[0, 0] = 99  # the fixture has 8 experts
+    trace.Trace(*trace_columns(t), t.meta, hinted).save(bad)
+    with pytest.raises(MoeshardError, match="hinted expert ids out of range"):
+        trace.load(bad)
+
+
+def trace_columns(t):
+    return t.position, t.layer, t.phase, t.run, t.ids, t.weights
 
 
 def test_merge_renumbers_runs(traces, tmp_path, capsys):

@@ -250,8 +250,12 @@ def simulated(trace, g, plan: dict, probed: Probed, recall: float, ram: int, dis
     )
     moe = list(trace.moe_layers)  # the model's layer numbers -> the geometry's MoE layers
     placed = [[(moe.index(layer), e) for layer, e in node["experts"]] for node in plan["nodes"]]
-    tokens, warm = sim.project(trace, g), sim.prefill_sets(trace, g)
-    return swarm.simulate_swarm(tokens, g, spec, placed=placed, warm=warm)
+    tokens, warm, hints = (
+        sim.project(trace, g),
+        sim.prefill_sets(trace, g),
+        sim.project_hints(trace, g),
+    )
+    return swarm.simulate_swarm(tokens, g, spec, placed=placed, warm=warm, hints=hints)
 
 
 def run(args) -> int:

@@ -233,9 +233,14 @@ def _simulate_swarm(args) -> int:
     geometry = simulate.geometry_of(args.geometry)
     tokens = simulate.project(merged, geometry)
     warm = simulate.prefill_sets(merged, geometry)  # the prompt's pass fills the caches first
+    hints = simulate.project_hints(merged, geometry)  # the hints the run sent, if recorded
     results = [
         swarm.simulate_swarm(
-            tokens, geometry, spec if n == spec.node_count else spec.with_nodes(n), warm=warm
+            tokens,
+            geometry,
+            spec if n == spec.node_count else spec.with_nodes(n),
+            warm=warm,
+            hints=hints,
         )
         for n in counts
     ]

@@ -149,13 +149,47 @@ class Result:
 
 def project(trace: Trace, geometry: Geometry) -> list[np.ndarray]:
     """Per decoded token, per target layer: expert ids [k] (see module docstring)."""
+    scale = geometry.n_experts / trace.n_experts
+    tokens = []
+    for seq in _decoded_rows(trace, geometry, trace.ids):
+        out = []
+        for i, src in enumerate(seq):
+            ids = np.unique((src * scale).astype(np.int64))[: geometry.top_k]
+            if len(ids) < geometry.top_k:  # a small trace has fewer than k experts per layer
+                extra = (src[:, None] * scale + np.arange(1, geometry.top_k)).astype(np.int64)
+                ids = np.unique(np.concatenate([ids, extra.reshape(-1) % geometry.n_experts]))
+                ids = ids[: geometry.top_k]
+            out.append(ids + i * geometry.n_experts)
+        tokens.append(np.stack(out))
+    if not tokens:
+        raise MoeshardError("the trace has no decoded tokens to replay")
+    return tokens
+
+
+def project_hints(trace: Trace, geometry: Geometry) -> list[list[np.ndarray]] | None:
+    """Per decoded token (as `project`'s), per target layer: the keys the runtime's prefetch
+    hint predicted for that layer (empty where none was sent: the first MoE layer). None for
+    a trace recorded without hints, or at another geometry than the trace's own (the hints of
+    a small model's router say nothing about a scaled one's)."""
+    same = geometry.n_experts == trace.n_experts and geometry.layers == len(trace.moe_layers)
+    if trace.hinted is None or not same:
+        return None
+    return [
+        [
+            np.unique(src[src >= 0]).astype(np.int64) + i * geometry.n_experts
+            for i, src in enumerate(seq)
+        ]  # fmt: skip
+        for seq in _decoded_rows(trace, geometry, trace.hinted)
+    ]
+
+
+def _decoded_rows(trace: Trace, geometry: Geometry, column: np.ndarray):
+    """Per decoded token with a row at every target layer: that column's row per layer."""
     decode = trace.phase == DECODE
-    rows = trace.ids[decode].astype(np.int64)
+    rows = column[decode].astype(np.int64)
     layers = trace.layer[decode]
     positions = trace.position[decode].astype(np.int64) + (trace.run[decode].astype(np.int64) << 32)
     src_layers = trace.moe_layers
-    scale = geometry.n_experts / trace.n_experts
-    tokens = []
     for pos in np.unique(positions):
         mine = positions == pos
         by_layer = {int(layer): row for layer, row in zip(layers[mine], rows[mine], strict=True)}
@@ -164,17 +198,9 @@ def project(trace: Trace, geometry: Geometry) -> list[np.ndarray]:
             src = by_layer.get(src_layers[i % len(src_layers)])
             if src is None:
                 break
-            ids = np.unique((src * scale).astype(np.int64))[: geometry.top_k]
-            if len(ids) < geometry.top_k:  # a small trace has fewer than k experts per layer
-                extra = (src[:, None] * scale + np.arange(1, geometry.top_k)).astype(np.int64)
-                ids = np.unique(np.concatenate([ids, extra.reshape(-1) % geometry.n_experts]))
-                ids = ids[: geometry.top_k]
-            seq.append(ids + i * geometry.n_experts)
+            seq.append(src)
         if len(seq) == geometry.layers:
-            tokens.append(np.stack(seq))
-    if not tokens:
-        raise MoeshardError("the trace has no decoded tokens to replay")
-    return tokens
+            yield seq
 
 
 def prefill_sets(trace: Trace, geometry: Geometry) -> list[np.ndarray]:

@@ -36,9 +36,9 @@ usage), or a real plan's (`bench swarm`). Each node is simulated in time
 (`swarm_nodes.SimNode`): its LRU cache, its disk's queue, its cores. Per decode step and MoE
 layer, the coordinator computes the layer's trunk, then sends one request to every node holding
 a routed expert (the replica chosen by `replica_choice`), all at once, and the next layer's
-prefetch hint right after them (a guess of `prefetch_recall` of the next layer's experts; the
-rest of the guess is wrong, and every guessed record not cached is read); the layer waits for
-the slowest reply:
+prefetch hint right after them (the hints the real run sent, when the trace recorded them at
+the trace's own geometry; else a guess of `prefetch_recall` of the next layer's experts, the
+rest wrong; every hinted record not cached is read); the layer waits for the slowest reply:
 
     reply = RTT + call overhead + (rows out + partial sums back) / link + queueing
             + waiting for the node's disk (its missed records, behind the reads already
@@ -297,8 +297,11 @@ def simulate_swarm(
     seed: int = 0,
     placed: list[list[tuple[int, int]]] | None = None,
     warm: list[np.ndarray] | None = None,
+    hints: list[list[np.ndarray]] | None = None,
 ) -> SwarmResult:
     """Predicted decode of `tokens` (per token: [layers, k] expert keys, `simulate.project`);
+    `hints` (per token, per layer: the keys the runtime's hint predicted, `simulate.project_hints`)
+    replays the hints a real run sent instead of guessing them at `prefetch_recall`;
     `placed`: the (MoE layer index, expert) keys each node holds, when a real shard plan is
     replayed (default: `plan_placement` on the trace's usage); `warm` (per layer, the prompt's
     experts: `simulate.prefill_sets`) is put in the chosen holders' caches first, uncounted."""
@@ -390,8 +393,11 @@ def simulate_swarm(
             back = max(back, ready + network / 2 + wait)
         return back
 
-    steps = [tokens[i : i + swarm.batch] for i in range(0, len(tokens), swarm.batch)]
-    steps = [s for s in steps if len(s) == swarm.batch] or [tokens[: swarm.batch]]
+    if hints is not None and len(hints) != len(tokens):
+        raise MoeshardError(f"{len(hints)} tokens of hints for {len(tokens)} tokens of routing")
+    starts = range(0, len(tokens), swarm.batch)
+    steps = [range(i, min(i + swarm.batch, len(tokens))) for i in starts]
+    steps = [s for s in steps if len(s) == swarm.batch] or [range(min(swarm.batch, len(tokens)))]
     parts = Counter()
     now = 0.0
     hits = accesses = 0
@@ -400,7 +406,7 @@ def simulate_swarm(
     for step in steps:
         step_start = now
         for i in range(g.layers):
-            keys = {int(k) for token in step for k in token[i]}
+            keys = {int(k) for t in step for k in tokens[t][i]}
             work = assign(keys)
             if swarm.shared_host:  # the trunk shares the cores with the nodes' leftover work
                 now = shared_cpu.take_all(now, trunk_s)
@@ -418,9 +424,14 @@ def simulate_swarm(
                 hits += got
                 accesses += len(mine)
             # the next layer's hint goes out right after the calls, before their replies
-            if swarm.prefetch_recall > 0 and i + 1 < g.layers:
-                guess = {k for token in step for k in _predict(
-                    token[i + 1], g, swarm.prefetch_recall, rng)}  # fmt: skip
+            if hints is not None and i + 1 < g.layers:
+                guess = {int(k) for t in step for k in hints[t][i + 1]}
+            elif swarm.prefetch_recall > 0 and i + 1 < g.layers:
+                guess = {k for t in step for k in _predict(
+                    tokens[t][i + 1], g, swarm.prefetch_recall, rng)}  # fmt: skip
+            else:
+                guess = set()
+            if guess:
                 for n, mine in assign(guess).items():
                     sim_nodes[n].prefetch(mine, now + rtt[n] / 2, swarm.host_hint_cpu_ms / 1e3)
             replies, compute_of = {}, {}  # node -> [reply time, network, queueing]

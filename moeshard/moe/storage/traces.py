@@ -9,6 +9,8 @@ row per (token, MoE layer):
     run       uint16 [N]     which run the row came from (traces of several runs can be merged)
     ids       int16  [N, k]  the routed expert ids, highest weight first
     weights   float16[N, k]  their routing weights (after normalisation / scaling)
+    hinted    int16  [N, k]  optional: the ids the previous MoE layer's prefetch hint predicted
+                             for this row, best first (-1 where no hint was sent)
     meta      a JSON string: format, model id, model type, n_experts, top_k, moe_layers, runs
 
 Why this format: analysis wants whole columns as arrays (frequencies, co-activation, reuse
@@ -45,6 +47,7 @@ class Trace:
     ids: np.ndarray  # int16 [N, k]
     weights: np.ndarray  # float16 [N, k]
     meta: dict = field(default_factory=dict)
+    hinted: np.ndarray | None = None  # int16 [N, k], -1 where no hint predicted the row
 
     @property
     def n_experts(self) -> int:
@@ -77,6 +80,7 @@ class Trace:
                 ids=self.ids,
                 weights=self.weights,
                 meta=np.array(json.dumps(self.meta)),
+                **({} if self.hinted is None else {"hinted": self.hinted}),
             )
             os.replace(tmp, path)
         except OSError as exc:
@@ -112,7 +116,8 @@ def load(path: str | Path) -> Trace:
             missing = [name for name in ARRAYS if name not in z.files]
             if missing:
                 raise MoeshardError(f"{path}: corrupted trace file (no {', '.join(missing)})")
-            trace = Trace(*(z[name] for name in ARRAYS), meta)
+            hinted = z["hinted"] if "hinted" in z.files else None
+            trace = Trace(*(z[name] for name in ARRAYS), meta, hinted)
     except MoeshardError:
         raise
     except zipfile.BadZipFile as exc:
@@ -135,6 +140,8 @@ def _check_shapes(path: str | Path, t: Trace) -> None:
     ok = n >= 0 and all(c.ndim == 1 and c.shape[0] == n for c in columns)
     ok = ok and t.ids.ndim == 2 and t.ids.shape[0] == n and t.weights.shape == t.ids.shape
     ok = ok and all(np.issubdtype(c.dtype, np.integer) for c in (*columns, t.ids))
+    if t.hinted is not None:
+        ok = ok and t.hinted.shape == t.ids.shape and np.issubdtype(t.hinted.dtype, np.integer)
     if not ok:
         raise MoeshardError(f"{path}: corrupted trace file (columns of different lengths)")
     try:
@@ -145,6 +152,8 @@ def _check_shapes(path: str | Path, t: Trace) -> None:
         raise MoeshardError(f"{path}: corrupted trace file (bad n_experts or moe_layers)")
     if n and (t.ids.min() < 0 or t.ids.max() >= n_experts):
         raise MoeshardError(f"{path}: corrupted trace file (expert ids out of range)")
+    if n and t.hinted is not None and (t.hinted.min() < -1 or t.hinted.max() >= n_experts):
+        raise MoeshardError(f"{path}: corrupted trace file (hinted expert ids out of range)")
 
 
 def _reason(exc: BaseException) -> str:
@@ -169,6 +178,7 @@ def merge(traces: list[Trace]) -> Trace:
         runs.append(t.run.astype(np.int64) + offset)
         offset += int(t.run.max()) + 1 if len(t.run) else 0
     meta = dict(first, runs=offset)
+    hinted = [t.hinted for t in traces]
     return Trace(
         np.concatenate([t.position for t in traces]),
         np.concatenate([t.layer for t in traces]),
@@ -177,4 +187,5 @@ def merge(traces: list[Trace]) -> Trace:
         np.concatenate([t.ids for t in traces]),
         np.concatenate([t.weights for t in traces]),
         meta,
+        None if any(h is None for h in hinted) else np.concatenate(hinted),
     )
