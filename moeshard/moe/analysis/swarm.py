@@ -403,8 +403,11 @@ def simulate_swarm(
     hits = accesses = 0
     wire = 0.0
     prev_layer_s = 0.0
+    timelines = {id(t): t for node in sim_nodes for t in (node.disk_line, node.cpu_line)}
     for step in steps:
         step_start = now
+        for timeline in timelines.values():  # nothing is booked before the coordinator's now
+            timeline.forget_before(now)
         for i in range(g.layers):
             keys = {int(k) for t in step for k in tokens[t][i]}
             work = assign(keys)

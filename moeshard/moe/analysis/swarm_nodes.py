@@ -10,6 +10,8 @@ share one disk queue and one set of cores (`Timeline` objects shared between the
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from moeshard.moe.analysis.cachesim import ReplayCache
@@ -20,31 +22,91 @@ MAX_DEPTH = 8  # reads a node keeps in flight
 
 
 class Timeline:
-    """A resource of `lanes` that each do one thing after another: a disk's queue (1 lane;
-    its depth is in the disk model), or a host's cores (a lane per core, or one lane for
-    kernels that use every core at once)."""
+    """A resource of `lanes` that each do one thing at a time: a disk's queue (1 lane; its
+    depth is in the disk model), or a host's cores (a lane per core, or one lane for kernels
+    that use every core at once).
+
+    The simulator does not hand out work in time order: a call reaching a node half a round
+    trip from now is booked before a kernel that runs now. So each lane keeps its busy
+    intervals, and work goes into the first gap that fits it at or after its start, as a
+    scheduler would run it, instead of after everything booked so far (which would make
+    today's work wait behind work booked for later, more so the longer the round trips)."""
 
     def __init__(self, lanes: int = 1):
-        self.lanes = [0.0] * max(1, lanes)  # when each lane is done with what it was given
+        self.starts: list[list[float]] = [[] for _ in range(max(1, lanes))]  # per lane, sorted
+        self.ends: list[list[float]] = [[] for _ in range(max(1, lanes))]  # the same intervals
 
-    @property
-    def free(self) -> float:
-        return max(self.lanes)
+    def forget_before(self, t: float) -> None:
+        """Drop the intervals over before `t` (nothing is booked earlier than the
+        coordinator's clock, which only moves forward): keeps every search short."""
+        for starts, ends in zip(self.starts, self.ends, strict=True):
+            cut = bisect.bisect_right(ends, t)
+            del starts[:cut], ends[:cut]
+
+    def _fit(self, lane: int, start: float, seconds: float) -> tuple[float, int]:
+        """The earliest time >= start at which `lane` is free for `seconds`, and where that
+        interval goes in the lane's list."""
+        starts, ends = self.starts[lane], self.ends[lane]
+        i = bisect.bisect_right(ends, start)  # the first interval still busy after `start`
+        t = start
+        while i < len(starts) and starts[i] < t + seconds:
+            t = max(t, ends[i])
+            i += 1
+        return t, i
+
+    def _book(self, lane: int, t: float, seconds: float, i: int) -> None:
+        starts, ends = self.starts[lane], self.ends[lane]
+        end = t + seconds
+        if i > 0 and ends[i - 1] >= t:  # touches the interval before: extend it
+            i -= 1
+            ends[i] = max(ends[i], end)
+        else:
+            starts.insert(i, t)
+            ends.insert(i, end)
+        while i + 1 < len(starts) and starts[i + 1] <= ends[i]:  # ... and the one after
+            ends[i] = max(ends[i], ends.pop(i + 1))
+            starts.pop(i + 1)
+
+    def take(self, start: float, seconds: float) -> float:
+        """Run `seconds` of work no earlier than `start` in the first gap of any lane that
+        fits it; its end."""
+        if seconds <= 0:
+            return start
+        fits = [self._fit(lane, start, seconds) for lane in range(len(self.starts))]
+        lane = min(range(len(fits)), key=lambda j: fits[j][0])
+        t, i = fits[lane]
+        self._book(lane, t, seconds, i)
+        return t + seconds
 
     def take_all(self, start: float, seconds: float) -> float:
         """Work that uses every lane for `seconds` (the coordinator's trunk on the nodes' host),
-        shared with what is already queued: it ends after its own time and that backlog's
-        share, and every lane is free then."""
-        backlog = sum(max(0.0, lane - start) for lane in self.lanes)
-        end = start + seconds + backlog / len(self.lanes)
-        self.lanes = [end] * len(self.lanes)
+        sharing the cores with the work booked while it runs: it ends after its own time and
+        its share of that work (`end = start + seconds + busy(start, end) / lanes`), and every
+        lane is busy until then."""
+        lanes = len(self.starts)
+        end = start + seconds
+        for _ in range(20):  # the fixed point: each round takes in the work the last one reached
+            busy = sum(self._busy(lane, start, end) for lane in range(lanes))
+            new_end = start + seconds + busy / lanes
+            if new_end - end < 1e-9:
+                break
+            end = new_end
+        for lane in range(lanes):
+            starts, ends = self.starts[lane], self.ends[lane]
+            i = bisect.bisect_right(ends, start)  # the first interval still busy at `start`
+            t = min(start, starts[i]) if i < len(starts) else start  # one straddling it: joined
+            self._book(lane, t, end - t, i)
         return end
 
-    def take(self, start: float, seconds: float) -> float:
-        """Run `seconds` of work no earlier than `start` on the first lane free; its end."""
-        lane = min(range(len(self.lanes)), key=self.lanes.__getitem__)
-        self.lanes[lane] = max(start, self.lanes[lane]) + seconds
-        return self.lanes[lane]
+    def _busy(self, lane: int, start: float, end: float) -> float:
+        """Seconds of `lane` booked between `start` and `end`."""
+        starts, ends = self.starts[lane], self.ends[lane]
+        i = bisect.bisect_right(ends, start)
+        total = 0.0
+        while i < len(starts) and starts[i] < end:
+            total += min(ends[i], end) - max(starts[i], start)
+            i += 1
+        return total
 
 
 class SimNode:
@@ -68,10 +130,12 @@ class SimNode:
         """Queue reads of `keys` at `start` behind this disk's earlier reads; when each lands."""
         if not keys:
             return []
-        begin = max(self.disk_line.free, start)
-        at = _landing_times(keys, self.slot, self.g, self.disk, min(len(keys), MAX_DEPTH), begin)
-        self.disk_line.take(begin, max(at) - begin)
-        self.busy_s += max(at) - begin
+        depth = min(len(keys), MAX_DEPTH)
+        at = _landing_times(keys, self.slot, self.g, self.disk, depth, 0.0)  # from its start
+        seconds = max(at)
+        begin = self.disk_line.take(start, seconds) - seconds  # in the disk's first free gap
+        at = [begin + t for t in at]
+        self.busy_s += seconds
         self.read_bytes += len(keys) * self.g.record_bytes
         for _ in keys if self.read_cpu_s else ():  # the cores the reads take meanwhile
             self.cpu_line.take(begin, self.read_cpu_s)
