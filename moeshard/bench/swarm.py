@@ -16,7 +16,7 @@ around that run, not assumed (`moeshard.bench.swarm_probes`):
 - the coordinator's trunk per token, from a profiled decode of the model in RAM;
 - this machine's disk (O_DIRECT reads of the model's records at record size) and the CPU one
   read through the store's reader costs;
-- the prefetch hints' recall the nodes saw, and the routing: the run's trace, replayed;
+- the run's trace, replayed: its routing and the prefetch hints it sent;
 
 and prints, per configuration, the node caches' hit rate and bytes on the wire per token, both
 measured and simulated, ending `measured A s/token, simulated B s/token (error C%)`; exit 1
