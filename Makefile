@@ -82,6 +82,7 @@ proto: $(VENV)/.stamp
 		proto/moeshard.proto proto/health.proto
 	sed -i -E 's/^import (moeshard|health)_pb2 as/from moeshard.moe.wire import \1_pb2 as/' \
 		$(PROTO_OUT)/moeshard_pb2_grpc.py $(PROTO_OUT)/health_pb2_grpc.py
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=moeshard/moe/p2p proto/p2pd.proto
 
 # Coordinator + 3 nodes in network namespaces on one bridge: zeroconf discovery, faults, latency
 # (root; tears everything down on exit). Options go to tools/testbed.py: TESTBED_ARGS=--help

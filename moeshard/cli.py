@@ -207,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     models.add_synth(sub)
     network.add_node(sub)
+    network.add_bootstrap(sub)
     add_threads(sub.choices["node"])
     network.add_keys(sub)
     network.add_shard(sub)

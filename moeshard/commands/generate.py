@@ -116,7 +116,7 @@ def cmd_generate(args) -> int:
     from moeshard.moe.storage.budget import check_context, check_memory
 
     _check_sampling(args)
-    if args.activations != "q8" and (args.peers or args.discover):
+    if args.activations != "q8" and (args.peers or args.discover or args.bootstrap):
         raise MoeshardError(
             "--activations f32: nodes compute with 8-bit activations (q8), and the audits "
             "of their work must compute as they do; use it without --peers/--discover"
@@ -126,7 +126,9 @@ def cmd_generate(args) -> int:
     # every check that needs only the model directory runs before anything is loaded,
     # allocated or connected
     model = ModelDir(args.model)
-    if not (args.peers or args.discover):  # local or --ram: the experts are computed here
+    if not (
+        args.peers or args.discover or args.bootstrap
+    ):  # local or --ram: the experts are computed here
         model.require_experts()
     if (args.chat or args.system or args.no_thinking) and args.prompt is None:
         raise MoeshardError("--chat, --system and --no-thinking format a --prompt text")
@@ -152,7 +154,7 @@ def cmd_generate(args) -> int:
             f"+ --max-tokens {args.max_tokens}"
         )
     if not args.ram:
-        check_memory(model, context, len(prompt_ids), args.peers or args.discover)
+        check_memory(model, context, len(prompt_ids), args.peers or args.discover or args.bootstrap)
     rt, monitor, reputation = _open_runtime(args, model, len(prompt_ids), context)
     try:
         opts = SamplingOptions(
@@ -221,7 +223,7 @@ def _check_sampling(args) -> None:
         raise MoeshardError(f"--temperature {args.temperature}: need a finite number >= 0")
     if not 0 < args.top_p <= 1 or args.top_k < 0:  # (NaN fails the comparison)
         raise MoeshardError("need 0 < --top-p <= 1 and --top-k >= 0")
-    if (args.peers or args.discover) and args.ram:
+    if (args.peers or args.discover or args.bootstrap) and args.ram:
         raise MoeshardError("--ram is for single-node mode; give each node its own --ram")
     if args.context is not None and args.context < 1:
         raise MoeshardError("--context must be at least 1")
@@ -257,8 +259,8 @@ def _open_runtime(args, model, prompt_tokens: int, context: int):
     """The runtime of the mode the options ask for; (runtime, stream monitor, reputation)."""
     from moeshard.coordinator.runtime import open_local
 
-    if args.peers or args.discover:
-        from moeshard.commands.network import audit_settings, client_config
+    if args.peers or args.discover or args.bootstrap:
+        from moeshard.commands.network import audit_settings, client_config, split_list
         from moeshard.coordinator.remote.reputation import Reputation
         from moeshard.coordinator.runtime import open_remote
 
@@ -280,8 +282,9 @@ def _open_runtime(args, model, prompt_tokens: int, context: int):
             )
         try:
             rt = open_remote(
-                model, args.peers, args.discover, args.discover_timeout, remote, args.expect
-            )
+                model, args.peers, args.discover, args.discover_timeout, remote, args.expect,
+                bootstrap=split_list(args.bootstrap),
+            )  # fmt: skip
         except BaseException:
             reputation.close()
             raise
@@ -326,7 +329,7 @@ def _print_result(args, rt, result, stats: dict) -> None:
             f"(JIT warm-up {stats['jit_warmup_s']:.2f} s); stop: {result.stopped_by}]",
             file=sys.stderr,
         )
-    if args.peers or args.discover:
+    if args.peers or args.discover or args.bootstrap:
         _report_remote(rt.experts.stats(), len(result.tokens))
 
 

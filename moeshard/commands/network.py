@@ -16,6 +16,19 @@ def add_node(sub) -> None:
     p.add_argument("--ram", default="0", help="expert cache budget, e.g. 8G (0: unbounded)")
     p.add_argument("--name", default="", help="display name (default: hostname-port)")
     p.add_argument("--no-advertise", action="store_true", help="do not announce via zeroconf")
+    p.add_argument(
+        "--bootstrap",
+        metavar="ADDR[,ADDR...]",
+        help="also join the wide-area registry through these bootstrap peers "
+        "(/ip4/HOST/tcp/PORT/p2p/ID, as `moeshard bootstrap` prints): found by model id from "
+        "anywhere, reached through NATs (port mapping, hole punching, or relayed)",
+    )
+    p.add_argument(
+        "--p2p-listen",
+        metavar="ADDR[,ADDR...]",
+        default="",
+        help="the p2p daemon's listen multiaddrs (default: any port, TCP and QUIC)",
+    )
     p.add_argument("--no-verify", action="store_true", help="skip the start-up checksum pass")
     p.add_argument(
         "--key",
@@ -139,8 +152,67 @@ def cmd_node(args) -> int:
         insecure=args.insecure,
         limits=limits,
         ledger=args.ledger,
+        bootstrap=tuple(split_list(args.bootstrap)),
+        p2p_listen=tuple(split_list(args.p2p_listen)),
     )
     return run(config, sys.stdout)
+
+
+def split_list(text: str | None) -> list[str]:
+    return [item.strip() for item in (text or "").split(",") if item.strip()]
+
+
+def add_bootstrap(sub) -> None:
+    p = sub.add_parser(
+        "bootstrap",
+        help="run a bootstrap and relay peer of a private swarm's wide-area registry",
+        description="A p2p peer on a public address: the DHT the nodes' registry lives in, "
+        "the dial-back checks that tell a node whether it is reachable, and a circuit relay "
+        "for nodes behind NATs (it carries their TLS ciphertext; see docs/security.md). "
+        "Prints the --bootstrap address for nodes and coordinators.",
+    )
+    p.add_argument(
+        "--listen",
+        default="/ip4/0.0.0.0/tcp/4001,/ip4/0.0.0.0/udp/4001/quic-v1",
+        help="listen multiaddrs, comma-separated",
+    )
+    p.add_argument("--announce", default="", help="public multiaddrs to announce (behind a DNAT)")
+    p.add_argument(
+        "--key",
+        default="",
+        help="its libp2p key (default: bootstrap.p2p in $MOESHARD_HOME or ~/.config/moeshard, "
+        "made on first start: the address it prints stays the same)",
+    )
+    p.add_argument(
+        "--fetch-only", action="store_true", help="fetch the p2p daemon binary, print its path"
+    )
+    p.set_defaults(func=cmd_bootstrap)
+
+
+def cmd_bootstrap(args) -> int:
+    import signal
+    import threading
+    from pathlib import Path
+
+    from moeshard.moe.identity.keys import home
+    from moeshard.moe.p2p.daemon import P2PDaemon, hub_args, p2pd_path
+
+    if args.fetch_only:
+        print(p2pd_path())
+        return EXIT_OK
+    key = Path(args.key) if args.key else home() / "bootstrap.p2p"
+    daemon = P2PDaemon(hub_args(split_list(args.listen), split_list(args.announce)), key_file=key)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        print(f"bootstrap peer {daemon.peer_id}; give nodes and coordinators:", flush=True)
+        for addr in daemon.addresses():
+            print(f"  --bootstrap {addr}/p2p/{daemon.peer_id}", flush=True)
+        stop.wait()
+    finally:
+        daemon.close()
+    return EXIT_OK
 
 
 def add_keys(sub) -> None:
@@ -192,10 +264,12 @@ def cmd_id(args) -> int:
 
 
 def check_peer_options(args) -> None:
-    """`--expect` only counts what `--discover` finds."""
+    """`--expect` only counts what `--discover` or `--bootstrap` finds."""
     expect = getattr(args, "expect", None)
-    if expect is not None and (expect < 1 or not args.discover):
-        raise MoeshardError("--expect N needs --discover and N >= 1")
+    if expect is not None and (
+        expect < 1 or not (args.discover or getattr(args, "bootstrap", None))
+    ):
+        raise MoeshardError("--expect N needs --discover or --bootstrap, and N >= 1")
 
 
 def client_config(args, **fields):
@@ -335,13 +409,20 @@ def add_peer_options(p, required: bool) -> None:
         "--peers", help="experts on remote nodes, pinned by key id: ID@HOST:PORT,ID@HOST:PORT,..."
     )
     peers.add_argument("--discover", action="store_true", help="find nodes with zeroconf")
+    peers.add_argument(
+        "--bootstrap",
+        metavar="ADDR[,ADDR...]",
+        help="find nodes in the wide-area registry through these bootstrap peers (nodes "
+        "behind NATs too: reached directly, hole-punched or relayed)",
+    )
     p.add_argument("--discover-timeout", type=float, default=2.0, help="seconds to browse")
     p.add_argument(
         "--expect",
         type=int,
         metavar="N",
         help="with --discover: browse until N nodes are found, for at most 10 x "
-        "--discover-timeout (at least 5 s), and fail with fewer",
+        "--discover-timeout (at least 5 s), and fail with fewer; with --bootstrap: look up "
+        "the registry until N nodes are found, for at most --discover-timeout (at least 10 s)",
     )
     p.add_argument(
         "--no-hedge",

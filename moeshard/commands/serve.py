@@ -87,18 +87,20 @@ def add_serve(sub) -> None:
 def open_runtime(args):
     """The runtime `serve` puts behind its engine (in the engine's process: a child one
     unless --engine-in-process)."""
+    from moeshard.commands.network import split_list
     from moeshard.coordinator.runtime import open_serving_runtime
     from moeshard.moe.model.model_dir import ModelDir
     from moeshard.moe.units import parse_size
 
     remote = None
-    if args.peers or args.discover:
+    if args.peers or args.discover or args.bootstrap:
         from moeshard.commands.network import audit_settings, client_config
 
         remote = client_config(args, **audit_settings(args))
     return open_serving_runtime(
         ModelDir(args.model), args.ram and parse_size(args.ram), args.context * args.max_batch,
         args.peers, args.discover, args.discover_timeout, remote, args.expect,
+        bootstrap=split_list(args.bootstrap),
     )  # fmt: skip
 
 
@@ -134,12 +136,12 @@ def cmd_serve(args) -> int:
         raise MoeshardError("--max-connections must be >= 1, --max-prompt-chars >= 0")
     if not (args.header_timeout > 0 and args.body_timeout > 0):
         raise MoeshardError("--header-timeout and --body-timeout must be > 0")
-    if args.ram and (args.peers or args.discover):
+    if args.ram and (args.peers or args.discover or args.bootstrap):
         raise MoeshardError("--ram streams experts from this machine's SSD; not with nodes")
     model = ModelDir(args.model)
     guard = _connection_guard(args)
     sock = listening_socket(args.host, args.port)  # a busy port: one line, before loading
-    if not (args.peers or args.discover):
+    if not (args.peers or args.discover or args.bootstrap):
         model.require_experts("serve with --peers or --discover, or use the full model directory")
     engine_kwargs = {"max_batch": args.max_batch, "max_queue": args.max_queue}
     engine_kwargs["prefill_chunk"] = args.prefill_chunk

@@ -73,6 +73,7 @@ class Runtime:
     store: ExpertStore | None = None  # the expert cache (streaming mode; also `experts`)
     watcher: object | None = None  # zeroconf browse feeding late nodes (remote mode)
     verifier: object | None = None  # audits of the nodes' work (remote mode; generate.Verifier)
+    wide: object | None = None  # the registry's p2p daemon and tunnels (--bootstrap): closed last
 
     @property
     def config(self):
@@ -144,7 +145,9 @@ class Runtime:
     def close(self) -> None:
         if self.watcher is not None:
             self.watcher.close()
-        self.experts.close()
+        self.experts.close()  # (its last calls, settlements included, may use the tunnels)
+        if self.wide is not None:
+            self.wide.close()
         self.transformer.trunk.close()
         self.model.close()
 
@@ -228,10 +231,11 @@ def open_remote(
     discover_timeout: float = 2.0,
     remote_config=None,
     expect: int | None = None,
+    bootstrap: list[str] | None = None,
 ) -> Runtime:
-    """Trunk in RAM from `path`; routed experts computed by nodes (a peer list or zeroconf:
-    `expect` nodes, see `resolve_peers`), judged by a `Trust` built from the model directory
-    (its roots; its records, if any)."""
+    """Trunk in RAM from `path`; routed experts computed by nodes (a peer list, zeroconf, or
+    the wide-area registry through `bootstrap` peers: `expect` nodes, see `resolve_peers`),
+    judged by a `Trust` built from the model directory (its roots; its records, if any)."""
     from moeshard.coordinator.remote.config import RemoteConfig
     from moeshard.coordinator.remote.discovery import Watcher, resolve_peers
     from moeshard.coordinator.remote.experts import RemoteExperts
@@ -245,17 +249,40 @@ def open_remote(
     if remote_config is None:
         remote_config = RemoteConfig()
     identity = remote_config.identity
-    specs = resolve_peers(
-        model.model_id, peers, discover, discover_timeout, insecure, expect, identity=identity
-    )
-    experts = RemoteExperts.for_model(model, specs, remote_config)
-    watcher = None
+    watcher = wide = None
+    if bootstrap:
+        from moeshard.coordinator.remote.wide import find_wide
+
+        if insecure:
+            raise StoreError(
+                "--bootstrap needs identities: the calls' TLS is what a relay cannot read"
+            )
+        wide, specs = find_wide(model.model_id, bootstrap, max(discover_timeout, 10.0), expect)
+    else:
+        specs = resolve_peers(
+            model.model_id, peers, discover, discover_timeout, insecure, expect, identity=identity
+        )
+    try:
+        experts = RemoteExperts.for_model(model, specs, remote_config)
+    except BaseException:
+        if wide is not None:
+            wide.close()
+        raise
+    if wide is not None:  # keep looking: nodes that join later, or come back, join the generation
+        wide.watch(experts.add_peer)
     if discover and not peers:  # keep browsing: nodes that start later join the generation
         tls = None if identity is None else client_tls(identity)
         watcher = Watcher(model.model_id, lambda node: experts.add_peer(node.spec), tls)
     transformer = model.family.Transformer(model.config, model.load_trunk(), experts)
     return _finish(
-        model, transformer, experts, warmup_s, started, watcher=watcher, verifier=experts.verifier
+        model,
+        transformer,
+        experts,
+        warmup_s,
+        started,
+        watcher=watcher,
+        verifier=experts.verifier,
+        wide=wide,
     )
 
 
@@ -268,13 +295,16 @@ def open_serving_runtime(
     discover_timeout: float = 2.0,
     remote_config=None,
     expect: int | None = None,
+    bootstrap: list[str] | None = None,
 ) -> Runtime:
     """The runtime a server puts behind its engine: experts in RAM, streamed from SSD under
     `ram` bytes (planned for `context_tokens` of KV cache: every running sequence has its
-    own), or computed by nodes (`peers`, `discover`).  `moeshard serve` and
+    own), or computed by nodes (`peers`, `discover`, `bootstrap`).  `moeshard serve` and
     `bench serve --engine-only` open it the same way."""
-    if peers or discover:
-        return open_remote(path, peers, discover, discover_timeout, remote_config, expect)
+    if peers or discover or bootstrap:
+        return open_remote(
+            path, peers, discover, discover_timeout, remote_config, expect, bootstrap
+        )
     if ram:
         return open_streaming(path, ram, context_tokens)
     return open_local(path)

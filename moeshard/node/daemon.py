@@ -17,6 +17,7 @@ import socket
 import threading
 from concurrent import futures
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
@@ -63,6 +64,10 @@ class NodeConfig:
     # its zero fields are derived at start from the RAM budget and the model (Limits.resolve)
     grace_s: float = 10.0  # on SIGTERM, how long in-flight calls may take to finish
     ledger: str = ""  # receipts issued, settlements accepted ("" = moe.ledger.default_path)
+    bootstrap: tuple[
+        str, ...
+    ] = ()  # wide-area registry: bootstrap peers' multiaddrs (node/wide.py)
+    p2p_listen: tuple[str, ...] = ()  # the p2p daemon's listen multiaddrs (() = any port, tcp+quic)
 
 
 def make_backend(model: ModelDir, ram: int) -> ExpertsBackend:
@@ -180,6 +185,7 @@ class Node:
         self.server: grpc.Server | None = None
         self.port = 0
         self.announcer = None
+        self.wide = None  # the wide-area registry's publisher (with --bootstrap)
 
     def start(self) -> int:
         cfg = self.config
@@ -208,6 +214,23 @@ class Node:
                 self.port,
             )
             self.announcer.start()
+        if cfg.bootstrap:
+            if self.tls is None:
+                raise MoeshardError("--bootstrap needs TLS: a relay must see only ciphertext")
+            from moeshard.node.wide import WidePublisher
+
+            self.wide = WidePublisher(
+                self.key,
+                self.identity.name,
+                self.identity.model_id,
+                FORMAT_VERSION,
+                WIRE_VERSION,
+                self.servicer.held - self.servicer.bad,
+                self.port,
+                list(cfg.bootstrap),
+                list(cfg.p2p_listen) or None,
+                key_file=_p2p_key_file(self.key.path),
+            )
         return self.port
 
     def _refuse_tls12(self, host: str) -> None:
@@ -226,6 +249,9 @@ class Node:
         if self.announcer is not None:
             self.announcer.close()
             self.announcer = None
+        if self.wide is not None:
+            self.wide.close()
+            self.wide = None
         self.health.set_serving(False)
         if self.server is not None:
             self.server.stop(self.config.grace_s).wait()
@@ -255,6 +281,15 @@ def run(config: NodeConfig, out) -> int:
     first, *others = advertised_addresses(config.host)  # what the announcement carries too
     also = f" (this host's other addresses: {', '.join(others)})" if others else ""
     print(f"as --peers: {ident.node_id}@{first}:{port}{also}", file=out, flush=True)
+    if node.wide is not None:
+        from moeshard.node.wide import reachability
+
+        print(
+            f"p2p: peer {node.wide.peer_id} in the registry of {len(config.bootstrap)} "
+            f"bootstrap peer(s); {reachability(node.wide.addresses)}",
+            file=out,
+            flush=True,
+        )
     print(f"limits: {node.limits.summary()}", file=out, flush=True)
     print(f"ledger: {node.servicer.ledger.path}", file=out, flush=True)
     if node.servicer.bad:
@@ -275,3 +310,9 @@ def return_big_buffers() -> None:
         ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
     except (OSError, AttributeError):
         pass
+
+
+def _p2p_key_file(identity_path) -> Path | None:
+    """The node's libp2p key beside its identity key (`node-key.pem` -> `node-key.p2p`): its
+    peer id then survives restarts, so coordinators keep their tunnel to it."""
+    return None if identity_path is None else Path(identity_path).with_suffix(".p2p")

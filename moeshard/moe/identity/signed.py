@@ -35,11 +35,17 @@ def _canonical(fields: dict[str, str]) -> bytes:
     return ANNOUNCE_PREFIX + "\n".join(lines).encode()
 
 
-def sign_announcement(identity: Identity, fields: dict[str, str], now: float | None = None):
-    """`fields` plus node_id, pk, exp and sig: the TXT record to announce."""
+def sign_announcement(
+    identity: Identity,
+    fields: dict[str, str],
+    now: float | None = None,
+    ttl_s: int = ANNOUNCE_TTL_S,
+):
+    """`fields` plus node_id, pk, exp and sig: the TXT record to announce (or the record a
+    node serves to the wide-area registry, `moeshard.moe.p2p.registry`), valid `ttl_s`."""
     now = time.time() if now is None else now
     record = dict(fields, node_id=identity.id, pk=_b64(identity.public_raw))
-    record["exp"] = str(int(now + ANNOUNCE_TTL_S))
+    record["exp"] = str(int(now + ttl_s))
     record["sig"] = _b64(identity.sign(_canonical(record)))
     return record
 

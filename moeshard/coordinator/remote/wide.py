@@ -1,0 +1,169 @@
+"""Finding nodes through the wide-area registry (`--bootstrap`): a coordinator behind a NAT
+finds a model's nodes by its id alone and reaches each one, directly, hole-punched or
+relayed. See `moeshard.moe.p2p.registry`.
+
+The coordinator runs its own p2p daemon, asks the DHT for the model's providers, reads each
+one's signed record over a stream (ignoring forged, expired, foreign-model and replayed ones),
+and gives every node it keeps a loopback port (`Forward`) whose connections become streams
+to it. The node's id is pinned as for `--peers`: the TLS handshake through the tunnel must
+present that key, so a relay or a registry peer can neither read nor alter a call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from moeshard.coordinator.remote.transport import PeerSpec
+from moeshard.moe.errors import StoreError
+from moeshard.moe.p2p.control import P2PError
+from moeshard.moe.p2p.daemon import P2PDaemon, peer_args
+from moeshard.moe.p2p.registry import (
+    GRPC_PROTOCOL,
+    RECORD_PROTOCOL,
+    check_record,
+    read_record,
+    registry_key,
+)
+from moeshard.moe.p2p.tunnel import Forward
+
+log = logging.getLogger(__name__)
+CLIENT_LISTEN = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
+POLL_S = 0.5  # between DHT lookups while waiting for the nodes expected
+RECORD_TRIES = 3
+WATCH_S = 10.0  # between lookups once running: late and returning nodes
+
+
+@dataclass
+class WideNode:
+    spec: PeerSpec  # 127.0.0.1:PORT of its tunnel, pinned by its node id
+    record: dict[str, str]
+    peer_id: str
+    forward: Forward
+
+    @property
+    def via(self) -> str:
+        """How its last stream went: 'relayed' over a circuit, else 'direct'."""
+        return "relayed" if "/p2p-circuit" in self.forward.via else "direct"
+
+
+class WideDirectory:
+    """The registry as seen from one coordinator; `close()` stops its daemon and tunnels."""
+
+    def __init__(self, model_id: str, bootstrap: list[str], log_file=None):
+        self.model_id = model_id
+        self.daemon = P2PDaemon(peer_args(CLIENT_LISTEN, bootstrap), log_file=log_file)
+        self.nodes: dict[str, WideNode] = {}  # by node id
+        self.ignored: dict[str, str] = {}  # peer id -> why its record was not used
+        self._stop = threading.Event()
+
+    def lookup(self, timeout_s: float = 10.0, expect: int | None = None) -> list[WideNode]:
+        """Ask the DHT until `expect` nodes (or, without it, any) are found or `timeout_s`
+        passes; every provider's record is read and checked once."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                providers = self.daemon.control.find_providers(
+                    registry_key(self.model_id), timeout_s=max(1, int(deadline - time.monotonic()))
+                )
+            except P2PError as exc:
+                log.info("p2p lookup: %s", exc)
+                providers = []
+            for peer in providers:
+                if peer.peer_id not in self.ignored and not self._known(peer.peer_id):
+                    self._admit(peer.peer_id)
+            enough = len(self.nodes) >= expect if expect else bool(self.nodes)
+            if enough or time.monotonic() >= deadline:
+                return list(self.nodes.values())
+            time.sleep(POLL_S)
+
+    def _known(self, peer_id: str) -> bool:
+        return any(n.peer_id == peer_id for n in self.nodes.values())
+
+    def _fetch_record(self, peer_id: str) -> dict[str, str] | None:
+        """The record `peer_id` serves; None if it gives none in RECORD_TRIES streams (the
+        first stream to a new peer can be reset when its daemon settles on one of several
+        connections it opened at once)."""
+        for attempt in range(RECORD_TRIES):
+            try:
+                sock, _ = self.daemon.control.open_stream(peer_id, RECORD_PROTOCOL)
+            except P2PError as exc:
+                log.info("p2p: no record stream to %s: %s", peer_id, exc)
+                return None  # unreachable now: asked again at the next lookup
+            try:
+                sock.settimeout(10.0)
+                return read_record(sock)
+            except (P2PError, OSError) as exc:
+                if attempt == RECORD_TRIES - 1:
+                    self.ignored[peer_id] = f"no record ({exc})"
+                    return None
+                time.sleep(0.2)
+            finally:
+                sock.close()
+        return None
+
+    def _admit(self, peer_id: str) -> None:
+        record = self._fetch_record(peer_id)
+        if record is None:
+            return
+        why = check_record(record, self.model_id, peer_id)
+        if why:
+            self.ignored[peer_id] = why
+            log.warning("p2p: ignored the record of %s: %s", peer_id, why)
+            return
+        node_id = record["node_id"]
+        old = self.nodes.get(node_id)
+        if old is not None:  # back under another peer id (a restarted daemon): same port
+            old.forward.peer_id, old.peer_id, old.record = peer_id, peer_id, record
+            return
+        forward = Forward(self.daemon.control, peer_id, GRPC_PROTOCOL)
+        spec = PeerSpec(f"127.0.0.1:{forward.port}", node_id)
+        self.nodes[node_id] = WideNode(spec, record, peer_id, forward)
+
+    def watch(self, on_new, every_s: float = WATCH_S) -> None:
+        """Look again every `every_s` in the background; `on_new(spec)` for each node found
+        since. A known node found under a new peer id keeps its tunnel's port, now to it."""
+
+        def run() -> None:
+            while not self._stop.wait(every_s):
+                before = set(self.nodes)
+                self.ignored.clear()  # a node whose record was stale may have re-signed
+                try:
+                    self.lookup(timeout_s=5.0, expect=len(self.nodes) + 1)
+                except (P2PError, OSError) as exc:
+                    log.info("p2p lookup: %s", exc)
+                    continue
+                for node_id, node in list(self.nodes.items()):
+                    if node_id not in before:
+                        on_new(node.spec)
+
+        self._watcher = threading.Thread(target=run, name="wide-watch", daemon=True)
+        self._watcher.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        for node in self.nodes.values():
+            node.forward.close()
+        self.daemon.close()
+
+
+def find_wide(
+    model_id: str, bootstrap: list[str], timeout_s: float, expect: int | None
+) -> tuple[WideDirectory, list[PeerSpec]]:
+    """The directory (kept open: its tunnels carry the calls) and the nodes' specs."""
+    directory = WideDirectory(model_id, bootstrap)
+    try:
+        nodes = directory.lookup(timeout_s, expect)
+        if expect is not None and len(nodes) < expect:
+            raise StoreError(
+                f"the registry gave {len(nodes)} of the {expect} expected nodes of model "
+                f"{model_id[:16]} in {timeout_s:g} s"
+            )
+        if not nodes:
+            raise StoreError(f"the registry has no node of model {model_id[:16]} ({timeout_s:g} s)")
+    except BaseException:
+        directory.close()
+        raise
+    return directory, [n.spec for n in nodes]

@@ -1,0 +1,143 @@
+"""Byte pipes between local sockets and libp2p streams: how gRPC (with its own mutual TLS)
+runs through the p2p daemon unchanged.
+
+- `Forward` (a coordinator): a TCP listener on loopback; each connection to it becomes a
+  stream to one peer (direct, hole-punched or relayed: the daemon picks), so a gRPC channel
+  to 127.0.0.1:PORT reaches that node. The TLS handshake inside still pins the node's key.
+- `Inbound` (a node): the daemon hands each incoming stream of a protocol to a Unix socket of
+  ours; each becomes a TCP connection to the node's own gRPC port, or goes to a `serve`
+  function (a short answer, such as the node's signed record).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from moeshard.moe.p2p import addrs
+from moeshard.moe.p2p import p2pd_pb2 as pb
+from moeshard.moe.p2p.control import Control, P2PError, read_message
+
+log = logging.getLogger(__name__)
+CHUNK = 256 << 10
+
+
+def _copy(src: socket.socket, dst: socket.socket) -> None:
+    """src -> dst until src ends; then dst learns it (half-close), or both close on error."""
+    try:
+        while data := src.recv(CHUNK):
+            dst.sendall(data)
+        dst.shutdown(socket.SHUT_WR)
+    except OSError:
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def pipe(a: socket.socket, b: socket.socket) -> None:
+    """Copy both ways on two threads; both sockets are closed when both directions end."""
+
+    def run() -> None:
+        other = threading.Thread(target=_copy, args=(b, a), daemon=True)
+        other.start()
+        _copy(a, b)
+        other.join()
+        a.close()
+        b.close()
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+class Forward:
+    """127.0.0.1:`port` -> a `protocol` stream to `peer_id` through `control`'s daemon."""
+
+    def __init__(self, control: Control, peer_id: str, protocol: str):
+        self.control, self.peer_id, self.protocol = control, peer_id, protocol
+        self.via = ""  # the address the last stream went over (/p2p-circuit: relayed)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                stream, self.via = self.control.open_stream(self.peer_id, self.protocol)
+            except P2PError as exc:
+                log.info("no stream to %s: %s", self.peer_id, exc)
+                conn.close()
+                continue
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            pipe(conn, stream)
+
+    def close(self) -> None:
+        self._closed = True
+        self.listener.close()
+
+
+class Inbound:
+    """Incoming `protocol` streams: each piped to TCP `target`, or handed to `serve(sock,
+    peer_id)` (which must close it)."""
+
+    def __init__(
+        self,
+        control: Control,
+        protocol: str,
+        target: tuple[str, int] | None = None,
+        serve: Callable[[socket.socket, str], None] | None = None,
+    ):
+        self.target, self.serve = target, serve
+        self.dir = tempfile.mkdtemp(prefix="moeshard-p2p-in-")
+        self.path = str(Path(self.dir) / "in.sock")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.path)
+        self.listener.listen(64)
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+        control.add_handler(protocol, self.path)
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(10.0)
+            info = read_message(conn, pb.StreamInfo)
+            conn.settimeout(None)
+            peer = addrs.peer_id_text(info.peer)
+            if self.serve is not None:
+                self.serve(conn, peer)
+                return
+            out = socket.create_connection(self.target, timeout=10.0)
+            out.settimeout(None)
+            out.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except (OSError, P2PError) as exc:
+            log.info("incoming p2p stream dropped: %s", exc)
+            conn.close()
+            return
+        pipe(conn, out)
+
+    def close(self) -> None:
+        self._closed = True
+        self.listener.close()
+        try:
+            os.unlink(self.path)
+            os.rmdir(self.dir)
+        except OSError:
+            pass

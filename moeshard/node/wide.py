@@ -1,0 +1,147 @@
+"""A node in the wide-area registry (`--bootstrap`): found by model id from anywhere, reached
+through NATs. See `moeshard.moe.p2p.registry` for the protocol and docs/p2p.md for the paths.
+
+The node runs a p2p daemon that joins the bootstrap peers' DHT. Its expert calls arrive as
+streams of GRPC_PROTOCOL, each piped to its own gRPC port on loopback: the TLS inside is the
+node's, end to end, so a relay on the way carries only ciphertext. Every REANNOUNCE_S it
+re-signs its record with the addresses the daemon has now and renews its provider record.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+from moeshard.moe.identity.keys import Identity
+from moeshard.moe.identity.signed import sign_announcement
+from moeshard.moe.p2p.control import P2PError
+from moeshard.moe.p2p.daemon import P2PDaemon, peer_args
+from moeshard.moe.p2p.registry import (
+    GRPC_PROTOCOL,
+    REANNOUNCE_S,
+    RECORD_PROTOCOL,
+    RECORD_TTL_S,
+    registry_key,
+    write_record,
+)
+from moeshard.moe.p2p.tunnel import Inbound
+from moeshard.node.announce import shard_summary
+
+log = logging.getLogger(__name__)
+RECORD_LINGER_S = 10.0  # how long a record stream is held open for its reader to close it
+ADDRESS_POLL_S = 2.0  # how often the daemon's addresses are looked at
+DEFAULT_LISTEN = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
+
+
+def reachability(addresses: list[str]) -> str:
+    """What a node's addresses say of it: relayed ones mean AutoNAT found it unreachable."""
+    relayed = [a for a in addresses if "/p2p-circuit" in a]
+    if relayed:
+        return f"behind a NAT, reachable through relays: {', '.join(relayed)}"
+    return f"reachable directly: {', '.join(addresses) or '(no address yet)'}"
+
+
+class WidePublisher:
+    def __init__(
+        self,
+        key: Identity,
+        name: str,
+        model_id: str,
+        format_version: int,
+        wire_version: int,
+        held,
+        grpc_port: int,
+        bootstrap: list[str],
+        listen: list[str] | None = None,
+        key_file=None,
+        log_file=None,
+    ):
+        self.key, self.model_id = key, model_id
+        self.fields = {
+            "name": name,
+            "model_id": model_id,
+            "fmt": str(format_version),
+            "wire": str(wire_version),
+            **shard_summary(held),
+        }
+        self.daemon = P2PDaemon(
+            peer_args(listen or DEFAULT_LISTEN, bootstrap), key_file=key_file, log_file=log_file
+        )
+        self.fields["p2p"] = self.daemon.peer_id
+        self.record: dict[str, str] = {}
+        self.addresses: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._resign()
+        self.inbound = [
+            Inbound(self.daemon.control, GRPC_PROTOCOL, target=("127.0.0.1", grpc_port)),
+            Inbound(self.daemon.control, RECORD_PROTOCOL, serve=self._serve_record),
+        ]
+        self._provide()
+        self._thread = threading.Thread(target=self._refresh, name="wide-announce", daemon=True)
+        self._thread.start()
+
+    @property
+    def peer_id(self) -> str:
+        return self.daemon.peer_id
+
+    def _resign(self) -> bool:
+        """Sign the record afresh with the daemon's addresses now; True if they changed."""
+        try:
+            addresses = sorted(self.daemon.addresses())
+        except P2PError as exc:
+            log.warning("p2p daemon: %s", exc)
+            return False
+        changed = addresses != self.addresses
+        if changed:
+            log.info("p2p: %s", reachability(addresses))
+            self.addresses = addresses
+        record = sign_announcement(
+            self.key, dict(self.fields, addrs=",".join(addresses)), ttl_s=RECORD_TTL_S
+        )
+        with self._lock:
+            self.record = record
+        return changed
+
+    def _provide(self) -> None:
+        try:
+            self.daemon.control.provide(registry_key(self.model_id))
+        except P2PError as exc:  # no DHT peer yet: the next round tries again
+            log.info("p2p: provider record not stored yet: %s", exc)
+
+    def _serve_record(self, sock: socket.socket, peer_id: str) -> None:
+        with self._lock:
+            record = self.record
+        try:
+            write_record(sock, record)
+            sock.settimeout(RECORD_LINGER_S)  # then wait for the reader to close: the daemon
+            while sock.recv(64):  # drops what is still in flight when our end closes first
+                pass
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+    def _refresh(self) -> None:
+        """Every REANNOUNCE_S, and at once when the daemon's addresses change (a relay
+        reservation, a port mapping, a new network): a fresh record and provider record."""
+        since = 0.0
+        while not self._stop.wait(ADDRESS_POLL_S):
+            since += ADDRESS_POLL_S
+            if since >= REANNOUNCE_S or self._check_addresses():
+                self._resign()
+                self._provide()
+                since = 0.0
+
+    def _check_addresses(self) -> bool:
+        try:
+            return sorted(self.daemon.addresses()) != self.addresses
+        except P2PError:
+            return False
+
+    def close(self) -> None:
+        self._stop.set()
+        for inbound in self.inbound:
+            inbound.close()
+        self.daemon.close()
