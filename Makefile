@@ -10,7 +10,7 @@ DEMO_OUT := out/demo
 PROMPT ?= The function returns
 
 .PHONY: all test lint demo demo-local demo-ppl k3-demo serve-demo fixtures ref-venv proto clean readme results \
-	testbed compose-check compose-test
+	testbed p2p-testbed compose-check compose-test
 
 all: test
 
@@ -86,6 +86,10 @@ proto: $(VENV)/.stamp
 
 # Coordinator + 3 nodes in network namespaces on one bridge: zeroconf discovery, faults, latency
 # (root; tears everything down on exit). Options go to tools/testbed.py: TESTBED_ARGS=--help
+# Nodes at home behind two NATs, found and reached through the wide-area registry (root).
+p2p-testbed: $(VENV)/.stamp
+	$(PY) tools/p2p_testbed.py
+
 testbed: $(VENV)/.stamp
 	PY=$(PY) bash tools/testbed.sh $(TESTBED_ARGS)
 

@@ -129,6 +129,8 @@ class Runtime:
         dropped = experts.get("dropped_per_layer") or {}
         stats["degraded"] = bool(dropped)  # --degrade dropped experts: not the model's output
         stats["dropped_expert_slots"] = {str(layer): n for layer, n in dropped.items()}
+        if self.wide is not None:  # how each node was reached: "direct" or "relayed"
+            stats["p2p_paths"] = self.wide.paths()
         return stats
 
     def streaming_stats(self) -> dict:

@@ -122,6 +122,10 @@ class WideDirectory:
         spec = PeerSpec(f"127.0.0.1:{forward.port}", node_id)
         self.nodes[node_id] = WideNode(spec, record, peer_id, forward)
 
+    def paths(self) -> dict[str, str]:
+        """Node name (or id) -> how its last stream went: direct or relayed."""
+        return {n.record.get("name") or node_id: n.via for node_id, n in self.nodes.items()}
+
     def watch(self, on_new, every_s: float = WATCH_S) -> None:
         """Look again every `every_s` in the background; `on_new(spec)` for each node found
         since. A known node found under a new peer id keeps its tunnel's port, now to it."""

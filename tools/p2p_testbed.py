@@ -1,0 +1,245 @@
+"""Nodes at home behind NATs, found and reached through the wide-area registry (root).
+
+Network namespaces, nothing leaves the machine (no uplink):
+
+    msp-pub   a "public" segment 11.0.0.0/24 on a bridge; the bootstrap/relay peer at 11.0.0.1
+    msp-ra    home A's router: WAN 11.0.0.11, LANs 192.168.1.0/24 (msp-a1) and 192.168.2.0/24
+              (msp-ac); masquerade on the WAN, unsolicited inbound WAN packets dropped (as a
+              home router does: no port forward, no UPnP)
+    msp-rb    home B's router: WAN 11.0.0.12, LAN 192.168.3.0/24 (msp-b1); the same rules
+    msp-a1    a node in home A        msp-b1   a node in home B
+    msp-ac    the coordinator, in home A
+
+(11.0.0.0/24, not a TEST-NET range: go-libp2p ignores those as public addresses.) The
+scenario: both nodes join through `--bootstrap` only (no zeroconf crosses a NAT); the
+coordinator finds them by model id and generates the single-process tokens; the path to the
+node behind the other NAT is read from the sockets (direct: hole-punched; or relayed through
+11.0.0.1). Then home B's WAN link drops and comes back: the node re-reserves its relay slot
+and re-signs its record, and a new coordinator finds and uses it again. Prints one line per
+check and exits 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURE = REPO / "tests" / "fixtures" / "qwen3_moe"
+P = "msp"
+MOESHARD = [sys.executable, "-m", "moeshard"]
+BOOT_IP = "11.0.0.1"
+HOMES = {  # router -> (WAN address, [(host, LAN prefix)])
+    "ra": ("11.0.0.11", [("a1", "192.168.1"), ("ac", "192.168.2")]),
+    "rb": ("11.0.0.12", [("b1", "192.168.3")]),
+}
+ROUTER_RULES = """
+table ip msp_nat {
+  chain post {
+    type nat hook postrouting priority 100;
+    oifname "wan" masquerade
+  }
+}
+table inet msp_filter {
+  chain forward_wan {
+    type filter hook forward priority 0; policy accept;
+    iifname "wan" ct state established,related accept
+    iifname "wan" drop
+  }
+  chain input_wan {
+    type filter hook input priority 0; policy accept;
+    iifname "wan" ct state established,related accept
+    iifname "wan" drop
+  }
+}
+"""
+
+
+def sh(*argv: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    r = subprocess.run(argv, capture_output=True, text=True, **kw)
+    if check and r.returncode:
+        raise RuntimeError(f"{' '.join(argv)}: {r.stderr.strip() or r.stdout.strip()}")
+    return r
+
+
+def ns(host: str) -> str:
+    return f"{P}-{host}"
+
+
+def nsx(host: str, *argv: str) -> list[str]:
+    return ["ip", "netns", "exec", ns(host), *argv]
+
+
+def teardown() -> None:
+    for name in sh("ip", "netns", "list").stdout.split():
+        if name.startswith(f"{P}-"):
+            pids = sh("ip", "netns", "pids", name, check=False).stdout.split()
+            for pid in pids:
+                sh("kill", "-KILL", pid, check=False)
+            sh("ip", "netns", "del", name, check=False)
+
+
+def build() -> None:
+    teardown()
+    for host in ("pub", "ra", "rb", "a1", "ac", "b1"):
+        sh("ip", "netns", "add", ns(host))
+        sh(*nsx(host, "ip", "link", "set", "lo", "up"))
+    sh(*nsx("pub", "ip", "link", "add", "name", "pubbr", "type", "bridge"))
+    sh(*nsx("pub", "ip", "addr", "add", f"{BOOT_IP}/24", "dev", "pubbr"))
+    sh(*nsx("pub", "ip", "link", "set", "pubbr", "up"))
+    for router, (wan, lans) in HOMES.items():
+        sh("ip", "link", "add", "wan", "netns", ns(router), "type", "veth", "peer", "name",
+           f"{router}-up", "netns", ns("pub"))  # fmt: skip
+        sh(*nsx("pub", "ip", "link", "set", f"{router}-up", "master", "pubbr", "up"))
+        sh(*nsx(router, "ip", "addr", "add", f"{wan}/24", "dev", "wan"))
+        sh(*nsx(router, "ip", "link", "set", "wan", "up"))
+        sh(*nsx(router, "sysctl", "-qw", "net.ipv4.ip_forward=1"))
+        for host, prefix in lans:
+            sh("ip", "link", "add", f"lan-{host}", "netns", ns(router), "type", "veth", "peer",
+               "name", "eth0", "netns", ns(host))  # fmt: skip
+            sh(*nsx(router, "ip", "addr", "add", f"{prefix}.1/24", "dev", f"lan-{host}"))
+            sh(*nsx(router, "ip", "link", "set", f"lan-{host}", "up"))
+            sh(*nsx(host, "ip", "addr", "add", f"{prefix}.2/24", "dev", "eth0"))
+            sh(*nsx(host, "ip", "link", "set", "eth0", "up"))
+            sh(*nsx(host, "ip", "route", "add", "default", "via", f"{prefix}.1"))
+        sh(*nsx(router, "nft", "-f", "-"), input=ROUTER_RULES)
+
+
+class Procs:
+    def __init__(self, work: Path):
+        self.work, self.procs = work, {}
+
+    def start(self, name: str, host: str, argv: list[str]) -> Path:
+        log = self.work / f"{name}.log"
+        out = open(log, "ab")  # noqa: SIM115 (kept open for the process's lifetime)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.procs[name] = subprocess.Popen(
+            nsx(host, *argv), cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+        return log
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def wait_for(log: Path, pattern: str, timeout: float) -> re.Match:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        m = re.search(pattern, log.read_text(errors="replace"))
+        if m:
+            return m
+        time.sleep(0.2)
+    raise RuntimeError(
+        f"{log.name}: no {pattern!r} within {timeout:g} s:\n{log.read_text()[-2000:]}"
+    )
+
+
+def generate(work, coordinator, bootstrap: str, prompt: str, tokens: int, tag: str, wait=30):
+    """A coordinator in home A: (its JSON result or None, its stderr)."""
+    argv = [*MOESHARD, "generate", str(coordinator), "--bootstrap", bootstrap, "--expect", "2"]
+    argv += ["--discover-timeout", str(wait), "--deadline", "5"]
+    argv += ["--prompt-ids", prompt, "--max-tokens", str(tokens)]
+    r = subprocess.run(nsx("ac", *argv, "--json"), cwd=REPO, capture_output=True, text=True)
+    (work / f"coord-{tag}.log").write_text(r.stderr)
+    if r.returncode:
+        return None, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(FIXTURE), help="Hugging Face checkpoint to convert")
+    p.add_argument("--tokens", type=int, default=24)
+    p.add_argument("--work", help="work directory (default: a temporary one)")
+    args = p.parse_args()
+    if os.geteuid():
+        print("p2p testbed: needs root (network namespaces)", file=sys.stderr)
+        return 2
+    work = Path(args.work or tempfile.mkdtemp(prefix="moeshard-p2p-testbed-"))
+    work.mkdir(parents=True, exist_ok=True)
+    os.environ["MOESHARD_HOME"] = str(work / "home")
+    sh(*MOESHARD, "bootstrap", "--fetch-only", cwd=REPO)  # the daemon binary, before timing
+    model = work / "model"
+    sh(*MOESHARD, "convert", args.model, str(model), "--force", "--quiet", cwd=REPO)
+    sh(*MOESHARD, "shard", str(model), "--nodes", "2", "--replicas", "1", "--out",
+       str(work / "shards"), "--force", cwd=REPO)  # fmt: skip
+    prompt = "1,2,3,4,5,6,7,8"
+    ref = sh(*MOESHARD, "generate", str(model), "--prompt-ids", prompt, "--max-tokens",
+             str(args.tokens), "--json", cwd=REPO)  # fmt: skip
+    want = json.loads(ref.stdout.strip().splitlines()[-1])["tokens"]
+    checks: list[tuple[str, bool, str]] = []
+    procs = Procs(work)
+    try:
+        build()
+        boot = procs.start("bootstrap", "pub", [*MOESHARD, "bootstrap", "--listen",
+                           f"/ip4/{BOOT_IP}/tcp/4001,/ip4/{BOOT_IP}/udp/4001/quic-v1"])  # fmt: skip
+        addr = wait_for(boot, r"--bootstrap (/ip4/11\.0\.0\.1/tcp/4001/p2p/\w+)", 30).group(1)
+        nodes = {}
+        for host, shard in (("a1", "node-00"), ("b1", "node-01")):
+            nodes[host] = procs.start(f"node-{host}", host, [*MOESHARD, "-v", "node",
+                str(work / "shards" / shard), "--allow-any", "--no-advertise", "--bootstrap",
+                addr])  # fmt: skip
+        for host, log in nodes.items():
+            m = wait_for(log, r"behind a NAT, reachable through relays: (\S+)", 90)
+            checks.append((f"{host}: learns it is behind a NAT, advertises a relayed address",
+                           True, m.group(1)[:60] + "..."))  # fmt: skip
+        coordinator = work / "shards" / "coordinator"
+        result, err = generate(work, coordinator, addr, prompt, args.tokens, "first")
+        ok = result is not None and result["tokens"] == want
+        paths = result["stats"].get("p2p_paths", {}) if result else {}
+        checks.append(("coordinator in home A finds both nodes through --bootstrap only, "
+                       "same tokens as one process", ok and len(paths) == 2,
+                       f"paths {paths}" if result else err.strip().splitlines()[-1]))  # fmt: skip
+        # home B's NAT drops: its WAN link goes down and the router forgets every mapping (a
+        # router reboot); the relay's connection to the node is dead, then the link returns
+        sh(*nsx("rb", "ip", "link", "set", "wan", "down"))
+        if shutil.which("conntrack"):
+            sh(*nsx("rb", "conntrack", "-F"), check=False)
+        result, err = generate(work, coordinator, addr, prompt, args.tokens, "during-drop", 10)
+        checks.append(("while home B is cut off, its node's experts cannot be reached",
+                       result is None, (err.strip().splitlines() or ["?"])[-1][:160]))  # fmt: skip
+        sh(*nsx("rb", "ip", "link", "set", "wan", "up"))
+        t0 = time.monotonic()
+        for attempt in range(4):  # until the node has its relay slot back and is re-announced
+            result, err = generate(work, coordinator, addr, prompt, args.tokens, f"after-{attempt}")
+            if result is not None:
+                break
+        nodes_line = re.search(r"\[nodes: ([^;\]]*)", err)
+        calls = dict(re.findall(r"(\S+) (\d+) calls", nodes_line.group(1) if nodes_line else ""))
+        ok = (
+            result is not None
+            and result["tokens"] == want
+            and all(int(c) > 0 for c in calls.values())
+        )
+        detail = (f"back after {time.monotonic() - t0:.0f} s; "
+                  + ", ".join(f"{n} {c} calls" for n, c in calls.items())) if result else (
+                  err.strip().splitlines() or ["?"])[-1][:160]  # fmt: skip
+        checks.append(("the link returns: the node rejoins, a new coordinator uses it again, "
+                       "same tokens", ok, detail))  # fmt: skip
+    finally:
+        procs.stop_all()
+        teardown()
+    for name, ok, detail in checks:
+        print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}")
+    passed = bool(checks) and all(ok for _, ok, _ in checks)
+    print(f"p2p testbed: {sum(ok for _, ok, _ in checks)}/{len(checks)} passed; work in {work}")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
