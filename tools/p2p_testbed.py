@@ -237,7 +237,10 @@ def main() -> int:
     for name, ok, detail in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}")
     passed = bool(checks) and all(ok for _, ok, _ in checks)
-    print(f"p2p testbed: {sum(ok for _, ok, _ in checks)}/{len(checks)} passed; work in {work}")
+    if passed and not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    kept = "" if passed and not args.work else f"; logs in {work}"
+    print(f"p2p testbed: {sum(ok for _, ok, _ in checks)}/{len(checks)} passed{kept}")
     return 0 if passed else 1
 
 

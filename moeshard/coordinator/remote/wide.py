@@ -11,6 +11,7 @@ present that key, so a relay or a registry peer can neither read nor alter a cal
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 import time
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 CLIENT_LISTEN = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
 POLL_S = 0.5  # between DHT lookups while waiting for the nodes expected
 RECORD_TRIES = 3
+SETTLE_S = 5.0  # the longest a lookup waits for hole punches to replace relayed paths
 WATCH_S = 10.0  # between lookups once running: late and returning nodes
 
 
@@ -71,9 +73,14 @@ class WideDirectory:
             except P2PError as exc:
                 log.info("p2p lookup: %s", exc)
                 providers = []
-            for peer in providers:
-                if peer.peer_id not in self.ignored and not self._known(peer.peer_id):
-                    self._admit(peer.peer_id)
+            admitted = [
+                peer.peer_id
+                for peer in providers
+                if peer.peer_id not in self.ignored
+                and not self._known(peer.peer_id)
+                and self._admit(peer.peer_id)
+            ]
+            self._settle(admitted)
             enough = len(self.nodes) >= expect if expect else bool(self.nodes)
             if enough or time.monotonic() >= deadline:
                 return list(self.nodes.values())
@@ -104,23 +111,47 @@ class WideDirectory:
                 sock.close()
         return None
 
-    def _admit(self, peer_id: str) -> None:
+    def _admit(self, peer_id: str) -> bool:
+        """Read, check and keep `peer_id`'s record; True if it is kept."""
         record = self._fetch_record(peer_id)
         if record is None:
-            return
+            return False
         why = check_record(record, self.model_id, peer_id)
         if why:
             self.ignored[peer_id] = why
             log.warning("p2p: ignored the record of %s: %s", peer_id, why)
-            return
+            return False
         node_id = record["node_id"]
         old = self.nodes.get(node_id)
         if old is not None:  # back under another peer id (a restarted daemon): same port
             old.forward.peer_id, old.peer_id, old.record = peer_id, peer_id, record
-            return
-        forward = Forward(self.daemon.control, peer_id, GRPC_PROTOCOL)
+            return True
+        punchable = bool(public_addresses(record.get("addrs", "")))
+        forward = Forward(self.daemon.control, peer_id, GRPC_PROTOCOL, 1.0 if punchable else 0.0)
         spec = PeerSpec(f"127.0.0.1:{forward.port}", node_id)
         self.nodes[node_id] = WideNode(spec, record, peer_id, forward)
+        return True
+
+    def _settle(self, peer_ids: list[str]) -> None:
+        """Reading a record behind a NAT opened a relayed connection, and with it a hole punch
+        where the node knows its public address (its record lists one). A punch that succeeds
+        closes the relayed connection and resets its streams, gRPC's with them: so wait, up
+        to SETTLE_S, until each such node is reached directly, before any call is made."""
+        punchable = {
+            n.peer_id
+            for n in self.nodes.values()
+            if n.peer_id in peer_ids and public_addresses(n.record.get("addrs", ""))
+        }
+        end = time.monotonic() + SETTLE_S
+        while punchable and time.monotonic() < end:
+            try:
+                connected = self.daemon.control.peers()
+            except P2PError:
+                return
+            direct = {p.peer_id for p in connected if any("/p2p-circuit" not in a for a in p.addrs)}
+            punchable -= direct
+            if punchable:
+                time.sleep(0.1)
 
     def paths(self) -> dict[str, str]:
         """Node name (or id) -> how its last stream went: direct or relayed."""
@@ -171,3 +202,19 @@ def find_wide(
         directory.close()
         raise
     return directory, [n.spec for n in nodes]
+
+
+def public_addresses(addrs_text: str) -> list[str]:
+    """The addresses in a record's `addrs` that are neither relayed nor private/loopback."""
+    out = []
+    for a in addrs_text.split(","):
+        parts = a.split("/")
+        if "/p2p-circuit" in a or len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
+            continue
+        try:
+            ip = ipaddress.ip_address(parts[2])
+        except ValueError:
+            continue
+        if ip.is_global or not (ip.is_private or ip.is_loopback or ip.is_link_local):
+            out.append(a)
+    return out

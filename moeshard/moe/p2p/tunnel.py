@@ -16,6 +16,7 @@ import os
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,8 +59,9 @@ def pipe(a: socket.socket, b: socket.socket) -> None:
 class Forward:
     """127.0.0.1:`port` -> a `protocol` stream to `peer_id` through `control`'s daemon."""
 
-    def __init__(self, control: Control, peer_id: str, protocol: str):
+    def __init__(self, control: Control, peer_id: str, protocol: str, wait_direct_s: float = 0.0):
         self.control, self.peer_id, self.protocol = control, peer_id, protocol
+        self.wait_direct_s = wait_direct_s  # for a peer a hole punch may reach (`_await_direct`)
         self.via = ""  # the address the last stream went over (/p2p-circuit: relayed)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
@@ -72,14 +74,29 @@ class Forward:
                 conn, _ = self.listener.accept()
             except OSError:
                 return
+            self._await_direct()
             try:
                 stream, self.via = self.control.open_stream(self.peer_id, self.protocol)
             except P2PError as exc:
-                log.info("no stream to %s: %s", self.peer_id, exc)
+                log.warning("p2p: no stream to %s: %s", self.peer_id, exc)
                 conn.close()
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             pipe(conn, stream)
+
+    def _await_direct(self) -> None:
+        """While the only connection to the peer is relayed, give hole punching (which the
+        relayed connection started) up to `wait_direct_s` to make a direct one: a stream
+        opened now stays on the path it opened on, and gRPC keeps its stream for good."""
+        end = time.monotonic() + self.wait_direct_s
+        while time.monotonic() < end:
+            try:
+                conns = [p for p in self.control.peers() if p.peer_id == self.peer_id]
+            except P2PError:
+                return
+            if not conns or any("/p2p-circuit" not in a for p in conns for a in p.addrs):
+                return  # not connected yet (the stream will dial), or a direct path exists
+            time.sleep(0.1)
 
     def close(self) -> None:
         self._closed = True
