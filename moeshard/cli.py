@@ -155,6 +155,7 @@ BENCHES = [  # name, module in coordinator.bench, what it measures
     ("compare-llamacpp", "compare_llamacpp", "moeshard vs llama.cpp built here, side by side"),
     ("serve", "serve", "the API under 1..N concurrent clients: tok/s, first token, expert cost"),
     ("swarm", "swarm", "4-16 nodes in namespaces with latency: measured vs simulated s/token"),
+    ("p2p", "p2p", "an expert call through the p2p daemons (direct, relayed) vs TLS over TCP"),
 ]
 
 

@@ -266,9 +266,8 @@ def cmd_id(args) -> int:
 def check_peer_options(args) -> None:
     """`--expect` only counts what `--discover` or `--bootstrap` finds."""
     expect = getattr(args, "expect", None)
-    if expect is not None and (
-        expect < 1 or not (args.discover or getattr(args, "bootstrap", None))
-    ):
+    found_by = getattr(args, "discover", False) or getattr(args, "bootstrap", None)
+    if expect is not None and (expect < 1 or not found_by):
         raise MoeshardError("--expect N needs --discover or --bootstrap, and N >= 1")
 
 

@@ -154,8 +154,10 @@ class WideDirectory:
                 time.sleep(0.1)
 
     def paths(self) -> dict[str, str]:
-        """Node name (or id) -> how its last stream went: direct or relayed."""
-        return {n.record.get("name") or node_id: n.via for node_id, n in self.nodes.items()}
+        """'NAME ID8' -> how its last stream went: direct or relayed."""
+        return {
+            f"{n.record.get('name', '')} {node_id[:8]}": n.via for node_id, n in self.nodes.items()
+        }
 
     def watch(self, on_new, every_s: float = WATCH_S) -> None:
         """Look again every `every_s` in the background; `on_new(spec)` for each node found

@@ -41,6 +41,8 @@ P2PD_SHA256 = "42f8f48e62583b97cdba3c31439c08029fb2b9fc506b5bdd82c46b7cc1d279d8"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moeshard" / "p2pd"
 START_S = 15.0  # the daemon's control socket must answer within this
 PR_SET_PDEATHSIG = 1  # prctl(2)
+RELAY_DATA_LIMIT = 1 << 40  # bytes one relayed connection may carry each way (a bootstrap's)
+RELAY_TIME_LIMIT = "24h"  # how long one relayed connection may last
 
 
 def p2pd_path(fetch: bool = True) -> Path:
@@ -185,6 +187,7 @@ def hub_args(listen: list[str], announce: list[str] | None = None) -> list[str]:
     """A bootstrap peer and relay on a public address: DHT server, circuit relay service,
     AutoNAT service for the peers' dial-back checks; it never bootstraps from anyone."""
     args = ["-hostAddrs", ",".join(listen), "-dhtServer", "-relay=1", "-relayService=1"]
+    args += ["-relayDataLimit", str(RELAY_DATA_LIMIT), "-relayTimeLimit", RELAY_TIME_LIMIT]
     args += ["-autonat", "-forceReachabilityPublic", "-b=0"]
     if announce:
         args += ["-announceAddrs", ",".join(announce)]
