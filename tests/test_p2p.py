@@ -48,6 +48,10 @@ def test_multiaddrs_and_peer_ids_round_trip():
             addrs.encode(bad)
     with pytest.raises(MoeshardError, match="--bootstrap"):
         peer_args(["/ip4/0.0.0.0/tcp/0"], [])
+    with pytest.raises(MoeshardError, match="no peer id"):
+        peer_args(["/ip4/0.0.0.0/tcp/0"], ["/ip4/1.2.3.4/tcp/1"])
+    with pytest.raises(MoeshardError, match="nonsense"):
+        hub_args(["nonsense"])
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,18 @@ def shard_summary(held) -> dict[str, str]:
     }
 
 
+def announcement_fields(name, model_id, format_version, wire_version, held) -> dict[str, str]:
+    """What a node says of itself, signed, on the LAN (zeroconf) and in the wide-area registry
+    (`node/wide.py`)."""
+    return {
+        "name": name,
+        "model_id": model_id,
+        "fmt": str(format_version),
+        "wire": str(wire_version),
+        **shard_summary(held),
+    }
+
+
 class Announcer:
     """Registers the node's signed service record on start(), re-signs it before it expires
     (every ANNOUNCE_TTL_S / 2), unregisters it on close()."""
@@ -59,13 +71,7 @@ class Announcer:
         port: int,
     ):
         self.key, self.name, self.host, self.port = key, name, host, port
-        self.fields = {
-            "name": name,
-            "model_id": model_id,
-            "fmt": str(format_version),
-            "wire": str(wire_version),
-            **shard_summary(held),
-        }
+        self.fields = announcement_fields(name, model_id, format_version, wire_version, held)
         self.info = self._service_info()
         self.zeroconf: Zeroconf | None = None
         self._stop = threading.Event()

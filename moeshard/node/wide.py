@@ -26,7 +26,7 @@ from moeshard.moe.p2p.registry import (
     write_record,
 )
 from moeshard.moe.p2p.tunnel import Inbound
-from moeshard.node.announce import shard_summary
+from moeshard.node.announce import announcement_fields
 
 log = logging.getLogger(__name__)
 RECORD_LINGER_S = 10.0  # how long a record stream is held open for its reader to close it
@@ -58,13 +58,7 @@ class WidePublisher:
         log_file=None,
     ):
         self.key, self.model_id = key, model_id
-        self.fields = {
-            "name": name,
-            "model_id": model_id,
-            "fmt": str(format_version),
-            "wire": str(wire_version),
-            **shard_summary(held),
-        }
+        self.fields = announcement_fields(name, model_id, format_version, wire_version, held)
         self.daemon = P2PDaemon(
             peer_args(listen or DEFAULT_LISTEN, bootstrap), key_file=key_file, log_file=log_file
         )

@@ -186,6 +186,8 @@ def _own_session_dies_with_parent() -> None:
 def hub_args(listen: list[str], announce: list[str] | None = None) -> list[str]:
     """A bootstrap peer and relay on a public address: DHT server, circuit relay service,
     AutoNAT service for the peers' dial-back checks; it never bootstraps from anyone."""
+    for a in [*listen, *(announce or [])]:
+        addrs.encode(a)  # refused here, by name, not by the daemon's exit code
     args = ["-hostAddrs", ",".join(listen), "-dhtServer", "-relay=1", "-relayService=1"]
     args += ["-relayDataLimit", str(RELAY_DATA_LIMIT), "-relayTimeLimit", RELAY_TIME_LIMIT]
     args += ["-autonat", "-forceReachabilityPublic", "-b=0"]
@@ -205,6 +207,12 @@ def peer_args(
         raise MoeshardError("--bootstrap: at least one /ip4/.../p2p/ID address")
     for a in bootstrap:
         addrs.encode(a)  # a bad address is refused here, by name, not by the daemon
+        if "/p2p/" not in a:
+            raise MoeshardError(
+                f"--bootstrap {a}: no peer id (.../p2p/ID, as `moeshard bootstrap` prints)"
+            )
+    for a in listen:
+        addrs.encode(a)
     relays = relays or bootstrap
     return [
         "-hostAddrs", ",".join(listen), "-b", "-bootstrapPeers", ",".join(bootstrap),

@@ -26,6 +26,7 @@ from moeshard.moe.p2p.control import Control, P2PError, read_message
 
 log = logging.getLogger(__name__)
 CHUNK = 256 << 10
+MAX_INBOUND = 256  # incoming streams a node holds open at once (record and gRPC together)
 
 
 def _copy(src: socket.socket, dst: socket.socket) -> None:
@@ -42,8 +43,9 @@ def _copy(src: socket.socket, dst: socket.socket) -> None:
                 pass
 
 
-def pipe(a: socket.socket, b: socket.socket) -> None:
-    """Copy both ways on two threads; both sockets are closed when both directions end."""
+def pipe(a: socket.socket, b: socket.socket) -> threading.Thread:
+    """Copy both ways on two threads; both sockets are closed when both directions end (when
+    the returned thread does)."""
 
     def run() -> None:
         other = threading.Thread(target=_copy, args=(b, a), daemon=True)
@@ -53,7 +55,19 @@ def pipe(a: socket.socket, b: socket.socket) -> None:
         a.close()
         b.close()
 
-    threading.Thread(target=run, daemon=True).start()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def accept_each(listener: socket.socket, handle) -> None:
+    """`handle(conn)` for each connection to `listener`, until it is closed."""
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        handle(conn)
 
 
 class Forward:
@@ -65,24 +79,20 @@ class Forward:
         self.via = ""  # the address the last stream went over (/p2p-circuit: relayed)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
+        threading.Thread(target=accept_each, args=(self.listener, self._one), daemon=True).start()
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            self._await_direct()
-            try:
-                stream, self.via = self.control.open_stream(self.peer_id, self.protocol)
-            except P2PError as exc:
-                log.warning("p2p: no stream to %s: %s", self.peer_id, exc)
-                conn.close()
-                continue
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            pipe(conn, stream)
+    def _one(self, conn: socket.socket) -> None:
+        """One local connection: a stream to the peer, piped (in the accept thread: a tunnel
+        carries one gRPC connection at a time)."""
+        self._await_direct()
+        try:
+            stream, self.via = self.control.open_stream(self.peer_id, self.protocol)
+        except P2PError as exc:
+            log.warning("p2p: no stream to %s: %s", self.peer_id, exc)
+            conn.close()
+            return
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        pipe(conn, stream)
 
     def _await_direct(self) -> None:
         """While the only connection to the peer is relayed, give hole punching (which the
@@ -99,7 +109,6 @@ class Forward:
             time.sleep(0.1)
 
     def close(self) -> None:
-        self._closed = True
         self.listener.close()
 
 
@@ -120,19 +129,26 @@ class Inbound:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(self.path)
         self.listener.listen(64)
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.slots = threading.BoundedSemaphore(MAX_INBOUND)
+        threading.Thread(target=accept_each, args=(self.listener, self._start), daemon=True).start()
         control.add_handler(protocol, self.path)
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+    def _start(self, conn: socket.socket) -> None:
+        """Any peer of the DHT may open streams: at most MAX_INBOUND are held at once (each
+        holds threads and a socket); beyond that a stream is closed at once."""
+        if not self.slots.acquire(blocking=False):
+            log.warning("p2p: %d incoming streams open, one more refused", MAX_INBOUND)
+            conn.close()
+            return
+        threading.Thread(target=self._one, args=(conn,), daemon=True).start()
 
     def _one(self, conn: socket.socket) -> None:
+        try:
+            self._serve_one(conn)
+        finally:
+            self.slots.release()
+
+    def _serve_one(self, conn: socket.socket) -> None:
         try:
             conn.settimeout(10.0)
             info = read_message(conn, pb.StreamInfo)
@@ -148,10 +164,9 @@ class Inbound:
             log.info("incoming p2p stream dropped: %s", exc)
             conn.close()
             return
-        pipe(conn, out)
+        pipe(conn, out).join()
 
     def close(self) -> None:
-        self._closed = True
         self.listener.close()
         try:
             os.unlink(self.path)
