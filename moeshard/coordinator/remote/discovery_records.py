@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 MAX_NAMES = 256  # instance names tracked at once (a flood of names cannot grow memory)
 MAX_PER_NAME = 4  # TXT and SRV records kept per name (newest), addresses kept per host
 MAX_HOSTS = 2 * MAX_NAMES * MAX_PER_NAME  # host names whose addresses are kept (newest)
+MAX_EVICTED = 16 * MAX_NAMES  # silent names evicted, remembered (keys only) to be taken back
 MAX_WARNINGS = 1024  # (name, kind) pairs remembered so each warning is logged once
 RECHECK_S = 30.0  # a cached announcement check is redone after this (expiry moves on)
 FIRST_ASK_S = 0.25  # the wait after a name's first query; doubled after each unanswered one
@@ -120,15 +121,20 @@ class Records(RecordUpdateListener):
         self.display: dict[str, str] = {}  # name key -> the name as announced
         self.hosts: OrderedDict[str, deque] = OrderedDict()  # host key -> addresses
         self.dropped = 0  # names not tracked because MAX_NAMES answered names were
+        self.evicted: OrderedDict[str, str] = OrderedDict()  # silent names let go: key -> name
         self.changed = threading.Event()  # set on every new record of a tracked name
         self._checks: OrderedDict[bytes, tuple[dict, str, float]] = OrderedDict()
         self.asking: set = set()  # the queries under way (futures on zeroconf's loop)
+        self.resolve_s = 1.0  # the last `track`'s: how long a name taken back is asked for
         zc.add_listener(self, None)
 
     def close(self) -> None:
         with self.lock:
             for asking in self.asking:
-                asking.cancel()
+                if isinstance(asking, asyncio.Task):  # started on the loop by a take-back
+                    self.zc.loop.call_soon_threadsafe(asking.cancel)
+                else:
+                    asking.cancel()
         self.zc.remove_listener(self)
 
     # -- following names ---------------------------------------------------------------------
@@ -139,22 +145,45 @@ class Records(RecordUpdateListener):
         key = name.lower()
         promised = self._srv_heard(name)
         with self.lock:
+            self.resolve_s = resolve_s
             if key in self.names:
                 return True
-            if len(self.names) >= MAX_NAMES:
-                silent = next(
-                    (k for k, r in self.names.items() if not r.answered and not r.promised), None
-                )
-                if silent is None:
-                    self.dropped += 1
-                    return False
-                del self.names[silent], self.display[silent]  # the oldest that never answered
+            if not self._make_room():
+                self.dropped += 1
+                return False
             self.names[key] = NameRecords(time.monotonic(), promised)
             self.display[key] = name
         asking = asyncio.run_coroutine_threadsafe(self._ask(name, resolve_s), self.zc.loop)
         with self.lock:
             self.asking = {f for f in self.asking if not f.done()} | {asking}
         return True
+
+    def _make_room(self) -> bool:
+        """Room for one more name (lock held): if the table is full, the oldest name that has
+        not answered is let go, its key kept in `evicted` so that an SRV or TXT heard for it
+        later takes it back (a real node's answer can reach the event loop, busy with a
+        flood of bare names, after its name was let go: one went missing so in 1 of 3 runs).
+        False if every tracked name has answered."""
+        if len(self.names) < MAX_NAMES:
+            return True
+        silent = next((k for k, r in self.names.items() if not r.answered and not r.promised), None)
+        if silent is None:
+            return False
+        self.evicted[silent] = self.display.pop(silent)
+        del self.names[silent]
+        while len(self.evicted) > MAX_EVICTED:
+            self.evicted.popitem(last=False)
+        return True
+
+    def _take_back(self, key: str) -> NameRecords | None:
+        """The entry of an evicted name an SRV or TXT was just heard for (lock held)."""
+        name = self.evicted.get(key)
+        if name is None or not self._make_room():
+            return None
+        del self.evicted[key]
+        entry = self.names[key] = NameRecords(time.monotonic(), promised=True)
+        self.display[key] = name
+        return entry
 
     def _srv_heard(self, name: str) -> bool:
         """Whether zeroconf's cache holds an SRV record of `name` already. A node answers a
@@ -206,6 +235,7 @@ class Records(RecordUpdateListener):
 
     def forget(self, name: str) -> None:
         with self.lock:
+            self.evicted.pop(name.lower(), None)
             self.names.pop(name.lower(), None)
             self.display.pop(name.lower(), None)
 
@@ -217,11 +247,17 @@ class Records(RecordUpdateListener):
     # -- zeroconf's event loop ---------------------------------------------------------------
 
     def async_update_records(self, zc, now: float, records) -> None:
-        new = False
+        new, taken_back = False, []
         with self.lock:
             for update in records:  # SRV and TXT first: an A record may name a host they name
                 r = update.new
-                entry = self.names.get(r.key) if r.type in (_TYPE_SRV, _TYPE_TXT) else None
+                if r.type not in (_TYPE_SRV, _TYPE_TXT):
+                    continue
+                entry = self.names.get(r.key)
+                if entry is None and not r.is_expired(now):
+                    entry = self._take_back(r.key)
+                    if entry is not None:
+                        taken_back.append(self.display[r.key])
                 if entry is None:
                     continue
                 item = (r.port, r.server_key) if r.type == _TYPE_SRV else bytes(r.text)
@@ -246,6 +282,10 @@ class Records(RecordUpdateListener):
                     addrs.append(ip)
                     new = True
                 self.hosts.move_to_end(r.key)
+        for name in taken_back:  # its other records and its host's address, if not heard yet
+            task = asyncio.ensure_future(self._ask(name, self.resolve_s))
+            with self.lock:
+                self.asking = {f for f in self.asking if not f.done()} | {task}
         if new:
             self.changed.set()
 
