@@ -19,8 +19,11 @@ from moeshard.moe.identity.keys import generate as make_key
 from moeshard.moe.identity.signed import sign_announcement
 from moeshard.moe.p2p import addrs
 from moeshard.moe.p2p.daemon import P2PDaemon, hub_args, load_or_make_key, peer_args, peer_id_of_key
-from moeshard.moe.p2p.registry import RECORD_PROTOCOL, registry_key, write_record
-from moeshard.moe.p2p.tunnel import Inbound
+from moeshard.moe.p2p.registry import GRPC_PROTOCOL, RECORD_PROTOCOL, registry_key, write_record
+from moeshard.moe.p2p.relay import Relay, RelayLimits
+from moeshard.moe.p2p.tunnel import Forward, Inbound, open_relayed
+
+HUB_PER_PEER = 3
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +32,9 @@ def hub(tmp_path_factory):
     key = tmp_path_factory.mktemp("hub") / "hub.p2p"
     daemon = P2PDaemon(hub_args(["/ip4/127.0.0.1/tcp/0"]), key_file=key)
     assert daemon.peer_id == peer_id_of_key(load_or_make_key(key))  # our key file, its id
+    relay = Relay(daemon.control, RelayLimits(streams=8, per_peer=HUB_PER_PEER))
     yield f"{daemon.addresses()[0]}/p2p/{daemon.peer_id}"
+    relay.close()
     daemon.close()
 
 
@@ -62,7 +67,7 @@ def sharded(converted, tmp_path_factory):
     return model, out, plan
 
 
-def test_nodes_found_by_model_id_give_the_same_tokens(sharded, hub):
+def test_nodes_found_by_model_id_give_the_same_tokens(sharded, hub, capsys):
     """Two nodes join through the bootstrap peer only (no zeroconf, no addresses given); a
     coordinator that knows the model and the bootstrap address finds both, calls them through
     its tunnels with their TLS pinned, and decodes what one process decodes."""
@@ -84,9 +89,95 @@ def test_nodes_found_by_model_id_give_the_same_tokens(sharded, hub):
             assert all("p2p: peer 12D3" in n.text() for n in nodes)  # printed at start
         finally:
             rt.close()
+        # `cluster` and `audit` find them the same way
+        import json
+
+        from moeshard.cli import main
+
+        found_by = ["--bootstrap", hub, "--expect", "2", "--key", str(client_key().path)]
+        assert main(["cluster", str(out / "coordinator"), *found_by, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert sorted(n["node_id"] for n in report["nodes"] if n["up"]) == sorted(
+            n.node_id for n in nodes
+        )
+        assert report["coverage"]["0"] == 0
+        assert main(["audit", str(out / "coordinator"), *found_by, "--rounds", "1", "--json"]) == 0
+        audits = json.loads(capsys.readouterr().out)["nodes"]
+        assert [a["status"] for a in audits] == ["passed", "passed"]
     finally:
         for n in nodes:
             n.stop()
+
+
+def test_calls_spliced_by_the_relay_carry_far_past_the_circuit_cap(sharded, hub):
+    """A coordinator with no connection to a node reaches it through the bootstrap peer's
+    relay (as one behind another NAT does): 2 MiB of expert calls go through, with the
+    node's TLS pinned end to end; the daemon's own circuit would have reset the connection
+    after 128 KiB. The relay refuses a target not connected to it, garbage, and a peer's
+    streams past its per-peer limit."""
+    import re
+
+    from moeshard.bench.p2p import _for_an_expert_it_holds
+    from moeshard.bench.rpc import _forward
+    from moeshard.coordinator.remote.transport import PeerSpec, dial
+    from moeshard.moe.identity.tls import client_tls
+    from moeshard.moe.model.model_dir import ModelDir
+    from moeshard.moe.wire import codec
+    from moeshard.moe.wire import moeshard_pb2_grpc as pb_grpc
+
+    model, out, plan = sharded
+    node = node_process(plan["nodes"][0]["dir"], "--bootstrap", hub)
+    relay_id = hub.rsplit("/p2p/", 1)[1]
+    coordinator = P2PDaemon(peer_args(["/ip4/127.0.0.1/tcp/0"], [hub]))
+    forward = channel = None
+    held: list = []
+    try:
+        node_peer = re.search(r"p2p: peer (\w+)", node.text()).group(1)
+        forward = Forward(coordinator.control, node_peer, GRPC_PROTOCOL, 0.0, [relay_id])
+        channel, _ = dial(
+            PeerSpec(f"127.0.0.1:{forward.port}", node.node_id), client_tls(client_key()), 10.0
+        )
+        stub = pb_grpc.ExpertNodeStub(channel)
+        request, _ = _forward(ModelDir(out / "coordinator"), 64, codec.F32)  # ~16 KB
+        request = _for_an_expert_it_holds(stub, request)
+        sent = 0
+        while sent < 2 << 20:
+            reply = stub.Forward(request, timeout=10.0)
+            sent += request.ByteSize() + reply.ByteSize()
+        assert forward.path == "relayed"
+        # the limits: one stream is the channel's; fill up to the per-peer limit, then refused
+        held = [open_relayed(coordinator.control, relay_id, node_peer)]
+        held += [open_relayed(coordinator.control, relay_id, node_peer)]
+        with pytest.raises(MoeshardError, match="streams from you are open already"):
+            open_relayed(coordinator.control, relay_id, node_peer)
+        stranger = "12D3KooWNeXUo81WQ8VUTY272DHBjvXRUUc8eyuyzZY5rkeQCyM9"
+        for s in held:
+            s.close()
+        freed_by = time.monotonic() + 10
+        while True:  # the slots come back when the closed streams end on the relay's side
+            try:
+                open_relayed(coordinator.control, relay_id, node_peer).close()
+                break
+            except MoeshardError:
+                if time.monotonic() > freed_by:
+                    raise
+                time.sleep(0.2)
+        with pytest.raises(MoeshardError, match="not connected to this relay"):
+            open_relayed(coordinator.control, relay_id, stranger)
+        sock, _ = coordinator.control.open_stream(relay_id, "/moeshard/relay/1")
+        sock.sendall(b"x" * 300)  # no line: closed
+        sock.settimeout(10)
+        assert sock.recv(100) == b""
+        sock.close()
+    finally:
+        for s in held:
+            s.close()
+        if channel is not None:
+            channel.close()
+        if forward is not None:
+            forward.close()
+        coordinator.close()
+        node.stop()
 
 
 def test_forged_expired_foreign_and_replayed_records_are_ignored(hub, tmp_path):

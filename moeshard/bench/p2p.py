@@ -5,7 +5,8 @@ The same ~14 KB Forward (`bench rpc`'s) goes, over mutual TLS pinned by id:
 - straight over TCP to a node the coordinator can dial (`--tcp`): the baseline;
 - through the wide-area registry (`--bootstrap`) to every node it finds, each on the path
   its daemons settled on: "direct" (a direct connection, hole-punched when both sides are
-  behind NATs) or "relayed" (a circuit relay).
+  behind NATs), "relayed" (spliced by a bootstrap peer's moeshard relay) or "circuit" (the
+  daemon's own relay, capped at 128 KiB: moeshard.moe.p2p.relay).
 Rows are timed in alternated rounds (the machine may be shared) and reported as medians and
 as ratios to the baseline. Goals (issue 37): direct within 1.2x, relayed within 2x. Run it
 where the paths exist: `tools/p2p_testbed.py` does, in its two homes behind NATs.

@@ -9,7 +9,7 @@ import json
 import sys
 
 from moeshard.commands import EXIT_INTERNAL, EXIT_OK, EXIT_UNCOVERED
-from moeshard.commands.network import add_peer_options, client_config
+from moeshard.commands.network import add_peer_options, client_config, split_list
 from moeshard.moe.errors import MoeshardError
 
 
@@ -41,8 +41,8 @@ def add_audit(sub) -> None:
 
 
 def cmd_audit(args) -> int:
-    from moeshard.coordinator.remote.discovery import resolve_peers
     from moeshard.coordinator.remote.possession import DEFAULT_BLOCKS, audit_node
+    from moeshard.coordinator.runtime import find_nodes
     from moeshard.moe.identity.tls import client_tls
     from moeshard.moe.model.model_dir import ModelDir
     from moeshard.moe.wire.constants import MAX_BLOCKS
@@ -53,17 +53,19 @@ def cmd_audit(args) -> int:
     if args.rounds < 1 or args.deadline_ms < 0 or args.timeout <= 0:
         raise MoeshardError("--rounds must be >= 1, --deadline-ms >= 0 and --timeout > 0")
     model = ModelDir(args.model)
+    wide = None
     try:
         roots = model.possession_roots()
         config = client_config(args)
-        specs = resolve_peers(
+        specs, wide = find_nodes(
             model.model_id,
             args.peers,
             args.discover,
             args.discover_timeout,
+            config.identity,
+            args.expect,
+            split_list(args.bootstrap),
             args.insecure,
-            expect=args.expect,
-            identity=config.identity,
         )
         tls = None if config.identity is None else client_tls(config.identity)
         deadline_s = args.deadline_ms / 1e3 or None
@@ -81,6 +83,8 @@ def cmd_audit(args) -> int:
             for spec in specs
         ]
     finally:
+        if wide is not None:
+            wide.close()
         model.close()
     if args.json:
         print(json.dumps({"model_id": model.model_id, "nodes": [a.as_dict() for a in audits]}))

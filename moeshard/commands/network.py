@@ -184,6 +184,22 @@ def add_bootstrap(sub) -> None:
         "made on first start: the address it prints stays the same)",
     )
     p.add_argument(
+        "--relay-streams",
+        type=int,
+        default=128,
+        help="calls' streams it relays at once for nodes behind NATs (0: relays none)",
+    )
+    p.add_argument(
+        "--relay-per-peer", type=int, default=16, help="of those, at most this many per peer"
+    )
+    p.add_argument(
+        "--relay-rate",
+        type=float,
+        default=0.0,
+        metavar="MB_S",
+        help="MB/s one peer may push through it, both ways together (default: no limit)",
+    )
+    p.add_argument(
         "--fetch-only", action="store_true", help="fetch the p2p daemon binary, print its path"
     )
     p.set_defaults(func=cmd_bootstrap)
@@ -196,21 +212,34 @@ def cmd_bootstrap(args) -> int:
 
     from moeshard.moe.identity.keys import home
     from moeshard.moe.p2p.daemon import P2PDaemon, hub_args, p2pd_path
+    from moeshard.moe.p2p.relay import Relay, RelayLimits
 
     if args.fetch_only:
         print(p2pd_path())
         return EXIT_OK
+    if min(args.relay_streams, args.relay_per_peer, args.relay_rate) < 0:
+        raise MoeshardError("--relay-streams, --relay-per-peer and --relay-rate must be >= 0")
     key = Path(args.key) if args.key else home() / "bootstrap.p2p"
     daemon = P2PDaemon(hub_args(split_list(args.listen), split_list(args.announce)), key_file=key)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    relay = None
     try:
+        if args.relay_streams:
+            limits = RelayLimits(args.relay_streams, args.relay_per_peer, args.relay_rate * 1e6)
+            relay = Relay(daemon.control, limits)
         print(f"bootstrap peer {daemon.peer_id}; give nodes and coordinators:", flush=True)
         for addr in daemon.addresses():
             print(f"  --bootstrap {addr}/p2p/{daemon.peer_id}", flush=True)
+        if relay:
+            rate = f"{args.relay_rate:g} MB/s" if args.relay_rate else "no rate limit"
+            print(f"relaying calls: {args.relay_streams} streams, {args.relay_per_peer} per "
+                  f"peer, {rate}", flush=True)  # fmt: skip
         stop.wait()
     finally:
+        if relay:
+            relay.close()
         daemon.close()
     return EXIT_OK
 
@@ -500,9 +529,9 @@ def cmd_cluster(args) -> int:
     import json
     from pathlib import Path
 
-    from moeshard.coordinator.remote.discovery import resolve_peers
     from moeshard.coordinator.remote.report import cluster_report, format_cluster
     from moeshard.coordinator.remote.reputation import Reputation, default_path
+    from moeshard.coordinator.runtime import find_nodes
     from moeshard.moe.model.model_dir import ModelDir
 
     model = ModelDir(args.model)
@@ -512,19 +541,23 @@ def cmd_cluster(args) -> int:
     # Read only: a missing default database is not created (shown as "rep new")
     reputation = Reputation(path if path.exists() else ":memory:")
     config = client_config(args)
+    wide = None
     try:
-        peers = resolve_peers(
+        peers, wide = find_nodes(
             model.model_id,
             args.peers,
             args.discover,
             args.discover_timeout,
+            config.identity,
+            args.expect,
+            split_list(args.bootstrap),
             args.insecure,
-            expect=args.expect,
             settle=True,
-            identity=config.identity,
         )
         report = cluster_report(model, peers, config, reputation=reputation)
     finally:
+        if wide is not None:
+            wide.close()
         reputation.close()
     if args.peers_list:
         live = [n for n in report["nodes"] if n["up"]]

@@ -226,6 +226,35 @@ def open_streaming(
     return _finish(model, transformer, store, warmup_s, started, plan=plan, store=store)
 
 
+def find_nodes(
+    model_id: str,
+    peers: str | None,
+    discover: bool,
+    discover_timeout: float,
+    identity,
+    expect: int | None = None,
+    bootstrap: list[str] | None = None,
+    insecure: bool = False,
+    settle: bool = False,
+):
+    """(the nodes' specs, the registry's directory or None): from `--peers`, zeroconf
+    (`discover`, see `resolve_peers`) or the wide-area registry (`bootstrap`). The directory's
+    tunnels carry the calls: the caller closes it when done with the nodes."""
+    from moeshard.coordinator.remote.discovery import resolve_peers
+
+    if not bootstrap:
+        specs = resolve_peers(
+            model_id, peers, discover, discover_timeout, insecure, expect, settle, identity
+        )
+        return specs, None
+    from moeshard.coordinator.remote.wide import find_wide
+
+    if insecure or identity is None:
+        raise StoreError("--bootstrap needs identities: the calls' TLS is what a relay cannot read")
+    wide, specs = find_wide(model_id, bootstrap, max(discover_timeout, 10.0), expect)
+    return specs, wide
+
+
 def open_remote(
     path: str | Path | ModelDir,
     peers: str | None = None,
@@ -239,7 +268,7 @@ def open_remote(
     the wide-area registry through `bootstrap` peers: `expect` nodes, see `resolve_peers`),
     judged by a `Trust` built from the model directory (its roots; its records, if any)."""
     from moeshard.coordinator.remote.config import RemoteConfig
-    from moeshard.coordinator.remote.discovery import Watcher, resolve_peers
+    from moeshard.coordinator.remote.discovery import Watcher
     from moeshard.coordinator.remote.experts import RemoteExperts
     from moeshard.moe.identity.tls import client_tls
 
@@ -251,19 +280,10 @@ def open_remote(
     if remote_config is None:
         remote_config = RemoteConfig()
     identity = remote_config.identity
-    watcher = wide = None
-    if bootstrap:
-        from moeshard.coordinator.remote.wide import find_wide
-
-        if insecure:
-            raise StoreError(
-                "--bootstrap needs identities: the calls' TLS is what a relay cannot read"
-            )
-        wide, specs = find_wide(model.model_id, bootstrap, max(discover_timeout, 10.0), expect)
-    else:
-        specs = resolve_peers(
-            model.model_id, peers, discover, discover_timeout, insecure, expect, identity=identity
-        )
+    watcher = None
+    specs, wide = find_nodes(
+        model.model_id, peers, discover, discover_timeout, identity, expect, bootstrap, insecure
+    )
     try:
         experts = RemoteExperts.for_model(model, specs, remote_config)
     except BaseException:

@@ -28,7 +28,7 @@ from moeshard.moe.p2p.registry import (
     read_record,
     registry_key,
 )
-from moeshard.moe.p2p.tunnel import Forward
+from moeshard.moe.p2p.tunnel import Forward, relays_of
 
 log = logging.getLogger(__name__)
 CLIENT_LISTEN = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
@@ -47,8 +47,9 @@ class WideNode:
 
     @property
     def via(self) -> str:
-        """How its last stream went: 'relayed' over a circuit, else 'direct'."""
-        return "relayed" if "/p2p-circuit" in self.forward.via else "direct"
+        """How its last stream went: 'direct' (hole-punched where both are behind NATs),
+        'relayed' (spliced by a moeshard relay) or 'circuit' (the daemon's capped relay)."""
+        return self.forward.path or "none yet"
 
 
 class WideDirectory:
@@ -123,11 +124,14 @@ class WideDirectory:
             return False
         node_id = record["node_id"]
         old = self.nodes.get(node_id)
+        relays = relays_of(record.get("addrs", "").split(","))
         if old is not None:  # back under another peer id (a restarted daemon): same port
             old.forward.peer_id, old.peer_id, old.record = peer_id, peer_id, record
+            old.forward.relays = relays
             return True
         punchable = bool(public_addresses(record.get("addrs", "")))
-        forward = Forward(self.daemon.control, peer_id, GRPC_PROTOCOL, 1.0 if punchable else 0.0)
+        wait_s = 1.0 if punchable else 0.0
+        forward = Forward(self.daemon.control, peer_id, GRPC_PROTOCOL, wait_s, relays)
         spec = PeerSpec(f"127.0.0.1:{forward.port}", node_id)
         self.nodes[node_id] = WideNode(spec, record, peer_id, forward)
         return True

@@ -26,13 +26,19 @@ from moeshard.moe.p2p.control import Control, P2PError, read_message
 
 log = logging.getLogger(__name__)
 CHUNK = 256 << 10
+RELAY_PROTOCOL = "/moeshard/relay/1"  # a stream spliced by a relay (relay.py) to a node's gRPC
+MAX_LINE = 128  # the relay exchange's lines (a peer id is 52 characters)
+ANSWER_TIMEOUT_S = 15.0  # for a relay's answer (it opens a stream to the target first)
 MAX_INBOUND = 256  # incoming streams a node holds open at once (record and gRPC together)
 
 
-def _copy(src: socket.socket, dst: socket.socket) -> None:
-    """src -> dst until src ends; then dst learns it (half-close), or both close on error."""
+def _copy(src: socket.socket, dst: socket.socket, throttle=None) -> None:
+    """src -> dst until src ends; then dst learns it (half-close), or both close on error.
+    `throttle(n)`, if given, is called before n bytes are passed on (and may sleep)."""
     try:
         while data := src.recv(CHUNK):
+            if throttle is not None:
+                throttle(len(data))
             dst.sendall(data)
         dst.shutdown(socket.SHUT_WR)
     except OSError:
@@ -43,14 +49,14 @@ def _copy(src: socket.socket, dst: socket.socket) -> None:
                 pass
 
 
-def pipe(a: socket.socket, b: socket.socket) -> threading.Thread:
+def pipe(a: socket.socket, b: socket.socket, throttle=None) -> threading.Thread:
     """Copy both ways on two threads; both sockets are closed when both directions end (when
-    the returned thread does)."""
+    the returned thread does). `throttle`: as `_copy`'s, shared by both directions."""
 
     def run() -> None:
-        other = threading.Thread(target=_copy, args=(b, a), daemon=True)
+        other = threading.Thread(target=_copy, args=(b, a, throttle), daemon=True)
         other.start()
-        _copy(a, b)
+        _copy(a, b, throttle)
         other.join()
         a.close()
         b.close()
@@ -71,12 +77,23 @@ def accept_each(listener: socket.socket, handle) -> None:
 
 
 class Forward:
-    """127.0.0.1:`port` -> a `protocol` stream to `peer_id` through `control`'s daemon."""
+    """127.0.0.1:`port` -> a `protocol` stream to `peer_id` through `control`'s daemon: over
+    a direct connection if there is one (after waiting up to `wait_direct_s` for a hole
+    punch), else spliced through one of `relays` (moeshard relays, relay.py), else over
+    whatever path the daemon finds (a circuit relay: capped, see relay.py)."""
 
-    def __init__(self, control: Control, peer_id: str, protocol: str, wait_direct_s: float = 0.0):
+    def __init__(
+        self,
+        control: Control,
+        peer_id: str,
+        protocol: str,
+        wait_direct_s: float = 0.0,
+        relays: list[str] | None = None,
+    ):
         self.control, self.peer_id, self.protocol = control, peer_id, protocol
         self.wait_direct_s = wait_direct_s  # for a peer a hole punch may reach (`_await_direct`)
-        self.via = ""  # the address the last stream went over (/p2p-circuit: relayed)
+        self.relays = list(relays or [])
+        self.path = ""  # how the last stream went: direct, relayed (spliced) or circuit
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=accept_each, args=(self.listener, self._one), daemon=True).start()
@@ -84,9 +101,8 @@ class Forward:
     def _one(self, conn: socket.socket) -> None:
         """One local connection: a stream to the peer, piped (in the accept thread: a tunnel
         carries one gRPC connection at a time)."""
-        self._await_direct()
         try:
-            stream, self.via = self.control.open_stream(self.peer_id, self.protocol)
+            stream = self._open()
         except P2PError as exc:
             log.warning("p2p: no stream to %s: %s", self.peer_id, exc)
             conn.close()
@@ -94,18 +110,39 @@ class Forward:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         pipe(conn, stream)
 
-    def _await_direct(self) -> None:
-        """While the only connection to the peer is relayed, give hole punching (which the
-        relayed connection started) up to `wait_direct_s` to make a direct one: a stream
-        opened now stays on the path it opened on, and gRPC keeps its stream for good."""
+    def _open(self) -> socket.socket:
+        direct = self._await_direct()
+        if not direct:
+            for relay in self.relays:
+                try:
+                    stream = open_relayed(self.control, relay, self.peer_id)
+                except (P2PError, OSError) as exc:
+                    log.info("p2p: relay %s for %s: %s", relay, self.peer_id, exc)
+                    continue
+                self.path = "relayed"
+                return stream
+        stream, via = self.control.open_stream(self.peer_id, self.protocol)
+        self.path = "circuit" if "/p2p-circuit" in via else "direct"
+        return stream
+
+    def _await_direct(self) -> bool:
+        """Whether a direct connection to the peer exists, waiting up to `wait_direct_s`
+        while the only one is relayed for hole punching (which the relayed connection
+        started) to make one: a stream stays on the path it opened on, and gRPC keeps its
+        connection for good. Not connected at all: True if there is no relay to use (the
+        stream will dial)."""
         end = time.monotonic() + self.wait_direct_s
-        while time.monotonic() < end:
+        while True:
             try:
                 conns = [p for p in self.control.peers() if p.peer_id == self.peer_id]
             except P2PError:
-                return
-            if not conns or any("/p2p-circuit" not in a for p in conns for a in p.addrs):
-                return  # not connected yet (the stream will dial), or a direct path exists
+                return not self.relays
+            if any("/p2p-circuit" not in a for p in conns for a in p.addrs):
+                return True
+            if not conns and not self.relays:
+                return True
+            if time.monotonic() >= end:
+                return False
             time.sleep(0.1)
 
     def close(self) -> None:
@@ -173,3 +210,52 @@ class Inbound:
             os.rmdir(self.dir)
         except OSError:
             pass
+
+
+def read_line(sock: socket.socket) -> str:
+    """One line of at most MAX_LINE bytes, read a byte at a time (what follows it is the
+    spliced stream's and must stay in the socket)."""
+    line = bytearray()
+    while len(line) <= MAX_LINE:
+        byte = sock.recv(1)
+        if not byte:
+            raise P2PError("the stream ended before its first line")
+        if byte == b"\n":
+            return line.decode("ascii", "replace").strip()
+        line += byte
+    raise P2PError(f"a first line longer than {MAX_LINE} bytes")
+
+
+def say(sock: socket.socket, line: str) -> None:
+    try:
+        sock.sendall(line.encode()[:MAX_LINE] + b"\n")
+    except OSError:
+        pass
+
+
+def open_relayed(control: Control, relay: str, target: str) -> socket.socket:
+    """A stream to `target`'s gRPC port spliced through `relay`; P2PError if it refuses."""
+    sock, _ = control.open_stream(relay, RELAY_PROTOCOL)
+    try:
+        sock.settimeout(ANSWER_TIMEOUT_S)
+        sock.sendall(f"{target}\n".encode())
+        answer = read_line(sock)
+        if answer != "ok":
+            raise P2PError(f"relay {relay[:12]}... refused: {answer.removeprefix('no: ')}")
+        sock.settimeout(None)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+def relays_of(addresses: list[str]) -> list[str]:
+    """The relays' peer ids in a record's relayed addresses (.../p2p/RELAY/p2p-circuit...)."""
+    found = []
+    for a in addresses:
+        head, circuit, _ = a.partition("/p2p-circuit")
+        if circuit and "/p2p/" in head:
+            relay = head.rsplit("/p2p/", 1)[1]
+            if relay not in found:
+                found.append(relay)
+    return found
