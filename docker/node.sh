@@ -29,6 +29,9 @@ echo "node: container $me serves $dir"
 # The shard set is read-only here: the node's key lives with its claim (kept across restarts),
 # and so does its home (its ledger of signed receipts).
 export MOESHARD_HOME="$CLAIMS/$(basename "$dir")"
+# In the wide-area registry too when the bootstrap service has written its address.
+boot=$(head -1 "${P2P:-/p2p}/bootstrap.addr" 2>/dev/null || true)
+if [ -n "$boot" ]; then set -- "$@" --bootstrap "$boot"; fi
 exec moeshard node "$dir" --host "${NODE_HOST:-0.0.0.0}" --port "${NODE_PORT:-50051}" \
     --name "$(basename "$dir")" --key "$CLAIMS/$(basename "$dir")/node-key.pem" \
     --allow "$SHARDS/client.id" --ram "${NODE_CACHE:-0}" "$@"

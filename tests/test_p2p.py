@@ -72,7 +72,13 @@ def test_nodes_found_by_model_id_give_the_same_tokens(sharded, hub, capsys):
     coordinator that knows the model and the bootstrap address finds both, calls them through
     its tunnels with their TLS pinned, and decodes what one process decodes."""
     model, out, plan = sharded
-    nodes = [node_process(n["dir"], "--bootstrap", hub) for n in plan["nodes"]]
+    # the first bound to every interface: its record lists TCP endpoints, which the
+    # coordinator dials straight (pin-checked); the second on loopback only: a p2p stream
+    hosts = ["0.0.0.0", "127.0.0.1"]
+    nodes = [
+        node_process(n["dir"], "--bootstrap", hub, "--host", host)
+        for n, host in zip(plan["nodes"], hosts, strict=True)
+    ]
     try:
         opts = SamplingOptions(max_tokens=12)
         local = open_local(model)
@@ -84,7 +90,8 @@ def test_nodes_found_by_model_id_give_the_same_tokens(sharded, hub, capsys):
             found = {n.spec.node_id for n in rt.wide.nodes.values()}
             assert found == {n.node_id for n in nodes}
             assert generate(rt.transformer, [5, 6, 7, 8], opts).tokens == want
-            assert {n.via for n in rt.wide.nodes.values()} == {"direct"}
+            via = {n.spec.node_id: n.via for n in rt.wide.nodes.values()}
+            assert [via[n.node_id] for n in nodes] == ["tcp", "direct"]
             assert all(c["calls"] > 0 for c in rt.experts.stats()["nodes"])
             assert all("p2p: peer 12D3" in n.text() for n in nodes)  # printed at start
         finally:

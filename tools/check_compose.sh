@@ -3,7 +3,8 @@
 # needed): Docker Compose v2 (`docker compose`) when the docker CLI has the plugin, and/or
 # docker-compose 1.29 from Debian (installed here with apt when missing, without the engine).
 # Then check the swarm's shape on the resolved config: NODES scales the node service, health
-# checks use `moeshard health`, nodes wait for prep, the coordinator for healthy nodes.
+# checks use `moeshard health`, nodes wait for prep and the bootstrap peer, the coordinator for
+# healthy nodes.
 # Usage: tools/check_compose.sh [FILE]   (default compose.yaml)
 # Skips (exit 0, with the reason) only when no implementation can be installed at all.
 set -euo pipefail
@@ -46,8 +47,8 @@ import yaml
 cfg = yaml.safe_load(open(sys.argv[1]))
 s = cfg["services"]
 problems = []
-if set(s) != {"prep", "node", "coordinator"}:
-    problems.append(f"services are {sorted(s)}, want prep, node, coordinator")
+if set(s) != {"prep", "bootstrap", "node", "coordinator"}:
+    problems.append(f"services are {sorted(s)}, want prep, bootstrap, node, coordinator")
 node = s.get("node", {})
 if node.get("deploy", {}).get("replicas") != 5:
     problems.append("NODES=5 does not scale the node service to 5 replicas")
@@ -62,6 +63,11 @@ if s.get("prep", {}).get("environment", {}).get("NODES") not in ("5", 5):
 dep = node.get("depends_on", {}).get("prep", {}).get("condition")
 if dep != "service_completed_successfully":
     problems.append(f"node does not wait for prep to complete ({dep})")
+dep = node.get("depends_on", {}).get("bootstrap", {}).get("condition")
+if dep != "service_healthy":
+    problems.append(f"node does not wait for the bootstrap peer's address ({dep})")
+if "/p2p/bootstrap.addr" not in " ".join(s.get("bootstrap", {}).get("command", [])):
+    problems.append("the bootstrap service does not write /p2p/bootstrap.addr for the nodes")
 dep = s.get("coordinator", {}).get("depends_on", {}).get("node", {}).get("condition")
 if dep != "service_healthy":
     problems.append(f"coordinator does not wait for healthy nodes ({dep})")

@@ -8,6 +8,7 @@
 #   build, up   the image; prep + 3 authenticated TLS nodes (replicas 2), healthy
 #   generate    through the coordinator container: text byte-identical to the local run, the
 #               coordinator's stats line printed and its JIT warm-up under 5 s
+#   bootstrap   the same through the bootstrap service's wide-area registry (--bootstrap)
 #   kill        a node container killed (docker kill) while a generation runs: output identical
 #   scale       NODES=4: re-shard, 4 nodes, the coordinator's cluster report covers every expert
 #               on 2 live nodes; a generation through the 4 is identical again
@@ -212,6 +213,15 @@ for c in "${COMPOSE_PROJECT_NAME}_gen" $(node_ids); do
 done
 docker rm "${COMPOSE_PROJECT_NAME}_gen" >/dev/null
 say "no container compiled a kernel at run time (coordinator and nodes: numba caches unchanged)"
+
+# ---- the wide-area registry ---------------------------------------------------------------
+step "generate through the bootstrap peer's registry (--bootstrap, no zeroconf)"
+dc run --rm -T coordinator sh -c 'exec moeshard generate /data/model --expect '"$NODES"' \
+    --bootstrap "$(head -1 /p2p/bootstrap.addr)" --prompt "$0" --max-tokens "$1"' \
+    "$PROMPT" "$TOKENS" </dev/null >"$work/wide.out" 2>"$work/wide.err" \
+    || { cat "$work/wide.err"; fail "generate --bootstrap"; }
+show_stats wide
+same_text wide
 
 # ---- a node killed in the middle of a generation -----------------------------------------
 step "kill a node container during a generation"

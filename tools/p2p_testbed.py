@@ -219,7 +219,9 @@ def main() -> int:
         # per-call cost of each path: a1 over TCP across home A's LAN (the baseline), a1 and
         # b1 through the p2p daemons
         a1_id = wait_for(nodes["a1"], r" id (\w+) serving", 5).group(1)
-        # a node with a public address, for the direct path (a copy of a1's shard)
+        # a node with a public address, for the direct p2p path (a copy of a1's shard): its
+        # gRPC port on loopback only, as a node whose router maps just its daemon's port
+        # (a1 is reached over plain TCP: home A's router routes between its two LANs)
         public = procs.start("node-p1", "pub", [*MOESHARD, "node", str(work / "shards" /
             "node-00"), "--allow-any", "--no-advertise", "--bootstrap", addr, "--name", "p1",
             "--key", str(work / "p1.pem")])  # fmt: skip

@@ -200,12 +200,19 @@ def add_bootstrap(sub) -> None:
         help="MB/s one peer may push through it, both ways together (default: no limit)",
     )
     p.add_argument(
+        "--address-file",
+        metavar="FILE",
+        help="also write its --bootstrap addresses to FILE, one per line (the first: the "
+        "one to use), for a script that starts the nodes (compose.yaml)",
+    )
+    p.add_argument(
         "--fetch-only", action="store_true", help="fetch the p2p daemon binary, print its path"
     )
     p.set_defaults(func=cmd_bootstrap)
 
 
 def cmd_bootstrap(args) -> int:
+    import os
     import signal
     import threading
     from pathlib import Path
@@ -230,8 +237,14 @@ def cmd_bootstrap(args) -> int:
             limits = RelayLimits(args.relay_streams, args.relay_per_peer, args.relay_rate * 1e6)
             relay = Relay(daemon.control, limits)
         print(f"bootstrap peer {daemon.peer_id}; give nodes and coordinators:", flush=True)
-        for addr in daemon.addresses():
-            print(f"  --bootstrap {addr}/p2p/{daemon.peer_id}", flush=True)
+        full = [f"{addr}/p2p/{daemon.peer_id}" for addr in _best_first(daemon.addresses())]
+        for addr in full:
+            print(f"  --bootstrap {addr}", flush=True)
+        if args.address_file:
+            target = Path(args.address_file)
+            tmp = target.with_name(f".{target.name}.partial")
+            tmp.write_text("".join(f"{a}\n" for a in full))
+            os.replace(tmp, target)  # a reader never sees half of it
         if relay:
             rate = f"{args.relay_rate:g} MB/s" if args.relay_rate else "no rate limit"
             print(f"relaying calls: {args.relay_streams} streams, {args.relay_per_peer} per "
@@ -242,6 +255,11 @@ def cmd_bootstrap(args) -> int:
             relay.close()
         daemon.close()
     return EXIT_OK
+
+
+def _best_first(addresses: list[str]) -> list[str]:
+    """Announced names and routable addresses before loopback ones."""
+    return sorted(addresses, key=lambda a: ("/127." in a or "/::1/" in a, "/dns" not in a))
 
 
 def add_keys(sub) -> None:

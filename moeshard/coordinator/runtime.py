@@ -248,10 +248,12 @@ def find_nodes(
         )
         return specs, None
     from moeshard.coordinator.remote.wide import find_wide
+    from moeshard.moe.identity.tls import client_tls
 
     if insecure or identity is None:
         raise StoreError("--bootstrap needs identities: the calls' TLS is what a relay cannot read")
-    wide, specs = find_wide(model_id, bootstrap, max(discover_timeout, 10.0), expect)
+    tls = client_tls(identity)  # also pin-checks the TCP endpoints records list
+    wide, specs = find_wide(model_id, bootstrap, max(discover_timeout, 10.0), expect, tls)
     return specs, wide
 
 

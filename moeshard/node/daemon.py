@@ -228,6 +228,7 @@ class Node:
                 self.servicer.held - self.servicer.bad,
                 self.port,
                 list(cfg.bootstrap),
+                cfg.host,
                 list(cfg.p2p_listen) or None,
                 key_file=_p2p_key_file(self.key.path),
             )

@@ -26,12 +26,21 @@ from moeshard.moe.p2p.registry import (
     write_record,
 )
 from moeshard.moe.p2p.tunnel import Inbound
+from moeshard.moe.wire.hosts import advertised_addresses
 from moeshard.node.announce import announcement_fields
 
 log = logging.getLogger(__name__)
 RECORD_LINGER_S = 10.0  # how long a record stream is held open for its reader to close it
 ADDRESS_POLL_S = 2.0  # how often the daemon's addresses are looked at
 DEFAULT_LISTEN = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
+
+
+def tcp_endpoints(host: str, port: int) -> list[str]:
+    """Where the gRPC port may be dialled straight over TCP (the record's signed `tcp`
+    field): the node's non-loopback addresses. A coordinator on the same network, or any one
+    when the node has a public address, then calls it as `--peers` does, with no daemon in
+    the way; behind a NAT they answer no one outside and it falls back to p2p streams."""
+    return [f"{ip}:{port}" for ip in advertised_addresses(host) if not ip.startswith("127.")]
 
 
 def reachability(addresses: list[str]) -> str:
@@ -53,12 +62,14 @@ class WidePublisher:
         held,
         grpc_port: int,
         bootstrap: list[str],
+        grpc_host: str = "127.0.0.1",
         listen: list[str] | None = None,
         key_file=None,
         log_file=None,
     ):
         self.key, self.model_id = key, model_id
         self.fields = announcement_fields(name, model_id, format_version, wire_version, held)
+        self.fields["tcp"] = ",".join(tcp_endpoints(grpc_host, grpc_port))
         self.daemon = P2PDaemon(
             peer_args(listen or DEFAULT_LISTEN, bootstrap), key_file=key_file, log_file=log_file
         )

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import ssl
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from moeshard.coordinator.remote.transport import PeerSpec
-from moeshard.moe.errors import StoreError
+from moeshard.moe.errors import MoeshardError, StoreError
+from moeshard.moe.identity.tls import TLSMaterial, fetch_node_identity
 from moeshard.moe.p2p.control import P2PError
 from moeshard.moe.p2p.daemon import P2PDaemon, peer_args
 from moeshard.moe.p2p.registry import (
@@ -36,27 +39,34 @@ POLL_S = 0.5  # between DHT lookups while waiting for the nodes expected
 RECORD_TRIES = 3
 SETTLE_S = 5.0  # the longest a lookup waits for hole punches to replace relayed paths
 WATCH_S = 10.0  # between lookups once running: late and returning nodes
+PIN_TIMEOUT_S = 1.0  # a TCP endpoint's connect and TLS handshake (as zeroconf's pin checks)
+MAX_TCP_ENDPOINTS = 8  # of a record's `tcp` endpoints, pin-checked (a record cannot ask more)
 
 
 @dataclass
 class WideNode:
-    spec: PeerSpec  # 127.0.0.1:PORT of its tunnel, pinned by its node id
+    spec: PeerSpec  # HOST:PORT of its gRPC over plain TCP, or 127.0.0.1:PORT of its tunnel
     record: dict[str, str]
     peer_id: str
     forward: Forward
+    tcp: str = ""  # the record's TCP endpoint that passed the pin check, if any
 
     @property
     def via(self) -> str:
-        """How its last stream went: 'direct' (hole-punched where both are behind NATs),
-        'relayed' (spliced by a moeshard relay) or 'circuit' (the daemon's capped relay)."""
-        return self.forward.path or "none yet"
+        """How its calls go: 'tcp' (straight to its gRPC port, as `--peers`), or how the
+        tunnel's last stream went: 'direct' (a p2p connection; hole-punched where both are
+        behind NATs), 'relayed' (spliced by a moeshard relay) or 'circuit' (the daemon's
+        capped relay)."""
+        return "tcp" if self.tcp else self.forward.path or "none yet"
 
 
 class WideDirectory:
     """The registry as seen from one coordinator; `close()` stops its daemon and tunnels."""
 
-    def __init__(self, model_id: str, bootstrap: list[str], log_file=None):
-        self.model_id = model_id
+    def __init__(
+        self, model_id: str, bootstrap: list[str], tls: TLSMaterial | None = None, log_file=None
+    ):
+        self.model_id, self.tls = model_id, tls  # tls: to pin-check a record's TCP endpoints
         self.daemon = P2PDaemon(peer_args(CLIENT_LISTEN, bootstrap), log_file=log_file)
         self.nodes: dict[str, WideNode] = {}  # by node id
         self.ignored: dict[str, str] = {}  # peer id -> why its record was not used
@@ -81,6 +91,7 @@ class WideDirectory:
                 and not self._known(peer.peer_id)
                 and self._admit(peer.peer_id)
             ]
+            self._try_tcp(admitted)
             self._settle(admitted)
             enough = len(self.nodes) >= expect if expect else bool(self.nodes)
             if enough or time.monotonic() >= deadline:
@@ -136,6 +147,36 @@ class WideDirectory:
         self.nodes[node_id] = WideNode(spec, record, peer_id, forward)
         return True
 
+    def _try_tcp(self, peer_ids: list[str]) -> None:
+        """Calls go straight over TCP to a node whose record lists an endpoint that holds its
+        key (the pin check: a TLS handshake, all in parallel, each within PIN_TIMEOUT_S), the
+        first that does in the record's order; others keep their tunnels."""
+        nodes = [n for n in self.nodes.values() if n.peer_id in peer_ids and not n.tcp]
+        checks = [
+            (node, endpoint)
+            for node in nodes
+            for endpoint in node.record.get("tcp", "").split(",")[:MAX_TCP_ENDPOINTS]
+            if endpoint and self.tls is not None
+        ]
+        if not checks:
+            return
+        with ThreadPoolExecutor(min(len(checks), 16), thread_name_prefix="wide-pin") as pool:
+            passed = list(pool.map(lambda c: self._pin_ok(c[0], c[1]), checks))
+        for (node, endpoint), ok in zip(checks, passed, strict=True):
+            if ok and not node.tcp:
+                node.tcp = endpoint
+                node.spec = PeerSpec(endpoint, node.spec.node_id)
+
+    def _pin_ok(self, node: WideNode, endpoint: str) -> bool:
+        host, _, port = endpoint.rpartition(":")
+        try:
+            return fetch_node_identity(host, int(port), self.tls, PIN_TIMEOUT_S)[0] == (
+                node.spec.node_id
+            )
+        except (OSError, ValueError, ssl.SSLError, MoeshardError) as exc:
+            log.debug("p2p: %s at %s: no direct TCP (%s)", node.peer_id, endpoint, exc)
+            return False
+
     def _settle(self, peer_ids: list[str]) -> None:
         """Reading a record behind a NAT opened a relayed connection, and with it a hole punch
         where the node knows its public address (its record lists one). A punch that succeeds
@@ -144,7 +185,7 @@ class WideDirectory:
         punchable = {
             n.peer_id
             for n in self.nodes.values()
-            if n.peer_id in peer_ids and public_addresses(n.record.get("addrs", ""))
+            if n.peer_id in peer_ids and not n.tcp and public_addresses(n.record.get("addrs", ""))
         }
         end = time.monotonic() + SETTLE_S
         while punchable and time.monotonic() < end:
@@ -191,10 +232,14 @@ class WideDirectory:
 
 
 def find_wide(
-    model_id: str, bootstrap: list[str], timeout_s: float, expect: int | None
+    model_id: str,
+    bootstrap: list[str],
+    timeout_s: float,
+    expect: int | None,
+    tls: TLSMaterial | None = None,
 ) -> tuple[WideDirectory, list[PeerSpec]]:
     """The directory (kept open: its tunnels carry the calls) and the nodes' specs."""
-    directory = WideDirectory(model_id, bootstrap)
+    directory = WideDirectory(model_id, bootstrap, tls)
     try:
         nodes = directory.lookup(timeout_s, expect)
         if expect is not None and len(nodes) < expect:
