@@ -39,15 +39,21 @@ P = "msp"
 MOESHARD = [sys.executable, "-m", "moeshard"]
 BOOT_IP = "11.0.0.1"
 NODE_PORT = 7070
-HOMES = {  # router -> (WAN address, [(host, LAN prefix)])
-    "ra": ("11.0.0.11", [("a1", "192.168.1"), ("ac", "192.168.2")]),
-    "rb": ("11.0.0.12", [("b1", "192.168.3")]),
+HOMES = {  # router -> (WAN address, [(host, LAN prefix)], its NAT's port mapping)
+    "ra": ("11.0.0.11", [("a1", "192.168.1"), ("ac", "192.168.2")], "masquerade"),
+    "rb": ("11.0.0.12", [("b1", "192.168.3")], "masquerade"),
+    "rc": ("11.0.0.13", [("c1", "192.168.4")], "masquerade fully-random"),
 }
+NODES = {"a1": "node-00", "b1": "node-01", "c1": "node-02"}  # host -> its shard
+# Peers on the public segment besides the bootstrap peer (DHT servers, nothing else): a node
+# learns its public address only once several peers at distinct addresses have seen it
+# (go-libp2p's observed-address threshold), and a hole punch needs it.
+OBSERVERS = [f"11.0.0.{k}" for k in range(2, 6)]
 ROUTER_RULES = """
 table ip msp_nat {
   chain post {
     type nat hook postrouting priority 100;
-    oifname "wan" masquerade
+    oifname "wan" MAPPING
   }
 }
 table inet msp_filter {
@@ -91,13 +97,15 @@ def teardown() -> None:
 
 def build() -> None:
     teardown()
-    for host in ("pub", "ra", "rb", "a1", "ac", "b1"):
+    hosts = [h for router, (_, lans, _) in HOMES.items() for h in [router, *(n for n, _ in lans)]]
+    for host in ["pub", *hosts]:
         sh("ip", "netns", "add", ns(host))
         sh(*nsx(host, "ip", "link", "set", "lo", "up"))
     sh(*nsx("pub", "ip", "link", "add", "name", "pubbr", "type", "bridge"))
-    sh(*nsx("pub", "ip", "addr", "add", f"{BOOT_IP}/24", "dev", "pubbr"))
+    for ip in [BOOT_IP, *OBSERVERS]:
+        sh(*nsx("pub", "ip", "addr", "add", f"{ip}/24", "dev", "pubbr"))
     sh(*nsx("pub", "ip", "link", "set", "pubbr", "up"))
-    for router, (wan, lans) in HOMES.items():
+    for router, (wan, lans, mapping) in HOMES.items():
         sh("ip", "link", "add", "wan", "netns", ns(router), "type", "veth", "peer", "name",
            f"{router}-up", "netns", ns("pub"))  # fmt: skip
         sh(*nsx("pub", "ip", "link", "set", f"{router}-up", "master", "pubbr", "up"))
@@ -112,7 +120,7 @@ def build() -> None:
             sh(*nsx(host, "ip", "addr", "add", f"{prefix}.2/24", "dev", "eth0"))
             sh(*nsx(host, "ip", "link", "set", "eth0", "up"))
             sh(*nsx(host, "ip", "route", "add", "default", "via", f"{prefix}.1"))
-        sh(*nsx(router, "nft", "-f", "-"), input=ROUTER_RULES)
+        sh(*nsx(router, "nft", "-f", "-"), input=ROUTER_RULES.replace("MAPPING", mapping))
 
 
 class Procs:
@@ -159,9 +167,35 @@ def wait_for(log: Path, pattern: str, timeout: float) -> re.Match:
     )
 
 
+def observe(bootstrap: str) -> int:
+    """(`--observe ADDR`, in msp-pub) DHT servers at OBSERVERS, known to the bootstrap peer,
+    until SIGTERM."""
+    import signal
+    import threading
+
+    sys.path.insert(0, str(REPO))
+    from moeshard.moe.p2p.daemon import P2PDaemon, hub_args
+
+    hub_id, hub_addr = bootstrap.rsplit("/p2p/", 1)[1], bootstrap.rsplit("/p2p/", 1)[0]
+    daemons = [P2PDaemon(hub_args([f"/ip4/{ip}/tcp/4001", f"/ip4/{ip}/udp/4001/quic-v1"]))
+               for ip in OBSERVERS]  # fmt: skip
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        for d in daemons:  # in the bootstrap peer's routing table: the DHT hands them out
+            d.control.connect(hub_id, [hub_addr])
+        print(f"{len(daemons)} observers up", flush=True)
+        stop.wait()
+    finally:
+        for d in daemons:
+            d.close()
+    return 0
+
+
 def generate(work, coordinator, bootstrap: str, prompt: str, tokens: int, tag: str, wait=30):
     """A coordinator in home A: (its JSON result or None, its stderr)."""
-    argv = [*MOESHARD, "generate", str(coordinator), "--bootstrap", bootstrap, "--expect", "2"]
+    argv = [*MOESHARD, "-v", "generate", str(coordinator), "--bootstrap", bootstrap]
+    argv += ["--expect", str(len(NODES))]
     argv += ["--discover-timeout", str(wait), "--deadline", "5"]
     argv += ["--prompt-ids", prompt, "--max-tokens", str(tokens)]
     r = subprocess.run(nsx("ac", *argv, "--json"), cwd=REPO, capture_output=True, text=True)
@@ -177,7 +211,10 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=24)
     p.add_argument("--iters", type=int, default=300, help="calls per path in bench p2p")
     p.add_argument("--work", help="work directory (default: a temporary one)")
+    p.add_argument("--observe", metavar="ADDR", help=argparse.SUPPRESS)  # (the observers)
     args = p.parse_args()
+    if args.observe:
+        return observe(args.observe)
     if os.geteuid():
         print("p2p testbed: needs root (network namespaces)", file=sys.stderr)
         return 2
@@ -187,7 +224,7 @@ def main() -> int:
     sh(*MOESHARD, "bootstrap", "--fetch-only", cwd=REPO)  # the daemon binary, before timing
     model = work / "model"
     sh(*MOESHARD, "convert", args.model, str(model), "--force", "--quiet", cwd=REPO)
-    sh(*MOESHARD, "shard", str(model), "--nodes", "2", "--replicas", "1", "--out",
+    sh(*MOESHARD, "shard", str(model), "--nodes", str(len(NODES)), "--replicas", "1", "--out",
        str(work / "shards"), "--force", cwd=REPO)  # fmt: skip
     prompt = "1,2,3,4,5,6,7,8"
     ref = sh(*MOESHARD, "generate", str(model), "--prompt-ids", prompt, "--max-tokens",
@@ -197,11 +234,13 @@ def main() -> int:
     procs = Procs(work)
     try:
         build()
-        boot = procs.start("bootstrap", "pub", [*MOESHARD, "bootstrap", "--listen",
+        boot = procs.start("bootstrap", "pub", [*MOESHARD, "-v", "bootstrap", "--listen",
                            f"/ip4/{BOOT_IP}/tcp/4001,/ip4/{BOOT_IP}/udp/4001/quic-v1"])  # fmt: skip
         addr = wait_for(boot, r"--bootstrap (/ip4/11\.0\.0\.1/tcp/4001/p2p/\w+)", 30).group(1)
+        observers = procs.start("observers", "pub", [sys.executable, __file__, "--observe", addr])
+        wait_for(observers, r"observers up", 30)
         nodes = {}
-        for host, shard in (("a1", "node-00"), ("b1", "node-01")):
+        for host, shard in NODES.items():
             nodes[host] = procs.start(f"node-{host}", host, [*MOESHARD, "-v", "node",
                 str(work / "shards" / shard), "--allow-any", "--no-advertise", "--bootstrap",
                 addr, "--host", "0.0.0.0", "--port", str(NODE_PORT), "--name", host])  # fmt: skip
@@ -213,9 +252,13 @@ def main() -> int:
         result, err = generate(work, coordinator, addr, prompt, args.tokens, "first")
         ok = result is not None and result["tokens"] == want
         paths = result["stats"].get("p2p_paths", {}) if result else {}
-        checks.append(("coordinator in home A finds both nodes through --bootstrap only, "
-                       "same tokens as one process", ok and len(paths) == 2,
+        checks.append(("coordinator in home A finds the three nodes through --bootstrap only, "
+                       "same tokens as one process", ok and len(paths) == len(NODES),
                        f"paths {paths}" if result else err.strip().splitlines()[-1]))  # fmt: skip
+        by_host = {name.split()[0]: path for name, path in paths.items()}
+        checks.append(("the paths: a1 (same home) over TCP, b1 hole-punched through two "
+                       "port-preserving NATs, c1 (random-port NAT) relayed",
+                       by_host == {"a1": "tcp", "b1": "direct", "c1": "relayed"}, str(by_host)))  # fmt: skip
         # per-call cost of each path: a1 over TCP across home A's LAN (the baseline), a1 and
         # b1 through the p2p daemons
         a1_id = wait_for(nodes["a1"], r" id (\w+) serving", 5).group(1)
@@ -228,7 +271,8 @@ def main() -> int:
         wait_for(public, r"p2p: peer", 60)
         bench = subprocess.run(nsx("ac", *MOESHARD, "bench", "p2p", str(coordinator),
             "--bootstrap", addr, "--tcp", f"{a1_id}@{HOMES['ra'][1][0][1]}.2:{NODE_PORT}",
-            "--expect", "3", "--iters", str(args.iters)), cwd=REPO, capture_output=True,
+            "--expect", str(len(NODES) + 1), "--iters", str(args.iters)), cwd=REPO,
+            capture_output=True,
             text=True)  # fmt: skip
         procs.stop("node-p1")
         (work / "bench-p2p.log").write_text(bench.stdout + bench.stderr)
@@ -238,7 +282,7 @@ def main() -> int:
         seen = ", ".join(f"{n} {p} {m}" for n, p, m in rows) or bench.stderr[-160:]
         checks.append(("bench p2p: every path carries its calls (relayed ones through the "
                        "bootstrap peer's relay, far past the daemon circuit's 128 KiB)",
-                       bool(rows) and "FAILED" not in bench.stdout and "b1" in relayed,
+                       bool(rows) and "FAILED" not in bench.stdout and "c1" in relayed,
                        seen))  # fmt: skip
         # home B's NAT drops: its WAN link goes down and the router forgets every mapping (a
         # router reboot); the relay's connection to the node is dead, then the link returns

@@ -9,9 +9,11 @@ re-signs its record with the addresses the daemon has now and renews its provide
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import threading
+import time
 
 from moeshard.moe.identity.keys import Identity
 from moeshard.moe.identity.signed import sign_announcement
@@ -33,6 +35,7 @@ log = logging.getLogger(__name__)
 RECORD_LINGER_S = 10.0  # how long a record stream is held open for its reader to close it
 ADDRESS_POLL_S = 2.0  # how often the daemon's addresses are looked at
 DEFAULT_LISTEN = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
+REJOIN_S = 20.0  # with no way in for this long, a node behind a NAT restarts its daemon
 
 
 def tcp_endpoints(host: str, port: int) -> list[str]:
@@ -70,22 +73,55 @@ class WidePublisher:
         self.key, self.model_id = key, model_id
         self.fields = announcement_fields(name, model_id, format_version, wire_version, held)
         self.fields["tcp"] = ",".join(tcp_endpoints(grpc_host, grpc_port))
-        self.daemon = P2PDaemon(
-            peer_args(listen or DEFAULT_LISTEN, bootstrap), key_file=key_file, log_file=log_file
-        )
-        self.fields["p2p"] = self.daemon.peer_id
+        self.grpc_port = grpc_port
+        self.daemon_args = peer_args(listen or DEFAULT_LISTEN, bootstrap)
+        self.key_file, self.log_file = key_file, log_file
         self.record: dict[str, str] = {}
         self.addresses: list[str] = []
+        self.relayed = False  # it has had relayed addresses (it is behind a NAT)
+        self.lost_since: float | None = None  # since when it has had no way in at all
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._start_daemon()
+        self._thread = threading.Thread(target=self._refresh, name="wide-announce", daemon=True)
+        self._thread.start()
+
+    def _start_daemon(self) -> None:
+        self.daemon = P2PDaemon(self.daemon_args, key_file=self.key_file, log_file=self.log_file)
+        self.fields["p2p"] = self.daemon.peer_id
+        self.addresses = []
         self._resign()
         self.inbound = [
-            Inbound(self.daemon.control, GRPC_PROTOCOL, target=("127.0.0.1", grpc_port)),
+            Inbound(self.daemon.control, GRPC_PROTOCOL, target=("127.0.0.1", self.grpc_port)),
             Inbound(self.daemon.control, RECORD_PROTOCOL, serve=self._serve_record),
         ]
         self._provide()
-        self._thread = threading.Thread(target=self._refresh, name="wide-announce", daemon=True)
-        self._thread.start()
+
+    def _restart_daemon(self) -> None:
+        """A node behind a NAT whose router dropped it (a reboot, a new WAN address) can be
+        left with no relay slot and no public address: its daemon's AutoNAT has gone back to
+        "unknown" and may not ask again for minutes (seen: over 2 minutes). A new daemon,
+        with the same key and so the same peer id, asks at once."""
+        if self._stop.is_set():
+            return
+        log.warning("p2p: no relayed or public address for %g s: restarting the daemon", REJOIN_S)
+        for inbound in self.inbound:
+            inbound.close()
+        self.daemon.close()
+        self.relayed, self.lost_since = False, None
+        self._start_daemon()
+
+    def _check_reachable(self) -> None:
+        """Restart the daemon if, once behind a NAT, it has had no way in for REJOIN_S."""
+        relayed = any("/p2p-circuit" in a for a in self.addresses)
+        public = any(_is_public(a) for a in self.addresses)
+        self.relayed |= relayed
+        if relayed or public or not self.relayed:
+            self.lost_since = None
+        elif self.lost_since is None:
+            self.lost_since = time.monotonic()
+        elif time.monotonic() - self.lost_since >= REJOIN_S:
+            self._restart_daemon()
 
     @property
     def peer_id(self) -> str:
@@ -138,6 +174,10 @@ class WidePublisher:
                 self._resign()
                 self._provide()
                 since = 0.0
+            try:
+                self._check_reachable()
+            except (P2PError, OSError) as exc:  # (a daemon that would not start: next round)
+                log.warning("p2p daemon: %s", exc)
 
     def _check_addresses(self) -> bool:
         try:
@@ -150,3 +190,15 @@ class WidePublisher:
         for inbound in self.inbound:
             inbound.close()
         self.daemon.close()
+
+
+def _is_public(multiaddr: str) -> bool:
+    """A multiaddr at an IP anyone may dial: not relayed, private, loopback or link-local."""
+    parts = multiaddr.split("/")
+    if "/p2p-circuit" in multiaddr or len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
+        return False
+    try:
+        ip = ipaddress.ip_address(parts[2])
+    except ValueError:
+        return False
+    return not (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_unspecified)

@@ -11,7 +11,6 @@ present that key, so a relay or a registry peer can neither read nor alter a cal
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import ssl
 import threading
@@ -38,6 +37,7 @@ CLIENT_LISTEN = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
 POLL_S = 0.5  # between DHT lookups while waiting for the nodes expected
 RECORD_TRIES = 3
 SETTLE_S = 5.0  # the longest a lookup waits for hole punches to replace relayed paths
+PUNCH_AGAIN_AT = (1.0, 2.5)  # s into that wait: punches started again (see `_settle`)
 WATCH_S = 10.0  # between lookups once running: late and returning nodes
 PIN_TIMEOUT_S = 1.0  # a TCP endpoint's connect and TLS handshake (as zeroconf's pin checks)
 MAX_TCP_ENDPOINTS = 8  # of a record's `tcp` endpoints, pin-checked (a record cannot ask more)
@@ -140,9 +140,7 @@ class WideDirectory:
             old.forward.peer_id, old.peer_id, old.record = peer_id, peer_id, record
             old.forward.relays = relays
             return True
-        punchable = bool(public_addresses(record.get("addrs", "")))
-        wait_s = 1.0 if punchable else 0.0
-        forward = Forward(self.daemon.control, peer_id, GRPC_PROTOCOL, wait_s, relays)
+        forward = Forward(self.daemon.control, peer_id, GRPC_PROTOCOL, relays=relays)
         spec = PeerSpec(f"127.0.0.1:{forward.port}", node_id)
         self.nodes[node_id] = WideNode(spec, record, peer_id, forward)
         return True
@@ -178,25 +176,54 @@ class WideDirectory:
             return False
 
     def _settle(self, peer_ids: list[str]) -> None:
-        """Reading a record behind a NAT opened a relayed connection, and with it a hole punch
-        where the node knows its public address (its record lists one). A punch that succeeds
-        closes the relayed connection and resets its streams, gRPC's with them: so wait, up
-        to SETTLE_S, until each such node is reached directly, before any call is made."""
-        punchable = {
-            n.peer_id
-            for n in self.nodes.values()
-            if n.peer_id in peer_ids and not n.tcp and public_addresses(n.record.get("addrs", ""))
-        }
-        end = time.monotonic() + SETTLE_S
-        while punchable and time.monotonic() < end:
+        """Reading the record of a node behind a NAT opened a relayed connection, and with it
+        a hole punch (DCUtR), which succeeds where both NATs keep a port per socket. Wait, up
+        to SETTLE_S, until each node not reached over TCP is reached directly, so that its
+        calls take the direct path rather than a relay; a node whose NAT defeats the punch
+        costs the lookup that wait once.
+
+        A punch also needs this daemon to know its own public address, which it learns from
+        the peers it meets (go-libp2p trusts an observed address once several peers report
+        it): a coordinator a moment old may not yet, and the node's punch then finds no
+        DCUtR handler here and is not retried. So at each of PUNCH_AGAIN_AT, each node still
+        relayed is disconnected and its record read again: a fresh relayed connection and a
+        fresh punch."""
+        waiting = {n.peer_id for n in self.nodes.values() if n.peer_id in peer_ids and not n.tcp}
+        start = time.monotonic()
+        again = list(PUNCH_AGAIN_AT)
+        while waiting and time.monotonic() < start + SETTLE_S:
             try:
                 connected = self.daemon.control.peers()
             except P2PError:
                 return
             direct = {p.peer_id for p in connected if any("/p2p-circuit" not in a for a in p.addrs)}
-            punchable -= direct
-            if punchable:
+            waiting -= direct
+            if waiting and again and time.monotonic() >= start + again[0]:
+                again.pop(0)
+                log.info("p2p: punching again to %s", sorted(waiting))
+                for peer_id in waiting:
+                    self._punch_again(peer_id)
+            if waiting:
                 time.sleep(0.1)
+        if waiting:
+            log.info("p2p: no direct path to %s: relayed", sorted(waiting))
+        else:
+            log.info("p2p: direct paths after %.1f s", time.monotonic() - start)
+
+    def _punch_again(self, peer_id: str) -> None:
+        try:
+            self.daemon.control.disconnect(peer_id)
+            sock, _ = self.daemon.control.open_stream(peer_id, RECORD_PROTOCOL)
+        except P2PError as exc:
+            log.info("p2p: %s: %s", peer_id, exc)
+            return
+        try:
+            sock.settimeout(10.0)
+            read_record(sock)  # (only to open the connection: the record was checked)
+        except (P2PError, OSError):
+            pass
+        finally:
+            sock.close()
 
     def paths(self) -> dict[str, str]:
         """'NAME ID8' -> how its last stream went: direct or relayed."""
@@ -253,19 +280,3 @@ def find_wide(
         directory.close()
         raise
     return directory, [n.spec for n in nodes]
-
-
-def public_addresses(addrs_text: str) -> list[str]:
-    """The addresses in a record's `addrs` that are neither relayed nor private/loopback."""
-    out = []
-    for a in addrs_text.split(","):
-        parts = a.split("/")
-        if "/p2p-circuit" in a or len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
-            continue
-        try:
-            ip = ipaddress.ip_address(parts[2])
-        except ValueError:
-            continue
-        if ip.is_global or not (ip.is_private or ip.is_loopback or ip.is_link_local):
-            out.append(a)
-    return out

@@ -129,6 +129,8 @@ class P2PDaemon:
         if key_file is not None:
             load_or_make_key(key_file)
             cmd += ["-id", str(key_file)]
+        if log_file is None and os.environ.get("MOESHARD_P2PD_LOG"):  # (debugging: a directory)
+            log_file = Path(os.environ["MOESHARD_P2PD_LOG"]) / f"p2pd-{os.getpid()}-{id(self)}.log"
         out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_own_session_dies_with_parent
