@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
 import time
 
@@ -72,6 +73,8 @@ def run(args) -> int:
         if 0 in broken:
             raise MoeshardError(f"the TLS-over-TCP baseline failed: {broken[0]}")
         base = statistics.median(times[0])
+        rtt = _connect_rtt_ms(baseline.addr)
+        print(f"bare link RTT to the baseline node (median TCP connect): {rtt:.3f} ms")
         print(f"{request.ByteSize() / 1024:.1f} KB Forward, median of up to {args.iters} calls:")
         failed = False
         for i, ((label, _), path) in enumerate(zip(targets, paths, strict=True)):
@@ -134,6 +137,18 @@ def _timed(stubs, requests, iters: int) -> tuple[list[list[float]], dict[int, st
                 sent[i] += requests[i].ByteSize()
                 del reply
     return times, broken
+
+
+def _connect_rtt_ms(addr: str, tries: int = 21) -> float:
+    """The link's round trip without TLS or gRPC: the median time a TCP connect takes (one
+    SYN, one SYN-ACK)."""
+    host, _, port = addr.rpartition(":")
+    took = []
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=5.0):
+            took.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(took)
 
 
 def _rows(model: ModelDir) -> int:

@@ -195,9 +195,8 @@ def add_bootstrap(sub) -> None:
     p.add_argument(
         "--relay-rate",
         type=float,
-        default=0.0,
         metavar="MB_S",
-        help="MB/s one peer may push through it, both ways together (default: no limit)",
+        help="MB/s one peer may push through it, both ways together (unless given: no limit)",
     )
     p.add_argument(
         "--address-file",
@@ -224,6 +223,7 @@ def cmd_bootstrap(args) -> int:
     if args.fetch_only:
         print(p2pd_path())
         return EXIT_OK
+    args.relay_rate = args.relay_rate or 0.0
     if min(args.relay_streams, args.relay_per_peer, args.relay_rate) < 0:
         raise MoeshardError("--relay-streams, --relay-per-peer and --relay-rate must be >= 0")
     key = Path(args.key) if args.key else home() / "bootstrap.p2p"
