@@ -2,22 +2,27 @@
 
 Network namespaces, nothing leaves the machine (no uplink):
 
-    msp-pub   a "public" segment 11.0.0.0/24 on a bridge; the bootstrap/relay peer at 11.0.0.1
+    msp-pub   a "public" segment 11.0.0.0/24 on a bridge: the bootstrap/relay peer at
+              11.0.0.1; four plain DHT peers at 11.0.0.2-5 (a peer behind a NAT trusts its
+              observed public address only once several peers report it); two peers serving
+              a forged and an expired record for the model
     msp-ra    home A's router: WAN 11.0.0.11, LANs 192.168.1.0/24 (msp-a1) and 192.168.2.0/24
-              (msp-ac); masquerade on the WAN, unsolicited inbound WAN packets dropped (as a
-              home router does: no port forward, no UPnP)
+              (msp-ac); masquerade on the WAN keeping source ports, unsolicited inbound WAN
+              packets dropped (as a home router does: no port forward, no UPnP)
     msp-rb    home B's router: WAN 11.0.0.12, LAN 192.168.3.0/24 (msp-b1); the same rules
-    msp-a1    a node in home A        msp-b1   a node in home B
+    msp-rc    home C's router: WAN 11.0.0.13, LAN 192.168.4.0/24 (msp-c1); a random port per
+              connection (a "symmetric" NAT: no hole punch gets through)
+    msp-a1, msp-b1, msp-c1   a node in each home
     msp-ac    the coordinator, in home A
 
 (11.0.0.0/24, not a TEST-NET range: go-libp2p ignores those as public addresses.) The
-scenario: both nodes join through `--bootstrap` only (no zeroconf crosses a NAT); the
-coordinator finds them by model id and generates the single-process tokens; the path to the
-node behind the other NAT is relayed: spliced by the bootstrap peer at 11.0.0.1 (with a
-single public peer to observe them, the nodes cannot learn their mapped addresses, so no hole
-punch is tried). Then home B's WAN link drops and comes back: the node re-reserves its relay
-slot and re-signs its record, and a new coordinator finds and uses it again. Prints one line per
-check and exits 1 if any failed.
+scenario: the nodes join through `--bootstrap` only (no zeroconf crosses a NAT); the
+coordinator finds them by model id, ignoring the forged and the expired record, and generates
+the single-process tokens; a1 is reached over plain TCP (its record's LAN address, through
+home A's router), b1 hole-punched, c1 through the bootstrap peer's relay. `bench p2p` times
+each path. Then home B's WAN link drops and comes back: the node gets its relay slot back and
+re-signs its record, and a new coordinator finds and uses it again. Prints one line per check
+and exits 1 if any failed.
 """
 
 from __future__ import annotations
@@ -192,6 +197,64 @@ def observe(bootstrap: str) -> int:
     return 0
 
 
+def forge(bootstrap: str, model_id: str, work: Path) -> int:
+    """(`--forge ADDR MODEL_ID`, in msp-pub) two peers that provide the model's registry key
+    and serve records a reader must ignore: one changed after signing, one expired; until
+    SIGTERM."""
+    import signal
+    import threading
+
+    sys.path.insert(0, str(REPO))
+    from moeshard.moe.identity.keys import generate as make_key
+    from moeshard.moe.identity.signed import sign_announcement
+    from moeshard.moe.p2p.daemon import P2PDaemon, peer_args
+    from moeshard.moe.p2p.registry import RECORD_PROTOCOL, registry_key, write_record
+    from moeshard.moe.p2p.tunnel import Inbound
+
+    fields = {"name": "forger", "model_id": model_id, "fmt": "2", "wire": "1", "records": "1"}
+    key = make_key(work / "forger.pem")
+    made = {
+        "forged": lambda p2p: dict(sign_announcement(key, dict(fields, p2p=p2p)), records="99"),
+        "expired": lambda p2p: sign_announcement(
+            key, dict(fields, p2p=p2p), now=time.time() - 600, ttl_s=120
+        ),
+    }
+    daemons, inbound = [], []
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        for kind, make in made.items():
+            d = P2PDaemon(peer_args([f"/ip4/{BOOT_IP}/tcp/0"], [bootstrap]))
+            record = make(d.peer_id)
+
+            def serve(sock, _peer, record=record):
+                write_record(sock, record)
+                sock.settimeout(5)
+                try:
+                    while sock.recv(64):  # the reader closes first
+                        pass
+                finally:
+                    sock.close()
+
+            inbound.append(Inbound(d.control, RECORD_PROTOCOL, serve=serve))
+            daemons.append(d)
+            for _ in range(100):  # until the DHT takes the provider record
+                try:
+                    d.control.provide(registry_key(model_id))
+                    break
+                except Exception:  # noqa: BLE001 (the daemon's error: no DHT peer yet)
+                    time.sleep(0.2)
+            print(f"{kind} {d.peer_id}", flush=True)
+        print("forgers up", flush=True)
+        stop.wait()
+    finally:
+        for i in inbound:
+            i.close()
+        for d in daemons:
+            d.close()
+    return 0
+
+
 def generate(work, coordinator, bootstrap: str, prompt: str, tokens: int, tag: str, wait=30):
     """A coordinator in home A: (its JSON result or None, its stderr)."""
     argv = [*MOESHARD, "-v", "generate", str(coordinator), "--bootstrap", bootstrap]
@@ -212,9 +275,12 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=300, help="calls per path in bench p2p")
     p.add_argument("--work", help="work directory (default: a temporary one)")
     p.add_argument("--observe", metavar="ADDR", help=argparse.SUPPRESS)  # (the observers)
+    p.add_argument("--forge", nargs=2, metavar=("ADDR", "MODEL_ID"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.observe:
         return observe(args.observe)
+    if args.forge:
+        return forge(*args.forge, Path(args.work or tempfile.mkdtemp()))
     if os.geteuid():
         print("p2p testbed: needs root (network namespaces)", file=sys.stderr)
         return 2
@@ -239,6 +305,11 @@ def main() -> int:
         addr = wait_for(boot, r"--bootstrap (/ip4/11\.0\.0\.1/tcp/4001/p2p/\w+)", 30).group(1)
         observers = procs.start("observers", "pub", [sys.executable, __file__, "--observe", addr])
         wait_for(observers, r"observers up", 30)
+        model_id = json.loads((model / "moeshard.json").read_text())["model_id"]
+        forgers = procs.start("forgers", "pub", [sys.executable, __file__, "--forge", addr,
+                              model_id, "--work", str(work)])  # fmt: skip
+        wait_for(forgers, r"forgers up", 60)
+        forged = dict(re.findall(r"^(forged|expired) (\w+)$", forgers.read_text(), re.M))
         nodes = {}
         for host, shard in NODES.items():
             nodes[host] = procs.start(f"node-{host}", host, [*MOESHARD, "-v", "node",
@@ -256,6 +327,12 @@ def main() -> int:
                        "same tokens as one process", ok and len(paths) == len(NODES),
                        f"paths {paths}" if result else err.strip().splitlines()[-1]))  # fmt: skip
         by_host = {name.split()[0]: path for name, path in paths.items()}
+        ignored = {kind: re.search(rf"ignored the record of {peer}: ([^\n]*)", err)
+                   for kind, peer in forged.items()}  # fmt: skip
+        checks.append(("a forged and an expired record in the registry are ignored",
+                       result is not None and all(ignored.values()),
+                       "; ".join(f"{k}: {m.group(1) if m else 'NOT ignored'}"
+                                 for k, m in ignored.items())))  # fmt: skip
         want_paths = {"a1": "tcp", "b1": "direct", "c1": "relayed"}
         checks.append(("the paths: a1 (same home) over TCP, b1 hole-punched through two "
                        "port-preserving NATs, c1 (random-port NAT) relayed",
