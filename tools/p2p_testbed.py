@@ -372,7 +372,7 @@ def main() -> int:
                        result is None, (err.strip().splitlines() or ["?"])[-1][:160]))  # fmt: skip
         sh(*nsx("rb", "ip", "link", "set", "wan", "up"))
         t0 = time.monotonic()
-        for attempt in range(4):  # until the node has its relay slot back and is re-announced
+        for attempt in range(6):  # until the node has its relay slot back and is re-announced
             result, err = generate(work, coordinator, addr, prompt, args.tokens, f"after-{attempt}")
             if result is not None:
                 break
