@@ -140,7 +140,7 @@ def test_calls_spliced_by_the_relay_carry_far_past_the_circuit_cap(sharded, hub)
     held: list = []
     try:
         node_peer = re.search(r"p2p: peer (\w+)", node.text()).group(1)
-        forward = Forward(coordinator.control, node_peer, GRPC_PROTOCOL, 0.0, [relay_id])
+        forward = Forward(coordinator.control, node_peer, GRPC_PROTOCOL, [relay_id])
         channel, _ = dial(
             PeerSpec(f"127.0.0.1:{forward.port}", node.node_id), client_tls(client_key()), 10.0
         )

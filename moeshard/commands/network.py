@@ -211,7 +211,6 @@ def add_bootstrap(sub) -> None:
 
 
 def cmd_bootstrap(args) -> int:
-    import os
     import signal
     import threading
     from pathlib import Path
@@ -226,6 +225,9 @@ def cmd_bootstrap(args) -> int:
     args.relay_rate = args.relay_rate or 0.0
     if min(args.relay_streams, args.relay_per_peer, args.relay_rate) < 0:
         raise MoeshardError("--relay-streams, --relay-per-peer and --relay-rate must be >= 0")
+    address_file = Path(args.address_file) if args.address_file else None
+    if address_file is not None and not address_file.parent.is_dir():
+        raise MoeshardError(f"--address-file {address_file}: no directory {address_file.parent}")
     key = Path(args.key) if args.key else home() / "bootstrap.p2p"
     daemon = P2PDaemon(hub_args(split_list(args.listen), split_list(args.announce)), key_file=key)
     stop = threading.Event()
@@ -240,11 +242,8 @@ def cmd_bootstrap(args) -> int:
         full = [f"{addr}/p2p/{daemon.peer_id}" for addr in _best_first(daemon.addresses())]
         for addr in full:
             print(f"  --bootstrap {addr}", flush=True)
-        if args.address_file:
-            target = Path(args.address_file)
-            tmp = target.with_name(f".{target.name}.partial")
-            tmp.write_text("".join(f"{a}\n" for a in full))
-            os.replace(tmp, target)  # a reader never sees half of it
+        if address_file is not None:
+            _write_addresses(address_file, full)
         if relay:
             rate = f"{args.relay_rate:g} MB/s" if args.relay_rate else "no rate limit"
             print(f"relaying calls: {args.relay_streams} streams, {args.relay_per_peer} per "
@@ -255,6 +254,19 @@ def cmd_bootstrap(args) -> int:
             relay.close()
         daemon.close()
     return EXIT_OK
+
+
+def _write_addresses(target, addresses: list[str]) -> None:
+    """One per line, under a temporary name and then renamed: a reader never sees half."""
+    import os
+
+    tmp = target.with_name(f".{target.name}.partial")
+    try:
+        tmp.write_text("".join(f"{a}\n" for a in addresses))
+        os.replace(tmp, target)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise MoeshardError(f"--address-file {target}: {exc.strerror or exc}") from None
 
 
 def _best_first(addresses: list[str]) -> list[str]:

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 CLIENT_LISTEN = ["/ip4/0.0.0.0/tcp/0", "/ip4/0.0.0.0/udp/0/quic-v1"]
 POLL_S = 0.5  # between DHT lookups while waiting for the nodes expected
 RECORD_TRIES = 3
+RECORD_TIMEOUT_S = 10.0  # for a record to arrive on its stream
 SETTLE_S = 5.0  # the longest a lookup waits for hole punches to replace relayed paths
 PUNCH_AGAIN_AT = (1.0, 2.5)  # s into that wait: punches started again (see `_settle`)
 WATCH_S = 10.0  # between lookups once running: late and returning nodes
@@ -112,15 +113,12 @@ class WideDirectory:
                 log.info("p2p: no record stream to %s: %s", peer_id, exc)
                 return None  # unreachable now: asked again at the next lookup
             try:
-                sock.settimeout(10.0)
-                return read_record(sock)
+                return _read_and_close(sock)
             except (P2PError, OSError) as exc:
                 if attempt == RECORD_TRIES - 1:
                     self.ignored[peer_id] = f"no record ({exc})"
                     return None
                 time.sleep(0.2)
-            finally:
-                sock.close()
         return None
 
     def _admit(self, peer_id: str) -> bool:
@@ -211,19 +209,13 @@ class WideDirectory:
             log.info("p2p: direct paths after %.1f s", time.monotonic() - start)
 
     def _punch_again(self, peer_id: str) -> None:
+        """A fresh relayed connection to `peer_id` (its record read again, only to open
+        it: the record was checked), and with it a fresh hole punch."""
         try:
             self.daemon.control.disconnect(peer_id)
-            sock, _ = self.daemon.control.open_stream(peer_id, RECORD_PROTOCOL)
-        except P2PError as exc:
+            _read_and_close(self.daemon.control.open_stream(peer_id, RECORD_PROTOCOL)[0])
+        except (P2PError, OSError) as exc:
             log.info("p2p: %s: %s", peer_id, exc)
-            return
-        try:
-            sock.settimeout(10.0)
-            read_record(sock)  # (only to open the connection: the record was checked)
-        except (P2PError, OSError):
-            pass
-        finally:
-            sock.close()
 
     def paths(self) -> dict[str, str]:
         """'NAME ID8' -> how its last stream went: direct or relayed."""
@@ -280,3 +272,12 @@ def find_wide(
         directory.close()
         raise
     return directory, [n.spec for n in nodes]
+
+
+def _read_and_close(sock) -> dict[str, str]:
+    """The record on a `/moeshard/record/1` stream (P2PError or OSError if none comes)."""
+    try:
+        sock.settimeout(RECORD_TIMEOUT_S)
+        return read_record(sock)
+    finally:
+        sock.close()

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from moeshard.moe.p2p.control import Control, P2PError
 from moeshard.moe.p2p.registry import GRPC_PROTOCOL
-from moeshard.moe.p2p.tunnel import RELAY_PROTOCOL, Inbound, pipe, read_line, say
+from moeshard.moe.p2p.tunnel import MAX_LINE, RELAY_PROTOCOL, Inbound, pipe, read_line
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,6 @@ class Relay:
         self.lock = threading.Lock()
         self.open: Counter[str] = Counter()  # source peer id -> spliced streams open
         self.buckets: dict[str, TokenBucket] = {}
-        self.carried = 0  # streams spliced so far
         self.inbound = Inbound(control, RELAY_PROTOCOL, serve=self._serve)
 
     def _serve(self, sock: socket.socket, source: str) -> None:
@@ -118,7 +117,6 @@ class Relay:
             if self.open[source] >= self.limits.per_peer:
                 return f"{self.limits.per_peer} streams from you are open already"
             self.open[source] += 1
-            self.carried += 1
             if self.limits.rate and source not in self.buckets:
                 self.buckets[source] = TokenBucket(self.limits.rate)
         return ""
@@ -132,3 +130,10 @@ class Relay:
 
     def close(self) -> None:
         self.inbound.close()
+
+
+def say(sock: socket.socket, line: str) -> None:
+    try:
+        sock.sendall(line.encode()[:MAX_LINE] + b"\n")
+    except OSError:
+        pass

@@ -16,7 +16,6 @@ import os
 import socket
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -78,20 +77,14 @@ def accept_each(listener: socket.socket, handle) -> None:
 
 class Forward:
     """127.0.0.1:`port` -> a `protocol` stream to `peer_id` through `control`'s daemon: over
-    a direct connection if there is one (after waiting up to `wait_direct_s` for a hole
-    punch), else spliced through one of `relays` (moeshard relays, relay.py), else over
-    whatever path the daemon finds (a circuit relay: capped, see relay.py)."""
+    a direct connection if there is one (the registry's lookup gives hole punches time to
+    make one first), else spliced through one of `relays` (moeshard relays, relay.py), else
+    over whatever path the daemon finds (a circuit relay: capped, see relay.py)."""
 
     def __init__(
-        self,
-        control: Control,
-        peer_id: str,
-        protocol: str,
-        wait_direct_s: float = 0.0,
-        relays: list[str] | None = None,
+        self, control: Control, peer_id: str, protocol: str, relays: list[str] | None = None
     ):
         self.control, self.peer_id, self.protocol = control, peer_id, protocol
-        self.wait_direct_s = wait_direct_s  # for a peer a hole punch may reach (`_await_direct`)
         self.relays = list(relays or [])
         self.path = ""  # how the last stream went: direct, relayed (spliced) or circuit
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -111,8 +104,7 @@ class Forward:
         pipe(conn, stream)
 
     def _open(self) -> socket.socket:
-        direct = self._await_direct()
-        if not direct:
+        if not self._direct():
             for relay in self.relays:
                 try:
                     stream = open_relayed(self.control, relay, self.peer_id)
@@ -125,25 +117,14 @@ class Forward:
         self.path = "circuit" if "/p2p-circuit" in via else "direct"
         return stream
 
-    def _await_direct(self) -> bool:
-        """Whether a direct connection to the peer exists, waiting up to `wait_direct_s`
-        while the only one is relayed for hole punching (which the relayed connection
-        started) to make one: a stream stays on the path it opened on, and gRPC keeps its
-        connection for good. Not connected at all: True if there is no relay to use (the
-        stream will dial)."""
-        end = time.monotonic() + self.wait_direct_s
-        while True:
-            try:
-                conns = [p for p in self.control.peers() if p.peer_id == self.peer_id]
-            except P2PError:
-                return not self.relays
-            if any("/p2p-circuit" not in a for p in conns for a in p.addrs):
-                return True
-            if not conns and not self.relays:
-                return True
-            if time.monotonic() >= end:
-                return False
-            time.sleep(0.1)
+    def _direct(self) -> bool:
+        """Whether a stream opened now should go straight to the peer: it has a direct
+        connection, or there is no relay to use instead (the stream will dial)."""
+        try:
+            conns = [p for p in self.control.peers() if p.peer_id == self.peer_id]
+        except P2PError:
+            return not self.relays
+        return not self.relays or any("/p2p-circuit" not in a for p in conns for a in p.addrs)
 
     def close(self) -> None:
         self.listener.close()
@@ -224,13 +205,6 @@ def read_line(sock: socket.socket) -> str:
             return line.decode("ascii", "replace").strip()
         line += byte
     raise P2PError(f"a first line longer than {MAX_LINE} bytes")
-
-
-def say(sock: socket.socket, line: str) -> None:
-    try:
-        sock.sendall(line.encode()[:MAX_LINE] + b"\n")
-    except OSError:
-        pass
 
 
 def open_relayed(control: Control, relay: str, target: str) -> socket.socket:
