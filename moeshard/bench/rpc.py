@@ -118,8 +118,7 @@ def _calls(stub: pb_grpc.ExpertNodeStub, stream: ForwardStream, small, big) -> l
 
     def streamed(request) -> Callable[[], object]:
         def once():
-            stream.send(request)
-            return stream.receive()
+            return stream.send(request).result()
 
         return once
 
