@@ -50,7 +50,8 @@ from moeshard.bench.memory_cgroup import (
     model_files,
 )
 from moeshard.moe.errors import MoeshardError
-from moeshard.moe.kernels import quant
+from moeshard.moe.kernels import idots, quant
+from moeshard.moe.kernels.build import cpu_level
 from moeshard.moe.storage.manifest import FORMAT_VERSION, MANIFEST
 from moeshard.moe.units import fmt_bytes, parse_size
 
@@ -318,9 +319,11 @@ def _cpu_line(threads: int) -> str:
                 break
     isa = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni") if f in flags]
     amx = sorted(f for f in flags if f.startswith("amx"))
+    spin = os.environ.get("GOMP_SPINCOUNT", "0")
     return (
         f"cpu: {_cpu_name()} ({' '.join(isa + amx) or 'no AVX2'}), {os.cpu_count()} cores; "
-        f"threads: {threads} (llama.cpp -t, numba)"
+        f"threads: {threads} (llama.cpp -t, numba); moeshard kernels: {cpu_level()} level, "
+        f"integer dots {idots.ISA}, idle threads {quant.wait_policy()} (GOMP_SPINCOUNT {spin})"
     )
 
 
@@ -344,6 +347,7 @@ def run(args) -> int:
     cache = llamacpp.cache_root(args.cache)
     llama = cfg.llama = llamacpp.ensure_built(cache, args.sdist)
     quant.set_threads(cfg.threads)
+    quant.spin_while_waiting()  # as `moeshard generate` waits (llama.cpp's threads spin too)
     work = Workspace(cache / "compare-llamacpp", llama, cfg.threads, args.convert_python)
     work.root.mkdir(parents=True, exist_ok=True)
     header = [_cpu_line(cfg.threads), _llama_line(llama)]

@@ -7,6 +7,7 @@ imported here too: `quant` is where the rest of the code meets the kernels.
 """
 
 import functools
+import os
 import threading
 import time
 from typing import NamedTuple
@@ -138,6 +139,47 @@ def set_threads(n: int) -> None:
 def threads() -> int:
     """The threads big matrices use (`set_threads`)."""
     return _threads["n"] or numba.config.NUMBA_NUM_THREADS
+
+
+# With spinning pool threads (`spin_while_waiting`) a region costs a few microseconds, not a
+# futex wake, and a batch-1 product split in two reads weights at twice one core's rate (a
+# VM core here: 9 GB/s from DRAM alone, 16-19 GB/s with two).  Measured on a 2-core Intel
+# Xeon (AVX-512), 128 greedy tokens, medians of 3: the 706 MB Qwen3-MoE test model 96 tok/s
+# passive, 131 with spinning at the old threshold's 1/4, 148 at 1/64; the embedded demo
+# model 1149 -> 1190.  Smaller work items than this still run on the calling thread.
+SPINNING_MIN_WEIGHTS = 1 << 13
+
+_wait = {"spinning": False}
+
+
+def spin_while_waiting(spin_s: float = 300e-6) -> bool:
+    """For a process whose one user waits for every kernel (`moeshard generate`, the
+    benchmark's own decode): the pool's threads spin about `spin_s` after each parallel
+    region before they sleep, so the next region, a few microseconds of Python later, finds
+    them awake, and products from 64 K weights up go parallel.  Servers and nodes keep the
+    passive wait (docs/kernels.md: spinning took the cores their HTTP and gRPC threads need).
+    Works only before the first parallel kernel starts libgomp (which reads GOMP_SPINCOUNT
+    once) and not over an explicit OMP_WAIT_POLICY=... or GOMP_SPINCOUNT=... of the user's;
+    returns whether it took effect.  The count is `spin_s` over this CPU's measured `pause`
+    (libgomp spins by repeating it), so the time, not the count, is the same everywhere."""
+    global PARALLEL_MIN_WEIGHTS
+    if not dots.OMP_WAIT_POLICY_DEFAULTED or "GOMP_SPINCOUNT" in os.environ:
+        return False
+    try:
+        numba.threading_layer()
+        return False  # the pool already runs with the passive wait
+    except ValueError:
+        pass
+    count = int(min(max(spin_s / dots.pause_seconds(), 1000), 3_000_000))
+    os.environ["GOMP_SPINCOUNT"] = str(count)
+    PARALLEL_MIN_WEIGHTS = SPINNING_MIN_WEIGHTS
+    _wait["spinning"] = True
+    return True
+
+
+def wait_policy() -> str:
+    """'spin' or 'passive' (for the benches' headers)."""
+    return "spin" if _wait["spinning"] else "passive"
 
 
 def _run(kernel, n_weights: int, *args, serial=None):
