@@ -10,7 +10,9 @@ MOESHARD_KERNEL_ISA), compile for
 * ``sse2``: baseline x86-64 with SSE and SSE2 only (no FMA, no AVX);
 * ``portable-int``: this CPU, with `moeshard.moe.kernels.idots`' portable integer step
   (MOESHARD_KERNEL_ISA=generic) instead of AVX2's vpmaddubsw/vpmaddwd (the other two children
-  use the portable form as well: their CPUs have no AVX2).
+  use the portable form as well: their CPUs have no AVX2);
+* ``avx2-int`` (on a CPU with AVX-VNNI or AVX512-VNNI, whose native step is vpdpbusd): this
+  CPU with AVX2's step (MOESHARD_KERNEL_ISA=avx2).
 
 Each child computes every case below and must give this process's bits: `idots.int_rows` for
 every format, batch size, odd block counts, a partial row group and a non-finite activation;
@@ -39,10 +41,12 @@ BATCHES = (1, 2, 3)
 FFN_SHAPES = [(96, 160), (64, 32)]  # (hidden, inter)
 GLUS = {"swiglu": quant.SWIGLU, "situ": quant.situ(4.0, 25.0)}
 LEVELS = {
-    "generic": {"NUMBA_CPU_NAME": "generic"},
-    "sse2": {"NUMBA_CPU_NAME": "x86-64", "NUMBA_CPU_FEATURES": "+sse,+sse2"},
-    "portable-int": {"MOESHARD_KERNEL_ISA": "generic"},
+    "generic": ({"NUMBA_CPU_NAME": "generic"}, "generic"),
+    "sse2": ({"NUMBA_CPU_NAME": "x86-64", "NUMBA_CPU_FEATURES": "+sse,+sse2"}, "generic"),
+    "portable-int": ({"MOESHARD_KERNEL_ISA": "generic"}, "generic"),
 }
+if idots.ISA == "vnni":  # this process has vpdpbusd: a child compiles AVX2's form on this CPU
+    LEVELS["avx2-int"] = ({"MOESHARD_KERNEL_ISA": "avx2"}, "avx2")
 
 CHILD = """
 import json, sys
@@ -50,7 +54,7 @@ import numpy as np
 sys.path.insert(0, {tests!r})
 from moeshard.moe.kernels import idots
 from test_kernel_isa import all_outputs, glu_machine_code_problems
-assert idots.ISA == "generic", idots.ISA
+assert idots.ISA == {isa!r}, idots.ISA
 np.savez({out!r}, **all_outputs())
 json.dump(glu_machine_code_problems(), sys.stdout)
 """
@@ -188,7 +192,7 @@ def children(tmp_path_factory):
     """{level: (outputs, machine-code problems)} from one child per level, run concurrently."""
     tests = os.path.dirname(os.path.abspath(__file__))
     running = {}
-    for level, env in LEVELS.items():
+    for level, (env, isa) in LEVELS.items():
         root = tmp_path_factory.mktemp(level)
         out = str(root / "out.npz")
         child_env = dict(os.environ, NUMBA_CACHE_DIR=str(root / "numba"), **env)
@@ -196,7 +200,7 @@ def children(tmp_path_factory):
             if key not in env:
                 child_env.pop(key, None)
         proc = subprocess.Popen(
-            [sys.executable, "-c", CHILD.format(tests=tests, out=out)],
+            [sys.executable, "-c", CHILD.format(tests=tests, out=out, isa=isa)],
             env=child_env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
