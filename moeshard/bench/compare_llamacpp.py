@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -38,9 +39,10 @@ from pathlib import Path
 import numba
 
 from moeshard.bench import llamacpp
+from moeshard.bench.compare_bandwidth import Bandwidth
 from moeshard.bench.compare_sides import MATRIX, REPETITIONS, RUN_TIMEOUT_S, InRam, Kernels
 from moeshard.bench.compare_table import GOALS, Row, goal_line, table
-from moeshard.bench.kernels import _cpu_name
+from moeshard.bench.kernels import POOL_BYTES, _cpu_name
 from moeshard.bench.llamacpp import LlamaCpp
 from moeshard.bench.memory_cgroup import (
     CappedRun,
@@ -51,7 +53,7 @@ from moeshard.bench.memory_cgroup import (
 )
 from moeshard.moe.errors import MoeshardError
 from moeshard.moe.kernels import idots, quant
-from moeshard.moe.kernels.build import cpu_level
+from moeshard.moe.kernels.build import cpu_level, target_features
 from moeshard.moe.storage.manifest import FORMAT_VERSION, MANIFEST
 from moeshard.moe.units import fmt_bytes, parse_size
 
@@ -59,7 +61,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEMO_HF = REPO / "models" / "demo-hf"
 BIG_ARGS = ["--layers", "8", "--experts", "64", "--hidden", "1024", "--inter", "768"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-PARTS = ("kernels", "demo", "big", "capped")
+PARTS = ("kernels", "bandwidth", "demo", "big", "capped")
 CAP_MARGIN = (
     256 << 20
 )  # the interpreter with numpy, numba and the kernels (~245 MB RSS) beside --ram
@@ -277,6 +279,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {PARTS}")
     p.add_argument("--quick", action="store_true", help="fewer rounds, tokens and samples")
+    p.add_argument(
+        "--isa",
+        choices=llamacpp.ISAS,
+        default="native",
+        help="native: both sides built for this CPU; avx2: both as on an AVX2 machine "
+        "(llama.cpp built with GGML_NATIVE=OFF and AVX2 flags, cached apart; moeshard's "
+        "kernels compiled for a Haswell-level CPU with this one's AVX-512/VNNI/AMX off)",
+    )
 
 
 def _or(given: int | None, default: int) -> int:
@@ -329,7 +339,9 @@ def _cpu_line(threads: int) -> str:
 
 def _llama_line(llama: LlamaCpp) -> str:
     info = llama.info
-    flags = " ".join(a for a in info["cmake_args"] if "AMX" in a or "NATIVE" in a or "FLAGS" in a)
+    flags = " ".join(
+        a for a in info["cmake_args"] if any(k in a for k in ("AMX", "NATIVE", "FLAGS", "AVX"))
+    )
     return (
         f"llama.cpp: ggml-org/llama.cpp@{info['llama_cpp_commit']} from llama-cpp-python "
         f"{info['llama_cpp_python']} ({'; '.join(info['version'])}), Release, static, {flags}; "
@@ -341,11 +353,31 @@ def _size(path: Path) -> str:
     return fmt_bytes(sum(p.stat().st_size for p in model_files(path)))
 
 
+# `--isa avx2` runs the bench again in a child whose numba compiles for an AVX2 CPU: numba
+# reads NUMBA_CPU_NAME/FEATURES when it is imported, which this process has done already
+_PLAYING_AVX2 = "MOESHARD_BENCH_AS_AVX2"
+
+
+def _as_avx2_machine() -> int:
+    """Run this command again with numba compiling for a Haswell-level CPU: this CPU's
+    features with everything past AVX2 (AVX-512, AVX10, AVX-VNNI, AMX) turned off."""
+    features = target_features()
+    if "+avx2" not in features or "+fma" not in features:
+        raise MoeshardError("--isa avx2: this CPU has no AVX2 and FMA")
+    newer = ("+avx512", "+avx10", "+avxvnni", "+amx", "+avxifma", "+avxneconvert")
+    kept = sorted(f if not f.startswith(newer) else "-" + f[1:] for f in features if f)
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=",".join(kept))
+    env[_PLAYING_AVX2] = "1"
+    return subprocess.run([sys.executable, "-m", "moeshard", *sys.argv[1:]], env=env).returncode
+
+
 def run(args) -> int:
+    if args.isa == "avx2" and not os.environ.get(_PLAYING_AVX2):
+        return _as_avx2_machine()
     started = time.perf_counter()
     cfg = _config(args)
     cache = llamacpp.cache_root(args.cache)
-    llama = cfg.llama = llamacpp.ensure_built(cache, args.sdist)
+    llama = cfg.llama = llamacpp.ensure_built(cache, args.sdist, args.isa)
     quant.set_threads(cfg.threads)
     quant.spin_while_waiting()  # as `moeshard generate` waits (llama.cpp's threads spin too)
     work = Workspace(cache / "compare-llamacpp", llama, cfg.threads, args.convert_python)
@@ -358,6 +390,13 @@ def run(args) -> int:
         header.append(
             f"kernels: test-backend-ops perf MUL_MAT m={MATRIX[0]} k={MATRIX[1]} n=1,4 "
             f"(its own {suites[-1].threads} thread(s)); moeshard quant.matmul, same threads"
+        )
+    if "bandwidth" in cfg.parts:
+        work.step("bandwidth: filling pools of twice the last-level cache")
+        suites.append(Bandwidth())
+        header.append(
+            f"bandwidth: moeshard's batch-1 products with weights from DRAM (pools of "
+            f"{fmt_bytes(POOL_BYTES)}) against all threads summing 1 GiB, same round"
         )
     if "demo" in cfg.parts:
         demo = work.moeshard_convert(DEMO_HF, work.root / "demo")
@@ -395,10 +434,14 @@ def run(args) -> int:
             work.step(f"round {r + 1}/{cfg.rounds}: {type(suite).__name__}")
             suite.round()
     rows = [row for suite in suites for row in _rows(suite)]
+    vs_dram = [row for suite in suites if isinstance(suite, Bandwidth) for row in _rows(suite)]
     print("\n".join(header))
     print()
-    print("\n".join(table(rows)))
+    print("\n".join(table([row for row in rows if all(row is not v for v in vs_dram)])))
     print()
+    if vs_dram:
+        print("\n".join(table(vs_dram, against="DRAM read")))
+        print()
     by_key = {row.key: row for row in rows}
     print("goals:")
     for goal in GOALS:

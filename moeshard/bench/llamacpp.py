@@ -125,15 +125,34 @@ def upstream_commit(changelog: str, version: str = LLAMA_CPP_PYTHON) -> str:
     return m.group(1) if m else "unknown"
 
 
-def cmake_args(src: Path, build: Path, commit: str) -> list[str]:
-    """Configure a Release, native, AMX-free, static build of only what the bench needs."""
+# `--isa avx2`: what an AVX2 machine's build compiles (GGML_NATIVE=OFF), nothing newer
+AVX2_ARGS = (
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_AVX=ON",
+    "-DGGML_AVX2=ON",
+    "-DGGML_FMA=ON",
+    "-DGGML_F16C=ON",
+    "-DGGML_BMI2=ON",
+    "-DGGML_AVX_VNNI=OFF",
+    "-DGGML_AVX512=OFF",
+    "-DGGML_AVX512_VBMI=OFF",
+    "-DGGML_AVX512_VNNI=OFF",
+    "-DGGML_AVX512_BF16=OFF",
+)
+ISAS = ("native", "avx2")
+
+
+def cmake_args(src: Path, build: Path, commit: str, isa: str = "native") -> list[str]:
+    """Configure a Release, AMX-free, static build of only what the bench needs: for this
+    CPU (native) or for any AVX2 CPU (avx2)."""
+    level = ["-DGGML_NATIVE=ON"] if isa == "native" else list(AVX2_ARGS)
     args = [
         "-S",
         str(src),
         "-B",
         str(build),
         "-DCMAKE_BUILD_TYPE=Release",
-        "-DGGML_NATIVE=ON",
+        *level,
         "-DGGML_AMX_TILE=OFF",
         "-DGGML_AMX_INT8=OFF",
         "-DGGML_AMX_BF16=OFF",
@@ -169,9 +188,12 @@ class LlamaCpp:
         return self.root / "build" / "bin" / name
 
 
-def ensure_built(cache: Path, sdist: str | None) -> LlamaCpp:
-    """The cached build, building it first when it is not there (a few minutes)."""
-    final = cache / f"llama.cpp-{LLAMA_CPP_PYTHON}"
+def ensure_built(cache: Path, sdist: str | None, isa: str = "native") -> LlamaCpp:
+    """The cached build for `isa` (`ISAS`), building it first when it is not there (a few
+    minutes)."""
+    if isa not in ISAS:
+        raise MoeshardError(f"llama.cpp build {isa!r}: expected one of {', '.join(ISAS)}")
+    final = cache / f"llama.cpp-{LLAMA_CPP_PYTHON}{'' if isa == 'native' else '-' + isa}"
     if (final / "build-info.json").is_file():
         return LlamaCpp(final)
     cache.mkdir(parents=True, exist_ok=True)
@@ -180,7 +202,7 @@ def ensure_built(cache: Path, sdist: str | None) -> LlamaCpp:
     archive = find_sdist(cache, sdist, log)
     tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.partial-", dir=cache))
     try:
-        _build(archive, tmp, log)
+        _build(archive, tmp, log, isa)
         if final.exists():  # a leftover without build-info.json
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -189,7 +211,7 @@ def ensure_built(cache: Path, sdist: str | None) -> LlamaCpp:
     return LlamaCpp(final)
 
 
-def _build(archive: Path, root: Path, log: Path) -> None:
+def _build(archive: Path, root: Path, log: Path, isa: str) -> None:
     """Extract the vendored llama.cpp into root/src, build TARGETS into root/build, and write
     root/build-info.json (version, upstream commit, flags, build time)."""
     started = time.perf_counter()
@@ -197,7 +219,7 @@ def _build(archive: Path, root: Path, log: Path) -> None:
     changelog = _extract_vendored(archive, root / "src")
     commit = upstream_commit(changelog)
     build = root / "build"
-    configure = cmake_args(root / "src", build, commit)
+    configure = cmake_args(root / "src", build, commit, isa)
     run_logged(["cmake", *configure], log, "cmake configure of llama.cpp")
     jobs = str(os.cpu_count() or 1)
     run_logged(

@@ -60,13 +60,23 @@ def kernel_build() -> str:
     return digest.hexdigest()[:16]
 
 
+def target_features() -> set[str]:
+    """The features of the CPU numba compiles for ("+avx2", "+f16c", ...): the host's, or
+    NUMBA_CPU_FEATURES when NUMBA_CPU_NAME names another CPU (a portable build, or
+    `bench compare-llamacpp --isa avx2` playing an AVX2 machine)."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+
+    if config.CPU_NAME and config.CPU_NAME != "host":
+        return set((config.CPU_FEATURES or "").split(","))
+    return set(llvm.get_host_cpu_features().flatten().split(","))
+
+
 @functools.cache
 def cpu_level() -> str:
-    """The instruction-set level the kernels are compiled for on this CPU: 'avx512', 'avx2'
-    or 'baseline' (from LLVM's view of the host, which is what numba compiles for)."""
-    import llvmlite.binding as llvm
-
-    features = set(str(llvm.get_host_cpu_features().flatten()).split(","))
+    """The instruction-set level the kernels are compiled for: 'avx512', 'avx2' or
+    'baseline' (from the features numba compiles for, `target_features`)."""
+    features = target_features()
     if "+avx512f" in features and "+avx512vl" in features:
         return "avx512"
     if "+avx2" in features and "+fma" in features:

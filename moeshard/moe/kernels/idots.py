@@ -54,8 +54,8 @@ never loaded on another.
   768x1024 product in cache took 16.3 against 17.1 us: the loads, nibble masks and
   broadcasts around it are most of the work at batch 1.
 
-Step 1 is shared with llama.cpp's q8_0 activations; steps 2-3 are an exact integer block sum and one float32 accumulator per row,
-which need no particular instruction order.
+Step 1 is shared with llama.cpp's q8_0 activations; steps 2-3 are an exact integer block sum
+and one float32 accumulator per row, which need no particular instruction order.
 
 Against the float path of `moeshard.moe.kernels.dots` this trades exact float32 activations for
 8-bit ones (``moeshard quality`` prints what that costs) and does a quarter of the float work.
@@ -63,13 +63,13 @@ Against the float path of `moeshard.moe.kernels.dots` this trades exact float32 
 
 import os
 
-import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
+from moeshard.moe.kernels.build import target_features
 from moeshard.moe.kernels.dots import (
     F32X8,
     FMT_MXFP4,
@@ -82,14 +82,6 @@ from moeshard.moe.kernels.dots import (
     _vstore,
     _vzero,
 )
-
-
-def _target_features() -> set[str]:
-    """The features of the CPU numba compiles for ("+avx2", "+f16c", ...)."""
-    if config.CPU_NAME and config.CPU_NAME != "host":  # NUMBA_CPU_NAME: a portable build
-        return set((config.CPU_FEATURES or "").split(","))
-    return set(llvm.get_host_cpu_features().flatten().split(","))
-
 
 ISAS = ("vnni", "avx2", "generic")  # the forms of step 2, fastest first
 
@@ -108,7 +100,7 @@ def _supported_isas(features: set[str]) -> list[str]:
 def _target_isa() -> str:
     """The fastest form of step 2 the CPU numba compiles for runs (`ISAS`), or the one
     MOESHARD_KERNEL_ISA names (for tests and benches: `bench compare-llamacpp --isa avx2`)."""
-    supported = _supported_isas(_target_features())
+    supported = _supported_isas(target_features())
     forced = os.environ.get("MOESHARD_KERNEL_ISA", "")
     if forced:
         if forced not in ISAS:
@@ -122,7 +114,7 @@ def _target_isa() -> str:
 
 
 ISA = _target_isa()
-if ISA != _supported_isas(_target_features())[0]:
+if ISA != _supported_isas(target_features())[0]:
     # numba's cache is keyed by the CPU, not by this choice: kernels compiled with the forced
     # form (here and in the modules importing this one, decorated after this line) keep to a
     # cache of their own, or the CPU's usual build would be loaded in their place
@@ -130,7 +122,7 @@ if ISA != _supported_isas(_target_features())[0]:
         config.CACHE_DIR or os.path.expanduser("~/.cache/moeshard"), f"numba-isa-{ISA}"
     )
 # float16 scales with vcvtph2ps, or integer operations where the CPU has no F16C (`_f16_lanes`)
-F16C = "+f16c" in _target_features()
+F16C = "+f16c" in target_features()
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _V32I8 = ir.VectorType(_I8, 32)
