@@ -52,7 +52,7 @@ from moeshard.bench.memory_cgroup import (
     model_files,
 )
 from moeshard.moe.errors import MoeshardError
-from moeshard.moe.kernels import idots, quant
+from moeshard.moe.kernels import dots, idots, quant
 from moeshard.moe.kernels.build import cpu_level, target_features
 from moeshard.moe.storage.manifest import FORMAT_VERSION, MANIFEST
 from moeshard.moe.units import fmt_bytes, parse_size
@@ -367,6 +367,8 @@ def _as_avx2_machine() -> int:
     newer = ("+avx512", "+avx10", "+avxvnni", "+amx", "+avxifma", "+avxneconvert")
     kept = sorted(f if not f.startswith(newer) else "-" + f[1:] for f in features if f)
     env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CPU_FEATURES=",".join(kept))
+    if dots.OMP_WAIT_POLICY_DEFAULTED:  # this process's default, not the user's setting
+        env.pop("OMP_WAIT_POLICY", None)
     env[_PLAYING_AVX2] = "1"
     return subprocess.run([sys.executable, "-m", "moeshard", *sys.argv[1:]], env=env).returncode
 
