@@ -115,13 +115,13 @@ def test_goal_lines_say_met_or_not_met():
         goal_line(capped, killed) == "capped: llama.cpp OOM-killed, moeshard ran (goal >= 3): MET"
     )
     assert goal_line(capped, Row("capped mmap", "x", [None], [None])).endswith("NOT MET")
-    assert {g.key.split()[0] for g in GOALS} == {"kernel", "big", "demo", "capped"}
+    assert {g.key.split()[0] for g in GOALS} == {"kernel", "big", "demo", "bandwidth", "capped"}
 
 
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--only", "kernels,bogus"], "--only: choose from kernels,demo,big,capped"),
+        (["--only", "kernels,bogus"], "--only: choose from kernels,bandwidth,demo,big,capped"),
         (["--rounds", "0"], "at least 1"),
         (["--cap", "100M"], "--cap must exceed"),
         (["--threads", "999"], "--threads"),

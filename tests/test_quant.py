@@ -127,6 +127,31 @@ def test_matmul_matches_twin(fmt, b, threads):
         assert np.all(err <= RTOL[fmt] * bound + 1e-30), (rows, cols, (err / bound).max())
 
 
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("b", [1, 3, 17])
+def test_a_matrix_group_gives_each_matrix_its_own_bits(fmt, b, threads):
+    """`PackedGroup` (a layer's q, k and v in one call): each output is the bits of its
+    matrix alone, C-contiguous, whatever the thread split (rows of 24, not a multiple of the
+    16-row work items, and a group of 8)."""
+    rng = np.random.default_rng(b)
+    mats = [
+        quant.PackedMatrix(quant.pack(awkward(rows, 96, rows), fmt), fmt, rows, 96)
+        for rows in (40, 24, 8)
+    ]
+    x = rng.standard_normal((b, 96)).astype(np.float32)  # [b, 96]
+    outs = quant.PackedGroup(mats)(x)
+    assert [y.shape for y in outs] == [(b, 40), (b, 24), (b, 8)]
+    for y, m in zip(outs, mats, strict=True):
+        assert y.flags.c_contiguous and y.tobytes() == m(x).tobytes()
+
+
+def test_a_matrix_group_wants_one_format_and_width():
+    a = quant.PackedMatrix(quant.pack(awkward(8, 64, 0), "bf16"), "bf16", 8, 64)
+    b = quant.PackedMatrix(quant.pack(awkward(8, 64, 1), "f32"), "f32", 8, 64)
+    with pytest.raises(ValueError, match="one format and one width"):
+        quant.PackedGroup([a, b])
+
+
 def test_matmul_accepts_views_and_odd_strides():
     rows, cols = 40, 256
     w = awkward(rows, cols)

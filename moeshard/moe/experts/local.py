@@ -37,7 +37,7 @@ class LocalExperts(ExpertsBase):
         if layer not in self.arenas:
             held = self.shards.keys_of_layer(layer)
             self.slot.update(((layer, e), i) for i, e in enumerate(held))
-            self.arenas[layer] = aligned_buffer(max(len(held), 1) * self.slot_bytes)
+            self.arenas[layer] = aligned_buffer(max(len(held), 1) * self.slot_bytes, huge=True)
             view = self.readonly[layer] = self.arenas[layer].view()
             view.flags.writeable = False  # what the kernels take: made once, not per call
         return self.arenas[layer]

@@ -158,6 +158,74 @@ def matmul_serial_kernel(fmt, int8, data, rows, cols, row_bytes, scale_off, lut,
 
 
 @njit(cache=True, nogil=True)
+def _group_item(rows, it):
+    """(matrix, its first row, one past its last) of work item `it` of a matrix group whose
+    matrices have `rows` rows each, numbered matrix by matrix in ROWS_PER_ITEM items."""
+    for m in range(len(rows)):
+        n = (rows[m] + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
+        if it < n:
+            r0 = it * ROWS_PER_ITEM
+            return m, r0, min(rows[m], r0 + ROWS_PER_ITEM)
+        it -= n
+    return -1, 0, 0
+
+
+@njit(cache=True, nogil=True)
+def _group_out(out, rows, m, b):
+    """Matrix m's block of the group's flat output: a C-contiguous float32 [b, rows[m]]."""
+    start = 0
+    for i in range(m):
+        start += b * rows[i]
+    return out[start : start + b * rows[m]].reshape((b, rows[m]))
+
+
+@njit(cache=True, nogil=True)
+def _group_items(rows):
+    total = 0
+    for m in range(len(rows)):
+        total += (rows[m] + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
+    return total
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def matmul_group_kernel(fmt, int8, datas, rows, cols, row_bytes, scale_offs, lut, x):
+    """Several packed matrices of one format and width applied to the same x [b, cols] in one
+    call (a layer's q, k and v projections): -> float32 [b * sum(rows)], matrix m's product
+    [b, rows[m]] as a C-contiguous block after those of the matrices before it.
+
+    x is prepared once (`_activations`) and the work items of all the matrices are split
+    across the threads together, so small products (k and v: a quarter of q's rows) share the
+    pool's wake-up with a big one instead of paying their own.  Every row's bits are those of
+    `matmul_kernel` on its own matrix (the same `_rows` on the same activations)."""
+    b = x.shape[0]
+    total = 0
+    for m in range(len(rows)):
+        total += rows[m]
+    out = np.empty(b * total, dtype=np.float32)  # [b * sum(rows)]
+    act = _activations(fmt, int8, x)
+    for it in prange(_group_items(rows)):
+        m, r0, r1 = _group_item(rows, np.int64(it))  # (prange counts in uint64)
+        wq, ws = _matrix_views(fmt, datas[m], rows[m], cols, row_bytes[m], scale_offs[m])
+        _rows(fmt, wq, ws, lut, x, act, _group_out(out, rows, m, b), r0, r1)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def matmul_group_serial_kernel(fmt, int8, datas, rows, cols, row_bytes, scale_offs, lut, x):
+    """`matmul_group_kernel` on the calling thread (the same bits)."""
+    b = x.shape[0]
+    total = 0
+    for m in range(len(rows)):
+        total += rows[m]
+    out = np.empty(b * total, dtype=np.float32)  # [b * sum(rows)]
+    act = _activations(fmt, int8, x)
+    for m in range(len(rows)):
+        wq, ws = _matrix_views(fmt, datas[m], rows[m], cols, row_bytes[m], scale_offs[m])
+        _rows(fmt, wq, ws, lut, x, act, _group_out(out, rows, m, b), 0, rows[m])
+    return out
+
+
+@njit(cache=True, nogil=True)
 def _expert_views(fmt, record, hidden, inter, layout):
     n_gu, rb_gu, s_gu, rb_d, s_d = layout
     gq, gs = _matrix_views(fmt, record[:n_gu], inter, hidden, rb_gu, s_gu)

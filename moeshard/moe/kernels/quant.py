@@ -267,6 +267,43 @@ class PackedMatrix:
         return _run(entry.matmul_kernel, weights, *args, serial=self._serial)
 
 
+class PackedGroup:
+    """Several packed matrices of one format and width that take the same input (a layer's q,
+    k and v projections), computed in one kernel call: one dispatch, one preparation of x,
+    one wake-up of the pool.  Each product has the bits `PackedMatrix` gives it alone."""
+
+    __slots__ = ("fmt", "rows", "cols", "_args", "_split")
+
+    def __init__(self, matrices: list[PackedMatrix]):
+        if len({(m.fmt, m.cols) for m in matrices}) != 1:
+            raise ValueError("a matrix group needs one format and one width")
+        first = matrices[0]
+        self.fmt, self.cols = first.fmt, first.cols
+        self.rows = tuple(m.rows for m in matrices)
+        datas = tuple(m._args[0] for m in matrices)
+        row_bytes = tuple(m._args[3] for m in matrices)
+        scale_offs = tuple(m._args[4] for m in matrices)
+        self._args = (datas, self.rows, self.cols, row_bytes, scale_offs, dots.F16_LUT)
+        self._split = np.cumsum((0,) + self.rows)  # [n + 1]: each block's start, per row of x
+
+    def __call__(self, x: np.ndarray) -> list[np.ndarray]:
+        """x float32 [b, cols] -> [float32 [b, rows_m] for each matrix m], C-contiguous."""
+        x = _check_x(x, self.cols)
+        b = x.shape[0]
+        args = (_FMT_CODE[self.fmt], _int8(), *self._args, x)
+        work = int(self._split[-1]) * self.cols * b
+        flat = _run(
+            entry.matmul_group_kernel,
+            work // MATMUL_PARALLEL_FACTOR,
+            *args,
+            serial=entry.matmul_group_serial_kernel,
+        )  # [b * sum(rows)]
+        return [
+            flat[b * int(s) : b * int(e)].reshape(b, -1)
+            for s, e in zip(self._split[:-1], self._split[1:], strict=True)
+        ]
+
+
 def expert_record_nbytes(fmt: str, hidden: int, inter: int) -> int:
     """Bytes of one packed expert record: gate, up [inter, hidden] then down [hidden, inter]."""
     return 2 * packed_nbytes(fmt, inter, hidden) + packed_nbytes(fmt, hidden, inter)
@@ -407,6 +444,9 @@ def warmup() -> float:
     code, lut, int8 = dots.FMT_Q4_0, dots.F16_LUT, _int8()
     entry.matmul_kernel(code, int8, rec[:n_gu], inter, hidden, rb_gu, s_gu, lut, x)
     entry.matmul_serial_kernel(code, int8, rec[:n_gu], inter, hidden, rb_gu, s_gu, lut, x)
+    three = ((rec[:n_gu],) * 3, (inter,) * 3, hidden, (rb_gu,) * 3, (s_gu,) * 3, lut, x)
+    entry.matmul_group_kernel(code, int8, *three)  # (a layer's q, k, v: `PackedGroup`)
+    entry.matmul_group_serial_kernel(code, int8, *three)
     glu = _glu(SWIGLU)
     gated_unit(np.zeros((1, 8), dtype=np.float32), np.zeros((1, 8), dtype=np.float32))
     entry.expert_ffn_kernel(code, int8, rec, hidden, inter, layout, lut, x, glu)  # starts the pool

@@ -32,7 +32,7 @@ from moeshard.moe.model.fused import (
     route_softmax_topk,
 )
 from moeshard.moe.model.layers import Segments, rope_cos_sin, sigmoid, swiglu_mlp, uses_hints
-from moeshard.moe.model.trunk import Trunk
+from moeshard.moe.model.trunk import LinearGroup, Trunk
 
 MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
@@ -189,7 +189,7 @@ class _Layer:
     when a streamed trunk has read the layer again (`Transformer._layer`)."""
 
     __slots__ = (
-        "marker", "input_norm", "post_norm", "q", "k", "v", "o", "q_norm", "k_norm",
+        "marker", "input_norm", "post_norm", "qkv", "o", "q_norm", "k_norm",
         "moe", "mlp", "shared", "shared_gate",
     )  # fmt: skip
 
@@ -199,9 +199,9 @@ class _Layer:
         self.marker = w.tensors.get(a + "q_proj.weight")  # replaced when the layer is re-read
         self.input_norm = w.vector(p + "input_layernorm.weight")  # [H]
         self.post_norm = w.vector(p + "post_attention_layernorm.weight")  # [H]
-        self.q, self.k, self.v, self.o = (
-            w.linear(a + n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")
-        )
+        # q, k and v take the same input: one kernel call for the three
+        self.qkv = LinearGroup([w.linear(a + n) for n in ("q_proj", "k_proj", "v_proj")])
+        self.o = w.linear(a + "o_proj")
         none = np.zeros(0, np.float32)
         self.q_norm = w.vector(a + "q_norm.weight") if c.qk_norm != "none" else none  # [D|Hq*D]
         self.k_norm = w.vector(a + "k_norm.weight") if c.qk_norm != "none" else none
@@ -295,7 +295,7 @@ class Transformer:
         """h [N, H] (sequence s in rows bounds[s]:bounds[s + 1]; rope: cos, sin [N, D/2] at
         each row's position) -> the attention block's output [N, H]; appends each
         sequence's k, v to its cache."""
-        q, k, v = ly.q(h), ly.k(h), ly.v(h)  # [N, Hq*D], [N, Hkv*D], [N, Hkv*D]
+        q, k, v = ly.qkv(h)  # [N, Hq*D], [N, Hkv*D], [N, Hkv*D]
         out = np.empty_like(q)  # [N, Hq*D]
         cos, sin = rope
         args = (ly.q_norm, ly.k_norm, self._qk_norm, self.config.rms_norm_eps, self._clip)

@@ -31,7 +31,28 @@ class Linear:
         return y.astype(np.float32, copy=False)
 
 
+class LinearGroup:
+    """Linear layers that take the same input (a layer's q, k and v projections) in one kernel
+    call when they share a format and width (`quant.PackedGroup`), else one call each; the
+    outputs have the bits each layer gives alone."""
+
+    def __init__(self, layers: list[Linear]):
+        self.layers = layers
+        same = len({(ly.fmt, ly.cols) for ly in layers}) == 1
+        self.packed = quant.PackedGroup([ly.packed for ly in layers]) if same else None
+
+    def __call__(self, x: np.ndarray) -> list[np.ndarray]:
+        if self.packed is None:  # (untimed: a profile clocks this whole call)
+            return [_UNTIMED_CALL(ly, x) for ly in self.layers]
+        outs = self.packed(x)  # [T, rows_m] each
+        return [
+            y if ly.bias is None else (y + ly.bias).astype(np.float32, copy=False)
+            for y, ly in zip(outs, self.layers, strict=True)
+        ]
+
+
 _UNTIMED_CALL = Linear.__call__
+_UNTIMED_GROUP_CALL = LinearGroup.__call__
 
 
 def time_linear(clock: Callable[[int], None] | None) -> None:
@@ -40,6 +61,7 @@ def time_linear(clock: Callable[[int], None] | None) -> None:
     Linear.__call__), so an untimed generation pays nothing for it."""
     if clock is None:
         Linear.__call__ = _UNTIMED_CALL
+        LinearGroup.__call__ = _UNTIMED_GROUP_CALL
         return
 
     def timed_call(self: Linear, x: np.ndarray) -> np.ndarray:
@@ -49,7 +71,15 @@ def time_linear(clock: Callable[[int], None] | None) -> None:
         finally:
             clock(time.perf_counter_ns() - t0)
 
+    def timed_group_call(self: LinearGroup, x: np.ndarray) -> list[np.ndarray]:
+        t0 = time.perf_counter_ns()
+        try:
+            return _UNTIMED_GROUP_CALL(self, x)
+        finally:
+            clock(time.perf_counter_ns() - t0)
+
     Linear.__call__ = timed_call
+    LinearGroup.__call__ = timed_group_call
 
 
 class Trunk:

@@ -58,14 +58,32 @@ def align_up(n: int, alignment: int = BLOCK) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
-def aligned_buffer(nbytes: int) -> np.ndarray:
+HUGE_PAGE = 2 << 20
+
+
+def aligned_buffer(nbytes: int, huge: bool = False) -> np.ndarray:
     """A page-aligned, zero-filled uint8 [nbytes] array backed by an anonymous mmap.
 
     Anonymous mmaps are page-aligned by construction; the pages are committed on first touch.
+    huge: weights the kernels stream (an in-RAM model's experts and trunk): the array starts
+    on a 2 MiB boundary and the mapping asks for transparent huge pages (MADV_HUGEPAGE: the
+    kernel's default "madvise" mode gives them only where asked).  Measured on a 2-vCPU Xeon
+    VM, two threads summing 2 MiB pieces of 960 MiB from DRAM: 12.6 GB/s on 4 KiB pages, 22.1
+    on huge ones (a TLB miss is a two-level page walk in a VM).  Where the kernel has no THP
+    the advice is ignored and the buffer is as without it.
     """
     nbytes = max(align_up(nbytes), BLOCK)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return np.frombuffer(buf, dtype=np.uint8)
+    if not huge or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return np.frombuffer(buf, dtype=np.uint8)
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel without THP: plain pages
+        pass
+    whole = np.frombuffer(buf, dtype=np.uint8)
+    skip = -whole.ctypes.data % HUGE_PAGE
+    return whole[skip : skip + nbytes]
 
 
 def open_direct(path: str | Path) -> tuple[int, bool]:
