@@ -157,8 +157,28 @@ def elementary_all() -> dict[str, np.ndarray]:
     return results
 
 
+def float_products_all() -> dict[str, np.ndarray]:
+    """`quant.matmul` and `quant.PackedGroup` of f32 and bf16 rows (sixteen AVX-512 lanes
+    where numba compiles for AVX-512, two sets of eight elsewhere), widths with and without a
+    tail past the last 16 columns, batches from 1 to 17 (17: the narrow rows' four-row pass)."""
+    results = {}
+    for fmt in ("f32", "bf16"):
+        for rows, cols in [(5, 96), (13, 2083), (36, 512)]:
+            rng = np.random.default_rng(rows + cols)
+            w = rng.standard_normal((rows, cols)).astype(np.float32)  # [rows, cols]
+            data = quant.pack(w, fmt)
+            for b in (1, 2, 17):
+                x = rng.standard_normal((b, cols)).astype(np.float32)  # [b, cols]
+                results[f"matmul {fmt} {rows}x{cols} b{b}"] = quant.matmul(data, fmt, rows, cols, x)
+            mats = [quant.PackedMatrix(data, fmt, rows, cols)] * 2
+            x = rng.standard_normal((3, cols)).astype(np.float32)  # [3, cols]
+            for i, y in enumerate(quant.PackedGroup(mats)(x)):
+                results[f"group {fmt} {rows}x{cols} part {i}"] = y
+    return results
+
+
 def all_outputs() -> dict[str, np.ndarray]:
-    return int_rows_all() | expert_all() | elementary_all()
+    return int_rows_all() | float_products_all() | expert_all() | elementary_all()
 
 
 FMA = re.compile(r"\bv?f(n?m(add|sub)|maddsub|msubadd)\w*", re.IGNORECASE)

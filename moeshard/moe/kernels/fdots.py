@@ -25,8 +25,9 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, models, register_model
 
+from moeshard.moe.kernels.build import cpu_level
 from moeshard.moe.kernels.dots import F32X8, FMT_BF16, LANES, _vsum, _vzero
 
 _V8F = ir.VectorType(ir.FloatType(), LANES)
@@ -217,6 +218,155 @@ def _widen(bits):
     return np.uint32(np.uint32(bits) << 16).view(np.float32)
 
 
+# ---------------------------------------------------------------------------------------------
+# bf16 rows in sixteen lanes at once (AVX-512): the same sums, arranged otherwise
+#
+# Sixteen bf16 values widened in order fill the lanes m = 0..15 with columns 16i + m.  The
+# module doc's lane l of set s takes the columns 16i + 2l + s: that is lane m = 2l + s here,
+# the same sixteen accumulators in another arrangement, each summing its columns in the same
+# order.  So step 2 pairs lane 2l with 2l + 1 (set 0's lane l with set 1's) and the rest is
+# unchanged: the same bits as the eight-lane form, with one FMA per sixteen columns instead of
+# two, and x read as it is (no even/odd reordering).  Used where numba compiles for AVX-512.
+WIDE_BF16 = cpu_level() == "avx512"
+
+_V16F = ir.VectorType(ir.FloatType(), 16)
+_V16I16 = ir.VectorType(ir.IntType(16), 16)
+_V16I32 = ir.VectorType(ir.IntType(32), 16)
+
+
+class _F32x16(types.Type):
+    """Sixteen float32 lanes, one LLVM ``<16 x float>`` value (a zmm register on AVX-512)."""
+
+    def __init__(self):
+        super().__init__(name="F32x16")
+
+
+F32X16 = _F32x16()
+
+
+@register_model(_F32x16)
+class _F32x16Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _V16F)
+
+
+@intrinsic
+def _zzero(typingctx):
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_V16F, [0.0] * 16)
+
+    return F32X16(), codegen
+
+
+@intrinsic
+def _zload(typingctx, ary, r, j):
+    """ary[r, j : j + 16] of a float32 matrix."""
+    if not _matrix_at(ary, r, j, types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_lanes_at(context, builder, sig, args, _V16F), align=4)
+
+    return F32X16(ary, r, j), codegen
+
+
+@intrinsic
+def _zload_bf16(typingctx, ary, r, j):
+    """Row r of a bfloat16 matrix (uint16 [R, cols]), elements j .. j + 15 in order, as
+    sixteen exact float32 values (zero-extended, shifted into the high half)."""
+    if not _matrix_at(ary, r, j, types.uint16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        halves = builder.load(_lanes_at(context, builder, sig, args, _V16I16), align=2)
+        wide = builder.shl(builder.zext(halves, _V16I32), ir.Constant(_V16I32, [16] * 16))
+        return builder.bitcast(wide, _V16F)
+
+    return F32X16(ary, r, j), codegen
+
+
+@intrinsic
+def _zfma(typingctx, a, b, c):
+    """a * b + c lane by lane with one rounding (`llvm.fma.v16f32`)."""
+    if not (a == b == c == F32X16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32"
+        )
+        return builder.call(fn, args)
+
+    return F32X16(a, b, c), codegen
+
+
+@intrinsic
+def _zpairs(typingctx, a):
+    """v_l = a_(2l) + a_(2l+1): set 0's lane l plus set 1's (step 2's first addition)."""
+    if a != F32X16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        idx = ir.VectorType(ir.IntType(32), LANES)
+        even = builder.shuffle_vector(args[0], args[0], ir.Constant(idx, list(range(0, 16, 2))))
+        odd = builder.shuffle_vector(args[0], args[0], ir.Constant(idx, list(range(1, 16, 2))))
+        return builder.fadd(even, odd)
+
+    return F32X8(a), codegen
+
+
+@njit(cache=True, nogil=True)
+def _bf16_dot4_wide(w, rows, x, u):
+    """`_bf16_dot4` in sixteen lanes (see WIDE_BF16): the same bits, x read in order."""
+    cols = x.shape[1]
+    r0, r1, r2, r3 = rows
+    a0 = a1 = a2 = a3 = _zzero()
+    c16 = cols - cols % 16
+    for j in range(0, c16, 16):
+        xj = _zload(x, u, j)
+        a0 = _zfma(_zload_bf16(w, r0, j), xj, a0)
+        a1 = _zfma(_zload_bf16(w, r1, j), xj, a1)
+        a2 = _zfma(_zload_bf16(w, r2, j), xj, a2)
+        a3 = _zfma(_zload_bf16(w, r3, j), xj, a3)
+    y0, y1 = _vsum(_zpairs(a0)), _vsum(_zpairs(a1))
+    y2, y3 = _vsum(_zpairs(a2)), _vsum(_zpairs(a3))
+    for c in range(c16, cols):
+        xc = x[u, c]
+        y0 = _fma(_widen(w[r0, c]), xc, y0)
+        y1 = _fma(_widen(w[r1, c]), xc, y1)
+        y2 = _fma(_widen(w[r2, c]), xc, y2)
+        y3 = _fma(_widen(w[r3, c]), xc, y3)
+    return y0, y1, y2, y3
+
+
+@njit(cache=True, nogil=True)
+def _bf16_dot4x2_wide(w, rows, x, u):
+    """`_bf16_dot4_wide` for activation rows u and u + 1 at once: each weight load widened
+    once for the two (eight sums in flight), the same bits per (row, activation row)."""
+    cols = x.shape[1]
+    r0, r1, r2, r3 = rows
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _zzero()
+    c16 = cols - cols % 16
+    for j in range(0, c16, 16):
+        xa, xb = _zload(x, u, j), _zload(x, u + 1, j)
+        w0, w1 = _zload_bf16(w, r0, j), _zload_bf16(w, r1, j)
+        w2, w3 = _zload_bf16(w, r2, j), _zload_bf16(w, r3, j)
+        a0, b0 = _zfma(w0, xa, a0), _zfma(w0, xb, b0)
+        a1, b1 = _zfma(w1, xa, a1), _zfma(w1, xb, b1)
+        a2, b2 = _zfma(w2, xa, a2), _zfma(w2, xb, b2)
+        a3, b3 = _zfma(w3, xa, a3), _zfma(w3, xb, b3)
+    p0, p1, p2, p3 = _vsum(_zpairs(a0)), _vsum(_zpairs(a1)), _vsum(_zpairs(a2)), _vsum(_zpairs(a3))
+    q0, q1, q2, q3 = _vsum(_zpairs(b0)), _vsum(_zpairs(b1)), _vsum(_zpairs(b2)), _vsum(_zpairs(b3))
+    for c in range(c16, cols):
+        xca, xcb = x[u, c], x[u + 1, c]
+        w0c, w1c, w2c, w3c = _widen(w[r0, c]), _widen(w[r1, c]), _widen(w[r2, c]), _widen(w[r3, c])
+        p0, q0 = _fma(w0c, xca, p0), _fma(w0c, xcb, q0)
+        p1, q1 = _fma(w1c, xca, p1), _fma(w1c, xcb, q1)
+        p2, q2 = _fma(w2c, xca, p2), _fma(w2c, xcb, q2)
+        p3, q3 = _fma(w3c, xca, p3), _fma(w3c, xcb, q3)
+    return (p0, p1, p2, p3), (q0, q1, q2, q3)
+
+
 # Rows at most this wide take one weight row against four activation rows (`_bf16_rows_x4`):
 # the four rows of x stay in L1 and are read straight into the FMAs, the weight row is widened
 # once for the four. Measured on one thread at 16 activation rows (Zen 3, AVX2): 1.9x the
@@ -245,6 +395,17 @@ def float_rows(fmt, wq, x, xp, out, r0, r1):
     for r in range(r0, r1, 4):
         group = (r, min(r + 1, r1 - 1), min(r + 2, r1 - 1), min(r + 3, r1 - 1))
         n = min(4, r1 - r)
+        if fmt == FMT_BF16 and WIDE_BF16:
+            for u in range(first, b - 1, 2):
+                ya, yb = _bf16_dot4x2_wide(w16, group, x, u)
+                for i in range(n):
+                    out[u, r + i] = ya[i]
+                    out[u + 1, r + i] = yb[i]
+            if (b - first) & 1:
+                y = _bf16_dot4_wide(w16, group, x, b - 1)
+                for i in range(n):
+                    out[b - 1, r + i] = y[i]
+            continue
         for u in range(first, b):
             if fmt == FMT_BF16:
                 y = _bf16_dot4(w16, group, x, xp, u)

@@ -504,6 +504,22 @@ def _group_x2(fmt, wq, ws, g, xq, xd, xc, u, nb):
 
 
 @njit(cache=True, nogil=True)
+def _group_x4(fmt, wq, ws, g, xq, xd, xc, u, nb):
+    """`_group_x1` for activation rows u .. u + 3: each weight block is loaded and unpacked
+    once for the four (a prefill's experts see a handful of rows each)."""
+    a = b = c = d = _vzero()
+    us = (u, u + 1, u + 2, u + 3)
+    for k in range(nb):
+        if fmt == FMT_Q4_0:
+            a, b, c, d = _q4_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_MXFP4:
+            a, b, c, d = _mx_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
+        else:
+            a, b, c, d = _q8_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
+    return a, b, c, d
+
+
+@njit(cache=True, nogil=True)
 def _put(out, u, r, r1, lanes, v):
     """out[u, r : min(r + 8, r1)] = the first lanes of v (lanes: an 8-float scratch)."""
     if r + LANES <= r1:
@@ -520,14 +536,22 @@ def int_rows(fmt, wq, ws, xq, xd, xc, out, r0, r1):
     multiple of 8 (a row group).
 
     One row group at a time: its bytes (nb * 128 or 256) are read from memory once and then
-    stay in L1/L2 while every activation row, two at a time, is multiplied with them.  The
+    stay in L1/L2 while every activation row, four at a time (then two, then one), is
+    multiplied with them.  The
     padding rows of a last partial group are computed and dropped."""
     b, nb = xq.shape[0], xd.shape[1]
     mw, ms, mx, md, mc = _mat(wq), _mat(ws), _mat(xq), _mat(xd), _mat(xc)
     lanes = np.empty(LANES, dtype=np.float32)
     for g in range(r0 // ROW_GROUP, (r1 + ROW_GROUP - 1) // ROW_GROUP):
         r = ROW_GROUP * g
-        for u in range(0, b - 1, 2):
+        for u in range(0, b - 3, 4):
+            ya, yb, yc, yd = _group_x4(fmt, mw, ms, g, mx, md, mc, u, nb)
+            _put(out, u, r, r1, lanes, ya)
+            _put(out, u + 1, r, r1, lanes, yb)
+            _put(out, u + 2, r, r1, lanes, yc)
+            _put(out, u + 3, r, r1, lanes, yd)
+        if b & 2:
+            u = b - b % 4
             ya, yb = _group_x2(fmt, mw, ms, g, mx, md, mc, u, nb)
             _put(out, u, r, r1, lanes, ya)
             _put(out, u + 1, r, r1, lanes, yb)

@@ -356,17 +356,49 @@ def _clip(z, clip):
             z[r, j] = min(max(z[r, j], -c), c)
 
 
+@njit(cache=True, nogil=True, parallel=True)
+def attend_cache_parallel(q, kc, vc, start, scaling, window, out):
+    """`attend_cache` with its (query, head) pairs split across numba's threads (a prefill,
+    a long context): each pair gets the same `_attend_head`, so the same bits."""
+    t_n = q.shape[0]
+    n_kv, d, dv = kc.shape[1], kc.shape[2], vc.shape[2]
+    n_q = q.shape[1] // d
+    group = n_q // n_kv
+    scale = np.float32(scaling)
+    for it in prange(t_n * n_q):
+        i = np.int64(it)  # (prange counts in uint64)
+        t, h = i // n_q, i % n_q
+        pos = start + t
+        lo = max(0, pos - window + 1) if window > 0 else 0
+        scores = np.empty(pos + 1, dtype=np.float32)  # [S]: this pair's scratch
+        a0, kv, o0 = h * d, h // group, h * dv
+        if d == 64 and dv == 64:
+            _attend_head(q[t], a0, kc, vc, kv, lo, pos, scale, scores, out[t], o0, 64, 64)
+        elif d == 128 and dv == 128:
+            _attend_head(q[t], a0, kc, vc, kv, lo, pos, scale, scores, out[t], o0, 128, 128)
+        else:
+            _attend_head(q[t], a0, kc, vc, kv, lo, pos, scale, scores, out[t], o0, d, dv)
+
+
 @njit(cache=True, nogil=True)
 def gqa_attention(
     q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, kc, vc, start, scaling, window, out
 ):
     """Everything between a GQA layer's projections and its o_proj, for T new tokens.
 
-    q [T, Hq*D], k and v [T, Hkv*D] (modified in place): qk_norm QK_NORM_FULL normalises the
-    whole projections (q_norm [Hq*D], k_norm [Hkv*D]), then clip > 0 clamps q, k, v to
+    q [T, Hq*D], k and v [T, Hkv*D] (modified in place): `gqa_prepare`, then `attend_cache`
+    -> out [T, Hq*D]."""
+    gqa_prepare(q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, kc, vc, start)
+    attend_cache(q, kc, vc, start, scaling, window, out)
+
+
+@njit(cache=True, nogil=True)
+def gqa_prepare(q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, kc, vc, start):
+    """q [T, Hq*D], k and v [T, Hkv*D] (modified in place): qk_norm QK_NORM_FULL normalises
+    the whole projections (q_norm [Hq*D], k_norm [Hkv*D]), then clip > 0 clamps q, k, v to
     [-clip, clip], QK_NORM_HEAD normalises each head (q_norm, k_norm [D]); then RoPE
-    (non-interleaved, cos/sin [T, D/2]), k and v written to the cache kc, vc [S, Hkv, D] at
-    start..start+T-1, and `attend_cache` -> out [T, Hq*D]."""
+    (non-interleaved, cos/sin [T, D/2]), and k and v written to the cache kc, vc [S, Hkv, D]
+    at start..start+T-1."""
     n_kv, d = kc.shape[1], kc.shape[2]
     if qk_norm == QK_NORM_FULL:
         rms_norm_rows(q, q_norm, eps, q)  # q_norm [Hq*D]: whole rows
@@ -386,7 +418,6 @@ def gqa_attention(
             for j in range(d):
                 kc[start + t, h, j] = k[t, h * d + j]
                 vc[start + t, h, j] = v[t, h * d + j]
-    attend_cache(q, kc, vc, start, scaling, window, out)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -481,6 +512,8 @@ def warmup() -> float:
     gqa_attention(
         q, k, v, none, none, QK_NORM_NONE, 1e-6, 0.0, cos, sin, kc, vc, 0, 0.5, 0, np.empty_like(q)
     )
+    gqa_prepare(q, k, v, none, none, QK_NORM_NONE, 1e-6, 0.0, cos, sin, kc, vc, 0)
+    attend_cache_parallel(q, kc, vc, 0, 0.5, 0, np.empty_like(q))
     kcs, vcs = List([kc]), List([vc])
     starts, bounds = np.zeros(1, np.int64), np.array([0, t], np.int64)
     gqa_attention_many(

@@ -27,8 +27,10 @@ from moeshard.moe.model.config import RopeConfig, SwigluExperts, decoder_shapes,
 from moeshard.moe.model.decoder import prenorm_forward_batch
 from moeshard.moe.model.fused import (
     QK_NORM_CODES,
+    attend_cache_parallel,
     gqa_attention,
     gqa_attention_many,
+    gqa_prepare,
     route_softmax_topk,
 )
 from moeshard.moe.model.layers import Segments, rope_cos_sin, sigmoid, swiglu_mlp, uses_hints
@@ -300,11 +302,23 @@ class Transformer:
         cos, sin = rope
         args = (ly.q_norm, ly.k_norm, self._qk_norm, self.config.rms_norm_eps, self._clip)
         if len(caches) == 1:
-            cache = caches[0]
-            gqa_attention(
-                q, k, v, *args, cos, sin, cache.k[i], cache.v[i], cache.length, self.scaling,
-                self._window, out,
-            )  # fmt: skip
+            cache, n = caches[0], q.shape[0]
+            # the new rows' query heads against the keys and values so far (a prefill, a long
+            # context) split across the threads when that pays
+            work = n * (cache.length + n) * q.shape[1] * 2
+            if work < quant.PARALLEL_MIN_WORK:
+                gqa_attention(
+                    q, k, v, *args, cos, sin, cache.k[i], cache.v[i], cache.length,
+                    self.scaling, self._window, out,
+                )  # fmt: skip
+            else:
+                kc, vc = cache.k[i], cache.v[i]
+                gqa_prepare(q, k, v, *args, cos, sin, kc, vc, cache.length)
+                heads = q.shape[1] // kc.shape[2]
+                quant.run_parallel(
+                    attend_cache_parallel, n * heads, work,
+                    q, kc, vc, cache.length, self.scaling, self._window, out,
+                )  # fmt: skip
         else:
             kcs, vcs = self._cache_lists(i, caches)
             starts = np.array([c.length for c in caches], dtype=np.int64)  # [B]
