@@ -391,7 +391,9 @@ def run(args) -> int:
         suites.append(Kernels(llama, cfg.kernel_samples))
         header.append(
             f"kernels: test-backend-ops perf MUL_MAT m={MATRIX[0]} k={MATRIX[1]} n=1,4 "
-            f"(its own {suites[-1].threads} thread(s)); moeshard quant.matmul, same threads"
+            f"(its own {suites[-1].threads} thread(s)): llama.cpp's generic ggml path, not "
+            f"the repacked Q4_0x8 rows its model runs use (judge by the model rows); moeshard "
+            f"quant.matmul, same threads"
         )
     if "bandwidth" in cfg.parts:
         work.step("bandwidth: filling pools of twice the last-level cache")

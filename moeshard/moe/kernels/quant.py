@@ -148,6 +148,9 @@ def threads() -> int:
 # passive, 131 with spinning at the old threshold's 1/4, 148 at 1/64; the embedded demo
 # model 1149 -> 1190.  Smaller work items than this still run on the calling thread.
 SPINNING_MIN_WEIGHTS = 1 << 13
+# and `run_parallel` (attention) from this many multiply-adds: a decode step's attention over
+# 32+ positions of the big model's 8 heads of 128 (42 us a layer on one thread at 64)
+SPINNING_MIN_WORK = 1 << 16
 
 _wait = {"spinning": False}
 
@@ -162,7 +165,7 @@ def spin_while_waiting(spin_s: float = 300e-6) -> bool:
     once) and not over an explicit OMP_WAIT_POLICY=... or GOMP_SPINCOUNT=... of the user's;
     returns whether it took effect.  The count is `spin_s` over this CPU's measured `pause`
     (libgomp spins by repeating it), so the time, not the count, is the same everywhere."""
-    global PARALLEL_MIN_WEIGHTS
+    global PARALLEL_MIN_WEIGHTS, PARALLEL_MIN_WORK
     if not dots.OMP_WAIT_POLICY_DEFAULTED or "GOMP_SPINCOUNT" in os.environ:
         return False
     try:
@@ -172,7 +175,7 @@ def spin_while_waiting(spin_s: float = 300e-6) -> bool:
         pass
     count = int(min(max(spin_s / dots.pause_seconds(), 1000), 3_000_000))
     os.environ["GOMP_SPINCOUNT"] = str(count)
-    PARALLEL_MIN_WEIGHTS = SPINNING_MIN_WEIGHTS
+    PARALLEL_MIN_WEIGHTS, PARALLEL_MIN_WORK = SPINNING_MIN_WEIGHTS, SPINNING_MIN_WORK
     _wait["spinning"] = True
     return True
 
