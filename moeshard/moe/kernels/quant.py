@@ -439,6 +439,7 @@ def warmup() -> float:
     one call per entry point covers every format and batch size.
     """
     t0 = time.perf_counter()
+    dots.pause_seconds()  # (`spin_while_waiting` times the CPU's pause with a kernel too)
     hidden, inter = 64, 96
     nbytes, layout = _expert_layout("q4_0", hidden, inter)
     rec = _readonly(np.zeros(nbytes, dtype=np.uint8))
