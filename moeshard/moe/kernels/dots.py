@@ -48,6 +48,7 @@ Notes for whoever edits these loops (here and in `moeshard.moe.kernels.tiles`):
   and ``*.nbc`` after such an edit.
 """
 
+import functools
 import os
 
 import numpy as np
@@ -134,33 +135,6 @@ def _lanes_ptr(context, builder, sig, args, lane_type):
     ary = context.make_array(sig.args[0])(context, builder, args[0])
     idx = context.cast(builder, args[1], sig.args[1], types.intp)
     return builder.bitcast(builder.gep(ary.data, [idx]), lane_type.as_pointer())
-
-
-@intrinsic
-def prefetch(typingctx, ary, i):
-    """Ask the CPU to bring element i of a C-contiguous array (any rank: i indexes its flat
-    data, and may point past its end: a prefetch never faults) into cache ahead of its use
-    (`llvm.prefetch`, read, keep in all levels).  It changes no result: it only lets a
-    kernel reading rows from DRAM keep more loads in flight than the hardware prefetcher
-    starts by itself on rows of a few KB."""
-    if not (isinstance(ary, types.Array) and ary.layout == "C" and isinstance(i, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        a = context.make_array(sig.args[0])(context, builder, args[0])
-        idx = context.cast(builder, args[1], sig.args[1], types.intp)
-        i8p = ir.IntType(8).as_pointer()
-        ptr = builder.bitcast(builder.gep(a.data, [idx]), i8p)
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(
-            builder.module,
-            ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-            "llvm.prefetch.p0",
-        )
-        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-
-    return types.none(ary, i), codegen
 
 
 @intrinsic
@@ -324,6 +298,7 @@ def _pauses(n):
         _pause()
 
 
+@functools.cache
 def pause_seconds() -> float:
     """Seconds one `pause` takes on this CPU (median of 5 runs of 20,000): 10 to 140 cycles
     depending on the core, so a spin count means a different time on every machine."""

@@ -180,6 +180,14 @@ def _group_out(out, rows, m, b):
 
 
 @njit(cache=True, nogil=True)
+def _group_rows(rows):
+    total = 0
+    for m in range(len(rows)):
+        total += rows[m]
+    return total
+
+
+@njit(cache=True, nogil=True)
 def _group_items(rows):
     total = 0
     for m in range(len(rows)):
@@ -198,10 +206,7 @@ def matmul_group_kernel(fmt, int8, datas, rows, cols, row_bytes, scale_offs, lut
     pool's wake-up with a big one instead of paying their own.  Every row's bits are those of
     `matmul_kernel` on its own matrix (the same `_rows` on the same activations)."""
     b = x.shape[0]
-    total = 0
-    for m in range(len(rows)):
-        total += rows[m]
-    out = np.empty(b * total, dtype=np.float32)  # [b * sum(rows)]
+    out = np.empty(b * _group_rows(rows), dtype=np.float32)  # [b * sum(rows)]
     act = _activations(fmt, int8, x)
     for it in prange(_group_items(rows)):
         m, r0, r1 = _group_item(rows, np.int64(it))  # (prange counts in uint64)
@@ -214,10 +219,7 @@ def matmul_group_kernel(fmt, int8, datas, rows, cols, row_bytes, scale_offs, lut
 def matmul_group_serial_kernel(fmt, int8, datas, rows, cols, row_bytes, scale_offs, lut, x):
     """`matmul_group_kernel` on the calling thread (the same bits)."""
     b = x.shape[0]
-    total = 0
-    for m in range(len(rows)):
-        total += rows[m]
-    out = np.empty(b * total, dtype=np.float32)  # [b * sum(rows)]
+    out = np.empty(b * _group_rows(rows), dtype=np.float32)  # [b * sum(rows)]
     act = _activations(fmt, int8, x)
     for m in range(len(rows)):
         wq, ws = _matrix_views(fmt, datas[m], rows[m], cols, row_bytes[m], scale_offs[m])
