@@ -186,7 +186,7 @@ def test_three_nodes_and_a_ram_budget_give_the_same_tokens(k3, tmp_path):
             if budget == minimum:  # the trunk's layers came through the ring
                 assert rt.transformer.trunk.streamed and rt.transformer.trunk.bytes_read > 0
         finally:
-            rt.experts.close()
+            rt.close()
         assert streamed.tokens == local.tokens
         assert all(np.array_equal(a, b) for a, b in zip(streamed.logits, local.logits, strict=True))
 

@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 POLL_S = 0.1  # how often a browse looks at what it has heard (it also wakes on new records)
 PIN_TIMEOUT_S = 1.0  # one pin check's TCP connect and TLS handshake
 PIN_WORKERS = 8  # pin checks in flight at once
+PIN_RETRY_S = 0.5  # a failed pin check is tried again after this, doubled per failure...
+PIN_RETRY_MAX_S = 30.0  # ...up to this
 MAX_CHECKS = 4 * MAX_NAMES * MAX_PER_NAME  # (id, address) pin results remembered
 WATCH_S = 0.5  # a watcher's look at pin checks under way
 WATCH_RESOLVE_S = 3.0  # how long a watcher queries a new name's records
@@ -69,38 +71,77 @@ def _pin_ok(tls: TLSMaterial, node_id: str, ip: str, port: int, timeout: float) 
         return False
 
 
+@dataclass
+class PinCheck:
+    """One (id, address) pin check: the one under way or done, and when a failed one may be
+    tried again."""
+
+    future: Future
+    failures: int = 0  # checks of this address that failed before this one
+    done_at: float | None = None  # when this one was seen to fail
+
+    def retry_due(self, now: float) -> bool:
+        """A failed check is tried again after PIN_RETRY_S, doubled per failure (to
+        PIN_RETRY_MAX_S): a node's first handshake can time out on a loaded box, or the node
+        may not listen yet, and a watcher that never asked again would never admit it."""
+        if self.done_at is None:
+            return False
+        return now - self.done_at >= min(PIN_RETRY_S * 2**self.failures, PIN_RETRY_MAX_S)
+
+
 class Pins:
     """Which of a node id's announced addresses hold its key. Each (id, address) is checked
-    once, all in parallel (a bounded pool), so a replayed announcement pointing elsewhere
-    costs one refused handshake and cannot hide the node. Without `tls` (plaintext) nothing
-    can be checked: the best-ranked address is taken as it is."""
+    in parallel (a bounded pool), a failed one again later with back-off, so a replayed
+    announcement pointing elsewhere costs a refused handshake now and then and cannot hide
+    the node. Without `tls` (plaintext) nothing can be checked: the best-ranked address is
+    taken as it is."""
 
     def __init__(self, tls: TLSMaterial | None, timeout: float = PIN_TIMEOUT_S):
         self.tls, self.timeout = tls, timeout
         self.pool = ThreadPoolExecutor(PIN_WORKERS, thread_name_prefix="pin-check")
-        self.checks: OrderedDict[tuple[str, str, int], Future] = OrderedDict()
+        self.checks: OrderedDict[tuple[str, str, int], PinCheck] = OrderedDict()
+        self.in_flight: set[Future] = set()
 
     def address(self, node: NodeRecords) -> tuple[str, int] | None:
         """The first of `node`'s addresses (in their order) that passed; starts the checks
-        of those not yet checked; None while none has passed."""
+        of those not yet checked (or due again); None while none has passed."""
         if self.tls is None:
             return node.endpoints[0] if node.endpoints else None
+        now = time.monotonic()
         for ip, port in node.endpoints:
             key = (node.node_id, ip, port)
-            if key not in self.checks:
-                self.checks[key] = self.pool.submit(
-                    _pin_ok, self.tls, node.node_id, ip, port, self.timeout
-                )
+            check = self.checks.get(key)
+            if check is not None and check.future.done() and not check.future.result():
+                if check.done_at is None:
+                    check.done_at = now
+                if not check.retry_due(now) or self.busy():
+                    continue  # (a retry waits for a free worker: first checks go first)
+                check = PinCheck(self._submit(key), check.failures + 1)
+                self.checks[key] = check
+            elif check is None:
+                self.checks[key] = PinCheck(self._submit(key))
                 while len(self.checks) > MAX_CHECKS:
                     self.checks.popitem(last=False)
         for ip, port in node.endpoints:
             check = self.checks.get((node.node_id, ip, port))
-            if check is not None and check.done() and check.result():
+            if check is not None and check.future.done() and check.future.result():
                 return ip, port
         return None
 
+    def _submit(self, key: tuple[str, str, int]) -> Future:
+        node_id, ip, port = key
+        future = self.pool.submit(_pin_ok, self.tls, node_id, ip, port, self.timeout)
+        self.in_flight.add(future)
+        return future
+
+    def busy(self) -> bool:
+        """Every worker has a check (so retries, which could otherwise queue without bound
+        when many announced addresses never answer, wait)."""
+        self.in_flight = {f for f in self.in_flight if not f.done()}
+        return len(self.in_flight) >= PIN_WORKERS
+
     def pending(self) -> bool:
-        return any(not c.done() for c in self.checks.values())
+        return any(not c.future.done() for c in self.checks.values())
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -42,6 +42,8 @@ MAX_EVICTED = 16 * MAX_NAMES  # silent names evicted, remembered (keys only) to 
 MAX_WARNINGS = 1024  # (name, kind) pairs remembered so each warning is logged once
 RECHECK_S = 30.0  # a cached announcement check is redone after this (expiry moves on)
 FIRST_ASK_S = 0.25  # the wait after a name's first query; doubled after each unanswered one
+ASK_ROUND_S = 0.05  # the asker sends one batch of questions at most this often...
+ASK_PER_ROUND = 32  # ...for at most this many names (so a flood of names cannot make us flood)
 
 
 def parse_txt(payload: bytes) -> dict[str, str]:
@@ -106,11 +108,25 @@ class NodeRecords:
     endpoints: list[tuple[str, int]]  # (ip, port) to try, in order
 
 
+@dataclass
+class Asking:
+    """A tracked name whose records are being asked for (zeroconf's loop clock)."""
+
+    name: str
+    deadline: float  # asked no more after this
+    next_ask: float = 0.0  # asked next at this time (0: at once)
+    wait: float = FIRST_ASK_S  # the wait after the next question (doubled after each)
+    asked: bool = False  # asked at least once
+    seeded: bool = False  # zeroconf's cached records of it were taken (once)
+
+
 class Records(RecordUpdateListener):
     """Listens to every record zeroconf receives; keeps those of tracked instance names.
 
-    `track(name)` starts following a name (the browser saw it) and asks the network for its
-    records at once, all names in parallel on zeroconf's event loop. Thread-safe.
+    `track(name)` starts following a name (the browser saw it); one asker on zeroconf's event
+    loop then asks the network for the records of every name being followed, batched into few
+    packets, at most ASK_PER_ROUND names every ASK_ROUND_S (names whose SRV was heard with
+    their PTR first), so a flood of names is answered by a bounded trickle. Thread-safe.
     """
 
     def __init__(self, zc: Zeroconf):
@@ -124,17 +140,14 @@ class Records(RecordUpdateListener):
         self.evicted: OrderedDict[str, str] = OrderedDict()  # silent names let go: key -> name
         self.changed = threading.Event()  # set on every new record of a tracked name
         self._checks: OrderedDict[bytes, tuple[dict, str, float]] = OrderedDict()
-        self.asking: set = set()  # the queries under way (futures on zeroconf's loop)
+        self.asking: OrderedDict[str, Asking] = OrderedDict()  # name key -> its asking
         self.resolve_s = 1.0  # the last `track`'s: how long a name taken back is asked for
+        self._wake = asyncio.Event()  # (created here: a 3.10+ Event binds its loop on use)
+        self._asker = asyncio.run_coroutine_threadsafe(self._ask_loop(), zc.loop)
         zc.add_listener(self, None)
 
     def close(self) -> None:
-        with self.lock:
-            for asking in self.asking:
-                if isinstance(asking, asyncio.Task):  # started on the loop by a take-back
-                    self.zc.loop.call_soon_threadsafe(asking.cancel)
-                else:
-                    asking.cancel()
+        self._asker.cancel()
         self.zc.remove_listener(self)
 
     # -- following names ---------------------------------------------------------------------
@@ -153,10 +166,13 @@ class Records(RecordUpdateListener):
                 return False
             self.names[key] = NameRecords(time.monotonic(), promised)
             self.display[key] = name
-        asking = asyncio.run_coroutine_threadsafe(self._ask(name, resolve_s), self.zc.loop)
-        with self.lock:
-            self.asking = {f for f in self.asking if not f.done()} | {asking}
+            self._start_asking(key, name, resolve_s)
+        self.zc.loop.call_soon_threadsafe(self._wake.set)
         return True
+
+    def _start_asking(self, key: str, name: str, resolve_s: float) -> None:
+        """Queue `name` for the asker (lock held)."""
+        self.asking[key] = Asking(name, self.zc.loop.time() + resolve_s)
 
     def _make_room(self) -> bool:
         """Room for one more name (lock held): if the table is full, the oldest name that has
@@ -171,6 +187,7 @@ class Records(RecordUpdateListener):
             return False
         self.evicted[silent] = self.display.pop(silent)
         del self.names[silent]
+        self.asking.pop(silent, None)
         while len(self.evicted) > MAX_EVICTED:
             self.evicted.popitem(last=False)
         return True
@@ -196,33 +213,61 @@ class Records(RecordUpdateListener):
         except RuntimeError:  # (the cache changed under the read: as if not heard)
             return False
 
-    async def _ask(self, name: str, resolve_s: float) -> None:
-        """Take what zeroconf's cache already holds for `name`, then query the network for
-        its SRV and TXT records (and the addresses of the hosts they name) at least once,
-        whatever the cache says (it may hold only the records that flushed the others), again
-        after 0.25, 0.5, 1 s... until the name has answered or `resolve_s` has passed. Every
-        responder answers a multicast query, so one query hears the node and an impostor."""
+    async def _ask_loop(self) -> None:
+        """The asker: rounds at least ASK_ROUND_S apart, each when a name is due or new."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + resolve_s
-        key, wait = name.lower(), FIRST_ASK_S
-        self._seed([key])
         while True:
-            out = DNSOutgoing(_FLAGS_QR_QUERY)
-            out.add_question(DNSQuestion(name, _TYPE_SRV, _CLASS_IN))
-            out.add_question(DNSQuestion(name, _TYPE_TXT, _CLASS_IN))
-            with self.lock:
+            next_due = self._ask_round(loop.time())
+            wait = None if next_due is None else max(next_due - loop.time(), 0.0)
+            try:
+                await asyncio.wait_for(self._wake.wait(), wait)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            await asyncio.sleep(ASK_ROUND_S)
+
+    def _ask_round(self, now: float) -> float | None:
+        """One round (event loop only): take what zeroconf's cache already holds for every
+        name new to the asker, then query the network for the SRV and TXT records (and the
+        addresses of the hosts they name) of up to ASK_PER_ROUND names that are due, those
+        whose SRV came with their PTR first, in one message (zeroconf splits it into
+        packets). A name is asked at least once, whatever the cache says (it may hold only
+        the records that flushed the others), then again after 0.25, 0.5, 1 s... until it
+        has answered or its time is up. Every responder answers a multicast query, so one
+        query hears the node and an impostor. Returns when the next name is due (None: no
+        name is being asked for)."""
+        with self.lock:
+            fresh = [k for k, a in self.asking.items() if not a.seeded]
+            for key in fresh:
+                self.asking[key].seeded = True
+        if fresh:
+            self._seed(fresh)
+        with self.lock:
+            due = [(k, a) for k, a in self.asking.items() if a.next_ask <= now]
+            due.sort(key=lambda item: not (item[0] in self.names and self.names[item[0]].promised))
+            due = due[:ASK_PER_ROUND]
+        out = DNSOutgoing(_FLAGS_QR_QUERY)
+        questions = 0
+        with self.lock:
+            for key, asking in due:
                 entry = self.names.get(key)
                 hosts = [h for _, h in entry.srvs if h not in self.hosts] if entry else []
-            for host in hosts:
-                out.add_question(DNSQuestion(host, _TYPE_A, _CLASS_IN))
+                finished = entry is None or (entry.answered and not hosts)
+                if asking.asked and (finished or now >= asking.deadline):
+                    self.asking.pop(key, None)
+                    continue
+                out.add_question(DNSQuestion(asking.name, _TYPE_SRV, _CLASS_IN))
+                out.add_question(DNSQuestion(asking.name, _TYPE_TXT, _CLASS_IN))
+                for host in hosts:
+                    out.add_question(DNSQuestion(host, _TYPE_A, _CLASS_IN))
+                questions += 1
+                asking.asked = True
+                asking.next_ask = now + min(asking.wait, max(asking.deadline - now, 0.0))
+                asking.wait *= 2
+            next_due = min((a.next_ask for a in self.asking.values()), default=None)
+        if questions:
             self.zc.async_send(out)
-            await asyncio.sleep(max(min(wait, deadline - loop.time()), 0.0))
-            with self.lock:
-                entry = self.names.get(key)
-                done = entry is None or (entry.answered and all(h in self.hosts for h in hosts))
-            if done or loop.time() >= deadline:
-                return
-            wait *= 2
+        return next_due
 
     def _seed(self, keys: list[str]) -> None:
         """Feed zeroconf's cached records of `keys` (and of the hosts their SRVs name) to
@@ -235,6 +280,7 @@ class Records(RecordUpdateListener):
 
     def forget(self, name: str) -> None:
         with self.lock:
+            self.asking.pop(name.lower(), None)
             self.evicted.pop(name.lower(), None)
             self.names.pop(name.lower(), None)
             self.display.pop(name.lower(), None)
@@ -282,10 +328,11 @@ class Records(RecordUpdateListener):
                     addrs.append(ip)
                     new = True
                 self.hosts.move_to_end(r.key)
-        for name in taken_back:  # its other records and its host's address, if not heard yet
-            task = asyncio.ensure_future(self._ask(name, self.resolve_s))
+        if taken_back:  # its other records and its host's address, if not heard yet
             with self.lock:
-                self.asking = {f for f in self.asking if not f.done()} | {task}
+                for name in taken_back:
+                    self._start_asking(name.lower(), name, self.resolve_s)
+            self._wake.set()
         if new:
             self.changed.set()
 
