@@ -212,6 +212,8 @@ def run_parallel(kernel, items: int, work: int, *args):
 
 
 _pool = {"lock": threading.Lock(), "shared": None}  # shared: may threads launch at once?
+_set = threading.local()  # .n: the thread count this thread last gave numba (numba's own
+# getter costs 0.6 us, an eighth of a small product's whole call)
 
 
 def _launch(kernel, want: int, args):
@@ -220,12 +222,14 @@ def _launch(kernel, want: int, args):
     threads; audits run beside the decode loop): its results came back wrong in a
     container without libgomp. There, launches take turns; OpenMP and TBB need no lock."""
     if _pool["shared"]:
-        if numba.get_num_threads() != want:
+        if getattr(_set, "n", 0) != want:
             numba.set_num_threads(want)
+            _set.n = want
         return kernel(*args)
     with _pool["lock"]:
-        if numba.get_num_threads() != want:
+        if getattr(_set, "n", 0) != want:
             numba.set_num_threads(want)
+            _set.n = want
         out = kernel(*args)
         if _pool["shared"] is None:  # known once a kernel has launched
             _pool["shared"] = numba.threading_layer() != "workqueue"
@@ -432,6 +436,46 @@ def experts_ffn_b1_sum(
     )
 
 
+_calibrated = {"done": False, "from_work": 0}  # `calibrate_matmul`'s finding
+
+
+def calibrate_matmul(cols: int = 256) -> int:
+    """With spinning pool threads (`spin_while_waiting`), the batch-1 product size (rows x
+    cols) from which two threads beat one, measured here: bf16 matrices of `cols` columns
+    and 128..2048 rows, alternating one thread and the pool, medians of 25 calls each; the
+    first size at which the pool takes under 85% of one thread's time.  MATMUL_PARALLEL_FACTOR
+    is set from it.  Why measured: it moves with the core, the cache and the VM (on a 2-core
+    Xeon, 256 columns: 512 rows 7.9 us alone against 8.7 us on two threads, 4096 rows 79
+    against 40), and a decode step of a small model is dozens of such products.  Once per
+    process, a few milliseconds; returns the size found."""
+    global MATMUL_PARALLEL_FACTOR
+    if _calibrated["done"]:
+        return _calibrated["from_work"]
+    code, int8, lut = dots.FMT_BF16, _int8(), dots.F16_LUT
+    x = _readonly(np.ones((1, cols), dtype=np.float32))
+    found = 2 * 2048 * cols  # (if the pool never wins below that: from there)
+    for rows in (128, 256, 512, 1024, 2048):
+        nbytes, row_bytes, s_off = _matrix_layout("bf16", rows, cols)
+        args = (code, int8, _readonly(np.zeros(nbytes, np.uint8)), rows, cols, row_bytes, s_off)
+        args += (lut, x)
+        alone, pool = [], []
+        for i in range(30):
+            t0 = time.perf_counter()
+            entry.matmul_serial_kernel(*args)
+            t1 = time.perf_counter()
+            _launch(entry.matmul_kernel, threads(), args)
+            t2 = time.perf_counter()
+            if i >= 5:  # (the first calls warm the caches)
+                alone.append(t1 - t0)
+                pool.append(t2 - t1)
+        if threads() > 1 and np.median(pool) < 0.85 * np.median(alone):
+            found = rows * cols
+            break
+    MATMUL_PARALLEL_FACTOR = max(1, found // PARALLEL_MIN_WEIGHTS)
+    _calibrated.update(done=True, from_work=found)
+    return found
+
+
 def warmup() -> float:
     """Compile (or load from numba's cache) every kernel for every format; returns seconds.
 
@@ -470,6 +514,8 @@ def warmup() -> float:
     sum_args = (code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x[:1], w, glu)
     entry.experts_b1_sum_kernel(*sum_args)
     entry.experts_b1_sum_serial_kernel(*sum_args)
+    if _wait["spinning"]:
+        calibrate_matmul()
     return time.perf_counter() - t0
 
 
