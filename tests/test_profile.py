@@ -39,6 +39,8 @@ def test_profile_parts_add_up_and_change_no_token(demo):
     # the timers are gone again: Linear's call and the model's route are the untimed ones
     assert Linear.__call__ is untimed_call
     assert "route" not in vars(rt.transformer) and rt.transformer.route == route
+    # (a profiled decode took the step-by-step path; the fused layer is back on)
+    assert "fused_decode" not in vars(rt.transformer) and rt.transformer.fused_decode
     assert type(rt.transformer.experts).__name__ != "_TimedExperts"
 
 

@@ -22,7 +22,9 @@ class DecodeProfile:
     Only decode steps count (not the prefill). The timers are perf_counter_ns accumulators
     installed for the generation only (the model's `route` and `experts` wrapped, Linear's
     call timed, see `moeshard.moe.model.trunk.time_linear`), so a generation without --profile runs
-    no timing code."""
+    no timing code. A profiled decode takes the step-by-step path: a layer fused into one call
+    (`moeshard.moe.model.fused_layer`) has no parts to time, so the profile's total is that of
+    the unfused steps (the same tokens and bits)."""
 
     PARTS = ("trunk", "routing", "experts", "overhead")
 
@@ -46,6 +48,7 @@ class DecodeProfile:
                 step["routing"] += time.perf_counter_ns() - t0
 
         self._saved = (model.__dict__.get("route"), model.experts)
+        model.fused_decode = False  # (the class's True again at uninstall)
         model.route = timed_route
         model.experts = _TimedExperts(model.experts, step)
         time_linear(self._linear)
@@ -53,6 +56,7 @@ class DecodeProfile:
     def uninstall(self, model) -> None:
         route, experts = self._saved
         time_linear(None)
+        model.__dict__.pop("fused_decode", None)
         model.experts = experts
         if route is None:
             del model.route

@@ -185,6 +185,12 @@ def wait_policy() -> str:
     return "spin" if _wait["spinning"] else "passive"
 
 
+def matmul_runs_serial(work: int) -> bool:
+    """Whether a packed product of `work` multiply-adds (rows x cols x batch) runs on the
+    calling thread (as `PackedMatrix` and `PackedGroup` decide it)."""
+    return threads() == 1 or work // MATMUL_PARALLEL_FACTOR < PARALLEL_MIN_WEIGHTS
+
+
 def _run(kernel, n_weights: int, *args, serial=None):
     """Call a parallel kernel on `threads()` threads, or on the calling thread alone for small
     matrices (waking the pool costs more than it saves there): its serial twin when it has
@@ -264,6 +270,11 @@ class PackedMatrix:
         self._args = (_readonly(data), rows, cols, row_bytes, s_off, dots.F16_LUT)
         self._serial = entry.matmul_serial_kernel
 
+    def fused_args(self) -> tuple:
+        """(format code, data, rows, cols, row_bytes, scale_off): the matrix as a kernel that
+        calls `entry.matmul_serial_kernel` itself takes it (`model.fused_layer`)."""
+        return (_FMT_CODE[self.fmt], *self._args[:5])
+
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """x float32 [b, cols] -> float32 [b, rows], the same bits as `matmul`."""
         x = _check_x(x, self.cols)
@@ -292,6 +303,10 @@ class PackedGroup:
         scale_offs = tuple(m._args[4] for m in matrices)
         self._args = (datas, self.rows, self.cols, row_bytes, scale_offs, dots.F16_LUT)
         self._split = np.cumsum((0,) + self.rows)  # [n + 1]: each block's start, per row of x
+
+    def fused_args(self) -> tuple:
+        """(format code, datas, rows, cols, row_bytes, scale_offs), as `PackedMatrix`'s."""
+        return (_FMT_CODE[self.fmt], *self._args[:5])
 
     def __call__(self, x: np.ndarray) -> list[np.ndarray]:
         """x float32 [b, cols] -> [float32 [b, rows_m] for each matrix m], C-contiguous."""

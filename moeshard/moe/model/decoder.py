@@ -29,17 +29,24 @@ def prenorm_forward_batch(
     norms: Callable[[int], tuple[np.ndarray, np.ndarray]],
     head: str,
     last_only: bool,
+    fused: Callable[[int, np.ndarray, np.ndarray | None], np.ndarray | None] | None = None,
 ) -> list[np.ndarray]:
     """Every sequence of `seq` through `model`'s trunk: `mix(i, h)` and `mlp(i, h)` are layer
     i's token mixer and MLP over all N rows, `norms(i)` its (input, post-attention) norm
     weights, `head` the output matrix's name. -> each sequence's logits [T_s, V] (last_only:
-    its last row's, [1, V]); the caches advanced."""
+    its last row's, [1, V]); the caches advanced.  `fused(i, x, delta)`, if given, may run
+    layer i in fewer calls (the same bits): x += delta, the layer on x (in place) -> its
+    MLP's output, the next delta; None where it does not apply (then the steps run)."""
     c, w = model.config, model.trunk
     eps = c.rms_norm_eps
     x = w.embed("model.embed_tokens.weight", seq.ids)  # [N, H], the residual, in place
     delta = None  # the last block's output, added to x by the next norm
     for i in range(c.num_hidden_layers):
         w.enter_layer(i)  # a streamed trunk makes layer i resident and starts reading i + 1
+        done = fused(i, x, delta) if fused is not None else None
+        if done is not None:
+            delta = done
+            continue
         before, after = norms(i)
         h = _add_norm(x, delta, before, eps)  # x += delta; h = norm(x)  [N, H]
         h = _add_norm(x, mix(i, h), after, eps)  # [N, H]

@@ -521,5 +521,8 @@ def warmup() -> float:
         np.empty_like(q),
     )  # fmt: skip
     route_softmax_topk(np.zeros((t, 4), np.float32), 2, True)
+    from moeshard.moe.model import fused_layer  # (it builds on this module's kernels)
+
+    fused_layer.warmup()  # a decode row's layer in one call
     _warm = True
     return time.perf_counter() - t0

@@ -33,6 +33,7 @@ from moeshard.moe.model.fused import (
     gqa_prepare,
     route_softmax_topk,
 )
+from moeshard.moe.model.fused_layer import FusedPlan, attention_route
 from moeshard.moe.model.layers import Segments, rope_cos_sin, sigmoid, swiglu_mlp, uses_hints
 from moeshard.moe.model.trunk import LinearGroup, Trunk
 
@@ -192,7 +193,7 @@ class _Layer:
 
     __slots__ = (
         "marker", "input_norm", "post_norm", "qkv", "o", "q_norm", "k_norm",
-        "moe", "mlp", "shared", "shared_gate",
+        "moe", "mlp", "shared", "shared_gate", "fused",
     )  # fmt: skip
 
     def __init__(self, c: Config, w: Trunk, i: int):
@@ -208,7 +209,9 @@ class _Layer:
         self.q_norm = w.vector(a + "q_norm.weight") if c.qk_norm != "none" else none  # [D|Hq*D]
         self.k_norm = w.vector(a + "k_norm.weight") if c.qk_norm != "none" else none
         self.moe = i in c.moe_layers
-        self.mlp = self.shared = self.shared_gate = None
+        self.mlp = self.shared = self.shared_gate = self.fused = None
+        if self.moe and not c.shared_expert_intermediate:  # a decode row's calls, fused
+            self.fused = FusedPlan.of(self.qkv, self.o, w.linear(m + "gate"))
         if not self.moe:
             self.mlp = tuple(w.linear(m + n) for n in ("gate_proj", "up_proj", "down_proj"))
         elif c.shared_expert_intermediate:
@@ -225,6 +228,8 @@ class Transformer:
     residual add is
     fused with the norm that follows it. Arrays handed to the experts backend are fresh for
     every call (a backend may keep them, e.g. to audit a node later)."""
+
+    fused_decode = True  # a decode row's layer in one call where it applies (`fused_layer`)
 
     def __init__(self, config: Config, trunk: Trunk, experts: ExpertsBackend):
         self.config, self.trunk, self.experts = config, trunk, experts
@@ -291,7 +296,35 @@ class Transformer:
             ly = self._layer(i)
             return self._moe(i, ly, h, hints) if ly.moe else self._dense_mlp(ly, h)  # [N, H]
 
-        return prenorm_forward_batch(self, seq, mix, mlp, norms, self._head, last_only)
+        fused = None
+        if len(seq.ids) == 1 and self.fused_decode:  # one decode row: a layer's calls fused
+            q_cols = self.config.num_attention_heads * self.config.head_dim
+            if (caches[0].length + 1) * q_cols * 2 < quant.PARALLEL_MIN_WORK:  # (its attention
+                # runs on this thread, as in `_attention`)
+
+                def fused(i: int, x: np.ndarray, delta: np.ndarray | None) -> np.ndarray | None:
+                    return self._fused_layer(i, x, delta, rope, caches[0], hints)
+
+        return prenorm_forward_batch(self, seq, mix, mlp, norms, self._head, last_only, fused)
+
+    def _fused_layer(self, i: int, x, delta, rope, cache: KVCache, hints: bool):
+        """Layer i of one decode row through `fused_layer.attention_route` and the experts
+        (x += delta first) -> the experts' output; None when the plan does not apply."""
+        ly = self._layer(i)
+        plan = ly.fused
+        if plan is None or not plan.applies():
+            return None
+        if delta is not None and not delta.flags.writeable:
+            delta = delta.copy()  # (one compiled signature: a writable delta)
+        cos, sin = rope
+        h, ids, weights = attention_route(
+            x, x if delta is None else delta, delta is not None, ly.input_norm, ly.post_norm,
+            self.config.rms_norm_eps, quant._int8(), quant.dots.F16_LUT,
+            plan.qkv, ly.q_norm, ly.k_norm, self._qk_norm, self._clip, cos, sin,
+            cache.k[i], cache.v[i], cache.length, self.scaling, self._window,
+            plan.o, plan.gate, self.config.top_k, self.config.norm_topk_prob,
+        )  # fmt: skip
+        return self._routed(i, ly, h, ids, weights, hints)
 
     def _attention(self, i: int, ly: _Layer, h, rope, caches, bounds) -> np.ndarray:
         """h [N, H] (sequence s in rows bounds[s]:bounds[s + 1]; rope: cos, sin [N, D/2] at
@@ -359,6 +392,10 @@ class Transformer:
 
     def _moe(self, i: int, ly: _Layer, h: np.ndarray, hints: bool) -> np.ndarray:
         ids, weights = self.route(i, h)  # [T, k] each
+        return self._routed(i, ly, h, ids, weights, hints)
+
+    def _routed(self, i: int, ly: _Layer, h, ids, weights, hints: bool) -> np.ndarray:
+        """Layer i's MLP output for h [T, H] routed to ids/weights [T, k]."""
         hint, nxt = None, self._next_moe[i]
         if hints and nxt is not None:  # the next layer's experts, fetched meanwhile
             hint = PrefetchHint(nxt, self.route(nxt, h)[0])

@@ -1,0 +1,105 @@
+"""A decode row's way through a GQA layer up to its experts, in one kernel call.
+
+A small model's decode token was mostly calls, not arithmetic: per layer the residual add and
+norm, the q/k/v group, the attention, o_proj, the second add and norm, the router's product and
+its top-k are seven kernel calls of a few microseconds each, and each cost 4-5 us more in
+numba's dispatch and the Python around it (the embedded demo model: about 30 % of its token).
+When every one of those would run on the calling thread anyway (products below the pool's
+measured threshold, attention below PARALLEL_MIN_WORK: `FusedPlan.applies`),
+`attention_route` runs them as one call of the very same kernels on the same inputs, so the
+hidden state, the KV cache and the routing are the same bits as the step-by-step path
+(tests/test_fused_layer.py). The experts stay behind the experts interface (local, --ram,
+nodes), called once per layer as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+from moeshard.moe.kernels import quant
+from moeshard.moe.kernels.entry import matmul_group_serial_kernel, matmul_serial_kernel
+from moeshard.moe.model.fused import add_rms_norm, gqa_attention, rms_norm_rows, route_softmax_topk
+
+
+@njit(cache=True, nogil=True)
+def attention_route(
+    x, delta, has_delta, in_norm, post_norm, eps, int8, lut,
+    qkv, q_norm, k_norm, qk_norm, clip, cos, sin, kc, vc, start, scaling, window,
+    o, gate, top_k, renorm,
+):  # fmt: skip
+    """One row: x += delta (if has_delta); h = norm(x); q, k, v = h's products (`qkv`: fmt,
+    datas, rows, cols, row_bytes, scale_offs); attention over the cache (k, v appended at
+    `start`); x += o_proj(attention); h2 = norm(x); the router's top-k of h2 (`gate`: fmt,
+    data, rows, cols, row_bytes, scale_off, like `o`).  x [1, H] float32 is updated in place;
+    -> (h2 [1, H], expert ids int64 [1, k], weights float32 [1, k])."""
+    h = np.empty_like(x)  # [1, H]
+    if has_delta:
+        add_rms_norm(x, delta, in_norm, eps, h)
+    else:
+        rms_norm_rows(x, in_norm, eps, h)
+    fmt, datas, rows, cols, row_bytes, scale_offs = qkv
+    flat = matmul_group_serial_kernel(fmt, int8, datas, rows, cols, row_bytes, scale_offs, lut, h)
+    nq, nk = rows[0], rows[1]
+    q = flat[:nq].reshape((1, nq))  # [1, Hq*D]
+    k = flat[nq : nq + nk].reshape((1, nk))  # [1, Hkv*D]
+    v = flat[nq + nk : nq + nk + rows[2]].reshape((1, rows[2]))  # [1, Hkv*D]
+    att = np.empty_like(q)  # [1, Hq*D]
+    gqa_attention(
+        q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, kc, vc, start, scaling, window, att
+    )
+    fmt, data, rows_o, cols_o, rb, so = o
+    mixed = matmul_serial_kernel(fmt, int8, data, rows_o, cols_o, rb, so, lut, att)  # [1, H]
+    h2 = np.empty_like(x)  # [1, H]
+    add_rms_norm(x, mixed, post_norm, eps, h2)
+    fmt, data, rows_g, cols_g, rb, so = gate
+    logits = matmul_serial_kernel(fmt, int8, data, rows_g, cols_g, rb, so, lut, h2)  # [1, E]
+    ids, weights = route_softmax_topk(logits, top_k, renorm)  # [1, k] each
+    return h2, ids, weights
+
+
+@dataclass(frozen=True)
+class FusedPlan:
+    """A layer's matrices as `attention_route` takes them, or why it cannot (a bias, a
+    shared expert, a dense MLP, q/k/v in mixed formats: then the step-by-step path runs)."""
+
+    qkv: tuple  # (fmt code, datas, rows, cols, row_bytes, scale_offs)
+    o: tuple  # (fmt code, data, rows, cols, row_bytes, scale_off)
+    gate: tuple  # the router's, likewise
+    works: tuple[int, int, int]  # multiply-adds of one row through qkv, o, gate
+
+    @staticmethod
+    def of(qkv_group, o, gate) -> FusedPlan | None:
+        """From a layer's `trunk.LinearGroup` (q, k, v), o_proj and router `trunk.Linear`s."""
+        if qkv_group.packed is None or len(qkv_group.layers) != 3:
+            return None
+        if any(ly.bias is not None for ly in (*qkv_group.layers, o, gate)):
+            return None
+        group = qkv_group.packed
+        works = (sum(group.rows) * group.cols, o.rows * o.cols, gate.rows * gate.cols)
+        return FusedPlan(group.fused_args(), o.packed.fused_args(), gate.packed.fused_args(), works)
+
+    def applies(self) -> bool:
+        """Whether each of the layer's products would run on the calling thread now."""
+        return all(quant.matmul_runs_serial(work) for work in self.works)
+
+
+def warmup() -> None:
+    """Compile (or load from numba's cache) `attention_route` for the argument types a
+    forward pass gives it (`fused.warmup` calls this): a 16-wide bf16 layer, one step."""
+    h, d, heads_kv = 16, 8, 2
+    norm = np.ones(h, np.float32)  # [H]
+    none = np.zeros(0, np.float32)
+    w = quant.pack(np.ones((h, h), np.float32), "bf16")
+    matrix = quant.PackedMatrix(w, "bf16", h, h)  # [H, H]
+    qkv = quant.PackedGroup([matrix] * 3).fused_args()
+    cos, sin = np.ones((1, d // 2), np.float32), np.zeros((1, d // 2), np.float32)
+    kc, vc = (np.zeros((4, heads_kv, d), np.float32) for _ in range(2))  # [L, Hkv, D]
+    x = np.ones((1, h), np.float32)  # [1, H]
+    attention_route(
+        x, x.copy(), True, norm, norm, 1e-6, quant._int8(), quant.dots.F16_LUT,
+        qkv, none, none, 0, 0.0, cos, sin, kc, vc, 0, 0.5, 0,
+        matrix.fused_args(), matrix.fused_args(), 2, True,
+    )  # fmt: skip
