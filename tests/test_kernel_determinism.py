@@ -371,7 +371,7 @@ def test_decode_weighted_sum_equals_the_parts_combined(fmt, run):
             got = run(
                 n_threads,
                 decode_weighted_sum,
-                arena, lambda e: e * size, fmt, hidden, inter, x, ids, w, dtype,
+                arena, lambda es: [e * size for e in es], fmt, hidden, inter, x, ids, w, dtype,
             )  # fmt: skip
             assert got.dtype == want.dtype and np.array_equal(
                 got.view(np.uint8), want.view(np.uint8)
@@ -379,7 +379,15 @@ def test_decode_weighted_sum_equals_the_parts_combined(fmt, run):
     repeated = np.array([[1, 1, 3, -1]])  # an expert twice: the general path must take it
     assert (
         decode_weighted_sum(
-            arena, lambda e: e * size, fmt, hidden, inter, x, repeated, w, np.float32
+            arena,
+            lambda es: [e * size for e in es],
+            fmt,
+            hidden,
+            inter,
+            x,
+            repeated,
+            w,
+            np.float32,
         )
         is None
     )

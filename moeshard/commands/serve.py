@@ -121,7 +121,11 @@ def cmd_serve(args) -> int:
         raise MoeshardError("serve needs uvicorn and starlette (pip install moeshard)") from None
     from moeshard.coordinator.runtime import load_tokenizer
     from moeshard.coordinator.serve.app import ServerState, create_app
-    from moeshard.coordinator.serve.connections import listening_socket, serve_http
+    from moeshard.coordinator.serve.connections import (
+        interrupts_deferred,
+        listening_socket,
+        serve_http,
+    )
     from moeshard.coordinator.serve.engine import Engine
     from moeshard.coordinator.serve.engine_process import EngineProcess
     from moeshard.moe.model.model_dir import ModelDir
@@ -167,15 +171,16 @@ def cmd_serve(args) -> int:
         guard=guard,
     )
     port = sock.getsockname()[1]  # (--port 0: the one given)
-    print(
-        f"serving {state.model_name} on http://{args.host}:{port} (OpenAI API at /v1; "
-        f"max batch {args.max_batch}, queue {args.max_queue}; connections "
-        f"{guard.max_connections}, header timeout {guard.header_timeout:g} s)",
-        file=sys.stderr,
-        flush=True,
-    )
     try:
-        serve_http(create_app(state), sock, guard)
+        with interrupts_deferred() as interrupted:
+            print(
+                f"serving {state.model_name} on http://{args.host}:{port} (OpenAI API at /v1; "
+                f"max batch {args.max_batch}, queue {args.max_queue}; connections "
+                f"{guard.max_connections}, header timeout {guard.header_timeout:g} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            serve_http(create_app(state), sock, guard, interrupted)
     finally:
         engine.close()
         close()

@@ -34,8 +34,10 @@ original server's log grew 260 MB in 50 s); here one line per `every` seconds, w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import resource
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -265,10 +267,29 @@ def listening_socket(host: str, port: int):
     return sock
 
 
-def serve_http(app, sock, guard: ConnectionGuard) -> None:
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Ctrl-C between the "serving ..." line and uvicorn taking the signal over sets the
+    yielded event instead of raising KeyboardInterrupt wherever the main thread is: raised
+    there, it once landed in an event loop's finaliser mid-start ("Exception ignored ...
+    Traceback" and "did not start"). `serve_http` stops at once if it is set. The previous
+    handler is back on exit (main thread only, as every signal handler)."""
+    import signal
+
+    interrupted = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.set())
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def serve_http(app, sock, guard: ConnectionGuard, interrupted: threading.Event) -> None:
     """Run `app` on the bound socket `sock` under uvicorn, as `uvicorn.run` does, with the
     guarded protocol and the accept batch and listen queue above (the queue set after
-    asyncio's `listen`)."""
+    asyncio's `listen`). Within `interrupts_deferred`: a Ctrl-C before uvicorn took the signal
+    over stops the server as soon as it has started (exit 0), or, if it never started,
+    raises KeyboardInterrupt here."""
     import gc
     import socket
 
@@ -288,6 +309,8 @@ def serve_http(app, sock, guard: ConnectionGuard) -> None:
                 for sock in server.sockets:
                     with socket.fromfd(sock.fileno(), sock.family, sock.type) as dup:
                         dup.listen(LISTEN_QUEUE)
+            if interrupted.is_set():  # a Ctrl-C before uvicorn took the signal over
+                self.should_exit = True
 
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
@@ -300,4 +323,6 @@ def serve_http(app, sock, guard: ConnectionGuard) -> None:
     except KeyboardInterrupt:
         pass
     if not server.started:
+        if interrupted.is_set():
+            raise KeyboardInterrupt
         raise MoeshardError(f"the HTTP server did not start on {host}:{port} (see above)")

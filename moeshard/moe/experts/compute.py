@@ -91,7 +91,7 @@ def run_experts(
 
 def decode_weighted_sum(
     arena: np.ndarray,
-    offset_of: Callable[[int], int],
+    offsets_of: Callable[[list[int]], list[int]],
     fmt: str,
     hidden_size: int,
     inter: int,
@@ -103,8 +103,9 @@ def decode_weighted_sum(
     glu: quant.Glu = quant.SWIGLU,
 ) -> np.ndarray | None:
     """`weighted_sum(run_experts(...))` of one decode row in one kernel call, the same bits:
-    hidden [1, H], ids/weights [1, k] -> [1, H] of `dtype`.  None where it does not apply
-    (several rows, an expert routed twice, no such kernel): use the general path then."""
+    hidden [1, H], ids/weights [1, k] -> [1, H] of `dtype`; `offsets_of(experts)` gives their
+    records' offsets in `arena`.  None where it does not apply (several rows, an expert
+    routed twice, no such kernel): use the general path then."""
     if hidden.shape[0] != 1 or kernels.batch1_sum is None:
         return None
     # k is a handful: Python lists beat a dozen small numpy calls here (a small model's
@@ -114,7 +115,7 @@ def decode_weighted_sum(
     experts = [e for e, _ in pairs]  # ascending, as `combine` adds them
     if len(experts) < 2 or len(set(experts)) < len(experts):
         return None
-    starts = [offset_of(e) for e in experts]  # [m]
+    starts = offsets_of(experts)  # [m]
     w = [v for _, v in pairs]  # [m], exact in float32: they were float32
     total = kernels.batch1_sum(arena, starts, fmt, hidden_size, inter, hidden, w, glu)  # [H]
     return total.astype(dtype, copy=False)[None]  # [1, H]

@@ -425,6 +425,14 @@ def accumulate_rows(out: np.ndarray, rows: np.ndarray, y: np.ndarray, w: np.ndar
     entry.accumulate_rows(out, np.ascontiguousarray(rows, dtype=np.int64), y, w)
 
 
+@functools.lru_cache(maxsize=64)
+def _experts_constants(fmt: str, hidden: int, inter: int, glu: Glu) -> tuple:
+    """(format code, record bytes, layout, glu tuple) of an expert shape: worked out once, not
+    on every decode call."""
+    nbytes, layout = _expert_layout(fmt, hidden, inter)
+    return _FMT_CODE[fmt], nbytes, layout, _glu(glu)
+
+
 def experts_ffn_b1_sum(
     arena: np.ndarray, offsets: np.ndarray, fmt: str, hidden: int, inter: int, x, w, glu=SWIGLU
 ) -> np.ndarray:
@@ -432,19 +440,21 @@ def experts_ffn_b1_sum(
     arena[offsets[e]:] and w float32 [m] -> float64 [hidden]: each weighted output rounded to
     float32, then added in float64 in the given order (what `moeshard.moe.experts.compute.combine`
     does with the parts of `run_experts`, bit for bit), in one kernel call."""
-    nbytes, layout = _expert_layout(fmt, hidden, inter)
+    code, nbytes, layout, glu_args = _experts_constants(fmt, hidden, inter, glu)
     if not isinstance(arena, np.ndarray) or arena.dtype != np.uint8 or arena.ndim != 1:
         raise ValueError("arena must be a 1-D uint8 numpy array")
     starts = [int(v) for v in offsets]  # a handful: Python ints are cheaper than numpy here
     if starts and (min(starts) < 0 or max(starts) + nbytes > arena.size):
         raise ValueError(f"expert records must lie inside the arena of {arena.size} bytes")
     offsets = np.array(starts, dtype=np.int64)  # [m]
+    offsets.flags.writeable = False  # (a fresh array: read-only in place, no view made)
     x = _check_x(x, hidden)
     w = np.array(w, dtype=np.float32)  # [m]
+    w.flags.writeable = False
     if x.shape[0] != 1 or w.shape != offsets.shape:
         raise ValueError(f"want one row and one weight per expert, got x {x.shape}, w {w.shape}")
-    args = (_FMT_CODE[fmt], _int8(), _readonly(arena), _readonly(offsets), nbytes, hidden, inter)
-    args += (layout, dots.F16_LUT, x, _readonly(w), _glu(glu))
+    args = (code, _int8(), _readonly(arena), offsets, nbytes, hidden, inter, layout)
+    args += (dots.F16_LUT, x, w, glu_args)
     n_weights = offsets.size * inter * hidden
     return _run(
         entry.experts_b1_sum_kernel, n_weights, *args, serial=entry.experts_b1_sum_serial_kernel
