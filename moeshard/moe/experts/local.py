@@ -30,7 +30,6 @@ class LocalExperts(ExpertsBase):
         self.arenas: dict[int, np.ndarray] = {}  # layer -> uint8 [experts held * slot_bytes]
         self.readonly: dict[int, np.ndarray] = {}  # layer -> a read-only view of its arena
         self.slot: dict[tuple[int, int], int] = {}  # (layer, expert) -> its slot in the arena
-        self.loaded: set[tuple[int, int]] = set()
         self.at: dict[int, dict[int, int]] = {}  # layer -> {expert read: its offset}
         self.bytes_read = 0
 
@@ -47,12 +46,11 @@ class LocalExperts(ExpertsBase):
         """Byte offset of the record in its layer's arena, reading it on first use."""
         arena = self._arena(layer)
         key = (layer, expert)
-        if key not in self.loaded:
+        if expert not in self.at.get(layer, ()):
             self.shards.location(layer, expert)  # a clear error if no shard holds it
             record = self.shards.read(layer, expert)  # checksum-verified
             start = self.slot[key] * self.slot_bytes
             arena[start : start + record.size] = record
-            self.loaded.add(key)
             self.at.setdefault(layer, {})[expert] = start
             self.bytes_read += record.size
         return self.slot[key] * self.slot_bytes
@@ -100,4 +98,5 @@ class LocalExperts(ExpertsBase):
         return weighted_sum(parts, hidden.shape, dtype)
 
     def stats(self) -> dict:
-        return {"expert_bytes_read": self.bytes_read, "records_loaded": len(self.loaded)}
+        loaded = sum(map(len, self.at.values()))
+        return {"expert_bytes_read": self.bytes_read, "records_loaded": loaded}

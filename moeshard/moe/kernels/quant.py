@@ -185,17 +185,23 @@ def wait_policy() -> str:
     return "spin" if _wait["spinning"] else "passive"
 
 
+def _threads_for(n_weights: int) -> int:
+    """The threads a kernel over `n_weights` weights runs on: all of `threads()`, or the
+    calling thread alone below PARALLEL_MIN_WEIGHTS."""
+    return threads() if n_weights >= PARALLEL_MIN_WEIGHTS else 1
+
+
 def matmul_runs_serial(work: int) -> bool:
     """Whether a packed product of `work` multiply-adds (rows x cols x batch) runs on the
-    calling thread (as `PackedMatrix` and `PackedGroup` decide it)."""
-    return threads() == 1 or work // MATMUL_PARALLEL_FACTOR < PARALLEL_MIN_WEIGHTS
+    calling thread (`PackedMatrix` and `PackedGroup` count its weights so)."""
+    return _threads_for(work // MATMUL_PARALLEL_FACTOR) == 1
 
 
 def _run(kernel, n_weights: int, *args, serial=None):
     """Call a parallel kernel on `threads()` threads, or on the calling thread alone for small
     matrices (waking the pool costs more than it saves there): its serial twin when it has
     one (the same bits, without the pool's scheduling)."""
-    want = threads() if n_weights >= PARALLEL_MIN_WEIGHTS else 1
+    want = _threads_for(n_weights)
     if want == 1 and serial is not None:
         return serial(*args)
     return _launch(kernel, want, args)
