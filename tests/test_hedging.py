@@ -12,7 +12,7 @@ import signal
 import threading
 
 import pytest
-from helpers import PROMPT, TOKENS, remote_runtime, wait_until
+from helpers import PROMPT, TOKENS, NodeProcess, remote_runtime, wait_until
 
 from moeshard.coordinator.generate import SamplingOptions, generate
 
@@ -75,6 +75,53 @@ def test_a_frozen_node_is_hedged_and_the_tokens_do_not_change(
     finally:
         freeze.join()
         remote.close()
+
+
+def test_a_node_that_dies_after_its_call_was_hedged_is_banned_at_once(
+    cluster_model, cluster, cluster_plan, cluster_reference, caplog
+):
+    """Frozen, hedged, then killed: the abandoned call on its stream fails as the connection
+    drops, which bans the node right then, not half a second later when its lateness would be
+    pinged (a generation covered by hedges can end before any call of its own to the dead
+    node fails: CI once saw the dead node still counted up after the generation). Streams
+    only: an abandoned unary call is cancelled by us, so its end says nothing."""
+    transformer, remote = remote_runtime(cluster_model, [n.spec for n in cluster], audit=0.0)
+    generate(transformer, PROMPT, SamplingOptions(max_tokens=TOKENS))  # latencies known
+    freeze = Freeze(remote, cluster, remote.layer_calls + 10, 60.0)
+    killed = threading.Event()
+
+    def kill_the_frozen_node() -> None:
+        proc = cluster[freeze.victim].proc
+        proc.kill()  # SIGKILL ends a stopped process too
+        proc.wait()
+        killed.set()
+
+    def freeze_then_kill(peer, request):
+        was_frozen = freeze.victim is not None
+        out = freeze(peer, request)
+        if not was_frozen and freeze.victim is not None:
+            threading.Timer(0.15, kill_the_frozen_node).start()
+        return out
+
+    remote._send = freeze_then_kill
+    try:
+        with caplog.at_level("WARNING", logger="moeshard.coordinator.remote.peers"):
+            result = generate(transformer, PROMPT, SamplingOptions(max_tokens=TOKENS))
+            assert freeze.victim is not None and result.tokens == cluster_reference.tokens
+            assert killed.wait(5)
+            node = next(p for p in remote.peers.peers if p.addr == freeze.addrs[freeze.victim])
+            wait_until(lambda: not node.up, 5, 0.02, what="the dead node to be banned")
+        bans = [r.getMessage() for r in caplog.records if "banned" in r.getMessage()]
+        assert any("abandoned for a hedge failed: UNAVAILABLE" in m for m in bans), bans
+    finally:
+        killed.wait(5)
+        if freeze.timer is not None:
+            freeze.timer.cancel()
+        remote.close()
+        i = freeze.victim
+        if i is not None and cluster[i].proc.poll() is not None:  # later tests: a full cluster
+            restarted = NodeProcess(cluster_plan["nodes"][i]["dir"], port=cluster[i].port)
+            cluster[i] = restarted.wait_ready()
 
 
 def test_without_hedging_the_layer_waits_for_the_frozen_node(cluster_model, cluster):

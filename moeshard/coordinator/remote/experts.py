@@ -50,6 +50,9 @@ NODE_FAILURES = {
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.UNIMPLEMENTED,
 }
+# an abandoned call that ends so: its node failed (CANCELLED is our own cancel of it, or our
+# closing of its stream when the node was banned or idle)
+ABANDONED_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 LAYER_HISTORY = 100_000  # layer call times kept
 FINISH_WAIT_S = 2.0  # at close, how long a node may take to end its stream
 ENDED_STREAM_WAIT_S = 0.2  # a stream the node has ended holds only what it had sent
@@ -267,8 +270,12 @@ class RemoteExperts(ExpertsBase):
                 a.peer.late.remove(sent)
             try:
                 reply, rtt = a.call.result()
-            except Exception:  # noqa: BLE001 (cancelled or failed: its time so far)
+            except Exception as exc:  # noqa: BLE001 (cancelled or failed: its time so far)
                 self.peers.record_latency(a.peer, time.perf_counter() - sent, 0.0, 1)
+                code = exc.code() if isinstance(exc, grpc.RpcError) else None
+                if code in ABANDONED_FAILURES:  # as if it had been waited for (not our cancel)
+                    self.peers.ban(a.peer, f"a reply abandoned for a hedge failed: {code.name}")
+                    self.trust.failed(a.peer)
                 return
             self.peers.record_latency(a.peer, rtt, reply.compute_ms, len(a.experts), reply.queued)
 
