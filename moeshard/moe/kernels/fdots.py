@@ -28,7 +28,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 from moeshard.moe.kernels.build import cpu_level
-from moeshard.moe.kernels.dots import F32X8, FMT_BF16, LANES, _vsum, _vzero
+from moeshard.moe.kernels.dots import F32X8, FMT_BF16, LANES, _vsum, _vzero, prefetch_line
 
 _V8F = ir.VectorType(ir.FloatType(), LANES)
 _V8I16 = ir.VectorType(ir.IntType(16), LANES)
@@ -140,16 +140,42 @@ def _fma(typingctx, a, b, c):
     return types.float32(a, b, c), codegen
 
 
+@intrinsic
+def _prefetch(typingctx, ary, r, j):
+    """`prefetch_line` of ary[r, j] (a bf16 or f32 matrix)."""
+    if not (_matrix_at(ary, r, j, types.uint16) or _matrix_at(ary, r, j, types.float32)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        prefetch_line(builder, _lanes_at(context, builder, sig, args, ir.IntType(8)))
+        return context.get_dummy_value()
+
+    return types.none(ary, r, j), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _fetch_ahead(w, ahead, j):
+    """Prefetch column j of the next group's four rows `ahead` (no rows: ahead[0] < 0)."""
+    if ahead[0] >= 0:
+        _prefetch(w, ahead[0], j)
+        _prefetch(w, ahead[1], j)
+        _prefetch(w, ahead[2], j)
+        _prefetch(w, ahead[3], j)
+
+
 @njit(cache=True, nogil=True)
-def _bf16_dot4(w, rows, x, xp, u):
+def _bf16_dot4(w, rows, x, xp, u, ahead):
     """Four bfloat16 rows of w (uint16 [R, cols]; row numbers `rows`) . float32 row u of x
     [b, cols] (steps 1-3 of the module doc); xp is x with each 16 columns reordered evens
-    then odds (`even_odd`), the order the bf16 lanes take them in."""
+    then odds (`even_odd`), the order the bf16 lanes take them in. The rows `ahead` are
+    prefetched as these are read (`float_rows`)."""
     cols = x.shape[1]
     r0, r1, r2, r3 = rows
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _vzero()
     c16 = cols - cols % 16
     for j in range(0, c16, 16):
+        if j & 31 == 0:  # a cache line holds 32 bf16 values
+            _fetch_ahead(w, ahead, j)
         xa, xb = _vload2(xp, u, j), _vload2(xp, u, j + 8)  # x's even, odd columns
         e0, o0 = _vload2_bf16_pairs(w, r0, j)
         e1, o1 = _vload2_bf16_pairs(w, r1, j)
@@ -184,14 +210,15 @@ def even_odd(x):
 
 
 @njit(cache=True, nogil=True)
-def _f32_dot4(w, rows, x, u):
+def _f32_dot4(w, rows, x, u, ahead):
     """Four float32 rows of w ([R, cols]; row numbers `rows`) . float32 row u of x [b, cols]
-    (steps 1-3 of the module doc)."""
+    (steps 1-3 of the module doc); the rows `ahead` are prefetched as these are read."""
     cols = x.shape[1]
     r0, r1, r2, r3 = rows
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _vzero()
     c16 = cols - cols % 16
     for j in range(0, c16, 16):
+        _fetch_ahead(w, ahead, j)  # a cache line holds 16 f32 values
         xa, xb = _vload2(x, u, j), _vload2(x, u, j + 8)
         a0 = _vfma(_vload2(w, r0, j), xa, a0)
         a1 = _vfma(_vload2(w, r1, j), xa, a1)
@@ -316,13 +343,15 @@ def _zpairs(typingctx, a):
 
 
 @njit(cache=True, nogil=True)
-def _bf16_dot4_wide(w, rows, x, u):
+def _bf16_dot4_wide(w, rows, x, u, ahead):
     """`_bf16_dot4` in sixteen lanes (see WIDE_BF16): the same bits, x read in order."""
     cols = x.shape[1]
     r0, r1, r2, r3 = rows
     a0 = a1 = a2 = a3 = _zzero()
     c16 = cols - cols % 16
     for j in range(0, c16, 16):
+        if j & 31 == 0:
+            _fetch_ahead(w, ahead, j)
         xj = _zload(x, u, j)
         a0 = _zfma(_zload_bf16(w, r0, j), xj, a0)
         a1 = _zfma(_zload_bf16(w, r1, j), xj, a1)
@@ -340,7 +369,7 @@ def _bf16_dot4_wide(w, rows, x, u):
 
 
 @njit(cache=True, nogil=True)
-def _bf16_dot4x2_wide(w, rows, x, u):
+def _bf16_dot4x2_wide(w, rows, x, u, ahead):
     """`_bf16_dot4_wide` for activation rows u and u + 1 at once: each weight load widened
     once for the two (eight sums in flight), the same bits per (row, activation row)."""
     cols = x.shape[1]
@@ -348,6 +377,8 @@ def _bf16_dot4x2_wide(w, rows, x, u):
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _zzero()
     c16 = cols - cols % 16
     for j in range(0, c16, 16):
+        if j & 31 == 0:
+            _fetch_ahead(w, ahead, j)
         xa, xb = _zload(x, u, j), _zload(x, u + 1, j)
         w0, w1 = _zload_bf16(w, r0, j), _zload_bf16(w, r1, j)
         w2, w3 = _zload_bf16(w, r2, j), _zload_bf16(w, r3, j)
@@ -367,6 +398,8 @@ def _bf16_dot4x2_wide(w, rows, x, u):
     return (p0, p1, p2, p3), (q0, q1, q2, q3)
 
 
+NO_ROWS = (-1, -1, -1, -1)  # `_fetch_ahead`: nothing to prefetch
+
 # Rows at most this wide take one weight row against four activation rows (`_bf16_rows_x4`):
 # the four rows of x stay in L1 and are read straight into the FMAs, the weight row is widened
 # once for the four. Measured on one thread at 16 activation rows (Zen 3, AVX2): 1.9x the
@@ -384,7 +417,8 @@ def float_rows(fmt, wq, x, xp, out, r0, r1):
     widened in registers for every activation row: two integer operations per sixteen
     weights, cheaper than a float32 scratch copy.  Narrow bf16 rows (`NARROW_COLS`) with four
     or more activation rows go four activation rows at a time instead; every (weight row,
-    activation row) pair is summed in the same order either way, so the bits are the same."""
+    activation row) pair is summed in the same order either way, so the bits are the same.
+    The first pass over a group prefetches the next group's rows (`dots.prefetch_line`)."""
     b, cols = x.shape
     w32 = wq.view(np.float32) if fmt != FMT_BF16 else np.empty((0, 0), dtype=np.float32)
     w16 = wq.view(np.uint16) if fmt == FMT_BF16 else np.empty((0, 0), dtype=np.uint16)
@@ -392,25 +426,28 @@ def float_rows(fmt, wq, x, xp, out, r0, r1):
     if fmt == FMT_BF16 and b >= 4 and cols <= NARROW_COLS:
         first = b - b % 4
         _bf16_rows_x4(w16, x, xp, out, r0, r1, first)
+    last = wq.shape[0] - 1
     for r in range(r0, r1, 4):
         group = (r, min(r + 1, r1 - 1), min(r + 2, r1 - 1), min(r + 3, r1 - 1))
         n = min(4, r1 - r)
+        # the next group's rows are prefetched while this one is read, by its first pass only
+        ahead = (min(r + 4, last), min(r + 5, last), min(r + 6, last), min(r + 7, last))
         if fmt == FMT_BF16 and WIDE_BF16:
             for u in range(first, b - 1, 2):
-                ya, yb = _bf16_dot4x2_wide(w16, group, x, u)
+                ya, yb = _bf16_dot4x2_wide(w16, group, x, u, ahead if u == first else NO_ROWS)
                 for i in range(n):
                     out[u, r + i] = ya[i]
                     out[u + 1, r + i] = yb[i]
             if (b - first) & 1:
-                y = _bf16_dot4_wide(w16, group, x, b - 1)
+                y = _bf16_dot4_wide(w16, group, x, b - 1, ahead if b - 1 == first else NO_ROWS)
                 for i in range(n):
                     out[b - 1, r + i] = y[i]
             continue
         for u in range(first, b):
             if fmt == FMT_BF16:
-                y = _bf16_dot4(w16, group, x, xp, u)
+                y = _bf16_dot4(w16, group, x, xp, u, ahead if u == first else NO_ROWS)
             else:
-                y = _f32_dot4(w32, group, x, u)
+                y = _f32_dot4(w32, group, x, u, ahead if u == first else NO_ROWS)
             for i in range(n):
                 out[u, r + i] = y[i]
 

@@ -81,6 +81,7 @@ from moeshard.moe.kernels.dots import (
     _splat,
     _vstore,
     _vzero,
+    prefetch_line,
 )
 
 ISAS = ("vnni", "avx2", "generic")  # the forms of step 2, fastest first
@@ -151,6 +152,7 @@ def _indices(values):
 # expert's 64 or 256 columns) cannot amortise.  `_mat` makes the pair; the caller keeps the
 # array alive.
 _MAT = types.UniTuple(types.intp, 2)
+AHEAD = 1  # row groups between the one read and the one prefetched (2 and 3: slower)
 
 
 @njit(cache=True, nogil=True)
@@ -435,6 +437,12 @@ def _group_block_kernel(kind: str):
             loads = [
                 _load(builder, builder.gep(group, [_I32(32 * c)]), _V32I8) for c in range(n_loads)
             ]
+            if m <= 2:  # a decode's rows: the next group's block is read ahead (`prefetch_line`)
+                nxt = _at(context, builder, args[1], builder.add(gi, const(AHEAD)), wbase)
+                for line in range(0, 32 * n_loads, 64):
+                    prefetch_line(builder, builder.gep(nxt, [_I32(line)]))
+                nxt_scales = builder.add(gi, const(AHEAD)), builder.mul(ki, const(8 * scale_bytes))
+                prefetch_line(builder, _at(context, builder, args[4], *nxt_scales))
             xs = _Broadcasts(context, builder, args[5], rows, builder.mul(ki, const(QK)))
             sums = sums_of(builder, loads, xs)  # m x <8 x i32>, exact
             scale_ptr = _at(context, builder, args[4], gi, builder.mul(ki, const(8 * scale_bytes)))
@@ -537,8 +545,9 @@ def int_rows(fmt, wq, ws, xq, xd, xc, out, r0, r1):
 
     One row group at a time: its bytes (nb * 128 or 256) are read from memory once and then
     stay in L1/L2 while every activation row, four at a time (then two, then one), is
-    multiplied with them.  The
-    padding rows of a last partial group are computed and dropped."""
+    multiplied with them; at one or two activation rows the next group's bytes are
+    prefetched meanwhile (`dots.prefetch_line`).  The padding rows of a last partial group
+    are computed and dropped."""
     b, nb = xq.shape[0], xd.shape[1]
     mw, ms, mx, md, mc = _mat(wq), _mat(ws), _mat(xq), _mat(xd), _mat(xc)
     lanes = np.empty(LANES, dtype=np.float32)
