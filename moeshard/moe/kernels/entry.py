@@ -141,12 +141,9 @@ def matmul_kernel(fmt, int8, data, rows, cols, row_bytes, scale_off, lut, x):
     wq, ws = _matrix_views(fmt, data, rows, cols, row_bytes, scale_off)
     out = np.empty((x.shape[0], rows), dtype=np.float32)  # [b, rows]
     act = _activations(fmt, int8, x)
-    # big matrices in bigger items: a kernel call per 16 rows cost a batch-1 product from
-    # DRAM about 5% of its rate; 16 items or more still split evenly over up to 16 threads
-    step = ROWS_PER_ITEM * (4 if rows >= 16 * 4 * ROWS_PER_ITEM else 1)
-    for it in prange((rows + step - 1) // step):
-        r0 = it * step
-        _rows(fmt, wq, ws, lut, x, act, out, r0, min(rows, r0 + step))
+    for it in prange((rows + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
+        r0, r1 = _item(it, rows)
+        _rows(fmt, wq, ws, lut, x, act, out, r0, r1)
     return out
 
 
