@@ -321,9 +321,9 @@ def prefetch_line(builder, ptr):
     2, i.e. prefetcht1 on x86): no value changes, and an address past the end cannot fault.
     From DRAM one core keeps too few reads in flight on its own. Measured on a 2-vCPU Xeon
     (SPR class), a bf16 1024 x 1024 product at batch 1 from a 960 MiB pool, two threads: 17.6
-    GB/s without, 22.5 prefetching the next row group into L1 (prefetcht0), 24 into L2, 11
-    non-temporal (DRAM summing: 31); four q4_0 experts 20 -> 22. A group further ahead
-    was slower for the experts (21)."""
+    GB/s without, 22.5-23 prefetching the next row group into L1 (prefetcht0), 22.5-24 into
+    L2, 11 non-temporal (DRAM summing: 31); four q4_0 experts 20 -> 22. A group further
+    ahead was slower for the experts (21)."""
     i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0i8"
