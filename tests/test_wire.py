@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import filecmp
 import re
 import subprocess
 import sys
@@ -112,7 +111,35 @@ def test_generated_code_is_current(tmp_path):
         assert fixed != text, f"{grpc_module.name} does not import its messages as expected"
         grpc_module.write_text(fixed)
     names = ["moeshard_pb2.py", "moeshard_pb2_grpc.py", "health_pb2.py", "health_pb2_grpc.py"]
-    match, mismatch, errors = filecmp.cmpfiles(
-        tmp_path, ROOT / "moeshard" / "moe" / "wire", names, False
+    committed = ROOT / "moeshard" / "moe" / "wire"
+    stale = [
+        n
+        for n in names
+        if _unstamped((tmp_path / n).read_text()) != _unstamped((committed / n).read_text())
+    ]
+    assert not stale, f"stale generated code: {stale}; run make proto"
+    # what the committed gRPC modules demand of the runtime is what pyproject.toml asks for
+    floor = re.search(r'"grpcio>=([0-9.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    for n in ("moeshard_pb2_grpc.py", "health_pb2_grpc.py"):
+        stamp = re.search(
+            r"^GRPC_GENERATED_VERSION = '([0-9.]+)'", (committed / n).read_text(), re.M
+        )
+        assert stamp and stamp.group(1) == floor, (n, stamp, floor)
+
+
+def _unstamped(text: str) -> str:
+    """Generated code without the generator's version stamps: a newer grpcio-tools writes its
+    own version into GRPC_GENERATED_VERSION (and a newer bundled protoc its own into the
+    message modules) with nothing else changed (CI's fresh install got 1.85.4; 1.85.1 made
+    the committed modules)."""
+    text = re.sub(
+        r"^GRPC_GENERATED_VERSION = '[^']*'", "GRPC_GENERATED_VERSION = ''", text, flags=re.M
     )
-    assert not mismatch and not errors, f"stale generated code: {mismatch + errors}; run make proto"
+    text = re.sub(
+        r"^# Protobuf Python Version: .*$", "# Protobuf Python Version:", text, flags=re.M
+    )
+    return re.sub(
+        r"(ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,)\s*\d+,\s*\d+,\s*\d+,",
+        r"\1",
+        text,
+    )
