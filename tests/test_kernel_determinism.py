@@ -444,7 +444,7 @@ def test_rows_weighted_sum_equals_the_parts_combined(fmt, run):
         got = run(
             n_threads,
             rows_weighted_sum,
-            arena, lambda e: e * size, fmt, hidden, inter, x, ids, w, np.float32,
+            arena, lambda es: [e * size for e in es], fmt, hidden, inter, x, ids, w, np.float32,
         )  # fmt: skip
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     experts, starts, rows, xs, ws = quant.group_by_expert(ids, w, x)

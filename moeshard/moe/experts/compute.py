@@ -123,7 +123,7 @@ def decode_weighted_sum(
 
 def rows_weighted_sum(
     arena: np.ndarray,
-    offset_of: Callable[[int], int],
+    offsets_of: Callable[[list[int]], list[int]],
     fmt: str,
     hidden_size: int,
     inter: int,
@@ -135,7 +135,8 @@ def rows_weighted_sum(
     glu: quant.Glu = quant.SWIGLU,
 ) -> np.ndarray | None:
     """`weighted_sum(run_experts(...))` of several rows (a batched decode step, a prefill)
-    in two kernel calls, the same bits: hidden [T, H], ids/weights [T, k] -> [T, H].
+    in two kernel calls, the same bits: hidden [T, H], ids/weights [T, k] -> [T, H];
+    `offsets_of(experts)` gives their records' offsets in `arena`.
 
     The (row, slot) pairs are sorted by expert (rows ascending within one), every expert
     runs on its rows in one call (`kernels.rows`), and the weighted outputs are added into
@@ -145,7 +146,7 @@ def rows_weighted_sum(
         return None
     # experts [m], starts [m + 1], rows [P], x [P, H] (each expert's rows together), w [P]
     experts, starts, rows, x, w = quant.group_by_expert(ids, weights, hidden)
-    at = np.array([offset_of(e) for e in experts.tolist()], dtype=np.int64)  # [m]
+    at = np.array(offsets_of(experts.tolist()), dtype=np.int64)  # [m]
     y = kernels.rows(arena, at, fmt, hidden_size, inter, x, starts, glu)  # [P, H]
     out = np.zeros((ids.shape[0], hidden_size), dtype=np.float64)  # [T, H]
     quant.accumulate_rows(out, rows, y, w)

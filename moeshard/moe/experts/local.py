@@ -53,12 +53,11 @@ class LocalExperts(ExpertsBase):
             arena[start : start + record.size] = record
             self.at.setdefault(layer, {})[expert] = start
             self.bytes_read += record.size
-        return self.slot[key] * self.slot_bytes
+        return self.at[layer][expert]
 
     def _offsets(self, layer: int, experts: list[int]) -> list[int]:
-        """The offsets of `experts`' records in the layer's arena (each read on first use):
-        a decode row's handful, looked up in one dict (a call per expert cost a small
-        model's layer 2-3 us)."""
+        """The offsets of `experts`' records in the layer's arena (each read on first use),
+        looked up in one dict (a call per expert cost a small model's decode layer 2-3 us)."""
         at = self.at.get(layer, {})
         out = [at.get(e, -1) for e in experts]
         if -1 in out:
@@ -78,16 +77,11 @@ class LocalExperts(ExpertsBase):
         # a decode step: one kernel call, no Python between; several rows (a batched step,
         # a prefill): the experts on their rows in one call, summed in another
         self._arena(layer)
-        if hidden.shape[0] == 1:
-            out = decode_weighted_sum(
-                self.readonly[layer], lambda experts: self._offsets(layer, experts), s.fmt,
-                s.hidden, s.inter, hidden, ids, weights, dtype, self.kernels, s.glu,
-            )  # fmt: skip
-        else:
-            out = rows_weighted_sum(
-                self.readonly[layer], lambda e: self.offset(layer, e), s.fmt, s.hidden,
-                s.inter, hidden, ids, weights, dtype, self.kernels, s.glu,
-            )  # fmt: skip
+        fused = decode_weighted_sum if hidden.shape[0] == 1 else rows_weighted_sum
+        out = fused(
+            self.readonly[layer], lambda experts: self._offsets(layer, experts), s.fmt,
+            s.hidden, s.inter, hidden, ids, weights, dtype, self.kernels, s.glu,
+        )  # fmt: skip
         if out is not None:
             return out
         offsets = {int(e): self.offset(layer, int(e)) for e in np.unique(ids[ids >= 0])}
