@@ -24,7 +24,14 @@ from moeshard.moe.kernels.blas import limit_blas_threads
 from moeshard.moe.model.config import eos_ids, read_json
 from moeshard.moe.model.model_dir import ModelDir
 from moeshard.moe.model.streaming_trunk import StreamingTrunk
-from moeshard.moe.storage.budget import BudgetPlan, measure_overhead, peak_rss_bytes, plan_budget
+from moeshard.moe.storage.budget import (
+    BudgetPlan,
+    available_memory,
+    measure_overhead,
+    peak_rss_bytes,
+    plan_budget,
+)
+from moeshard.moe.units import fmt_bytes
 
 log = logging.getLogger(__name__)
 # what to do with a directory without expert records (a coordinator directory) where a mode
@@ -331,4 +338,26 @@ def open_serving_runtime(
         )
     if ram:
         return open_streaming(path, ram, context_tokens)
-    return open_local(path)
+    rt = open_local(path)
+    _preload_experts(rt.experts)
+    return rt
+
+
+def _preload_experts(experts: LocalExperts) -> None:
+    """A server reads every expert at start, as llama.cpp loads its model: read on first
+    use, the first requests paid for the SSD.  Where they would not fit the memory left,
+    they stay read on first use (with a warning: `--ram` is the way to serve such a model)."""
+    shards = experts.shards
+    need = len(shards.locations) * experts.slot_bytes
+    free = available_memory()
+    if free is not None and need > free:
+        log.warning(
+            "the experts (%s) exceed the memory available (%s): read on first use; "
+            "serve with --ram to stream them within a budget",
+            fmt_bytes(need),
+            fmt_bytes(free),
+        )
+        return
+    t0 = time.perf_counter()
+    experts.preload()
+    log.info("%s of experts read into RAM in %.2f s", fmt_bytes(need), time.perf_counter() - t0)

@@ -397,11 +397,86 @@ def _bf16_dot4x2_wide(w, rows, x, u, ahead):
     return (p0, p1, p2, p3), (q0, q1, q2, q3)
 
 
+@njit(cache=True, nogil=True)
+def _bf16_dot2x8_wide(w, r0, r1, x, u, ahead0, ahead1):
+    """Rows r0, r1 of w against activation rows u .. u + 7 of x, in sixteen lanes: each weight
+    load widened once for eight FMAs (sixteen sums in flight, against two per widening in
+    `_bf16_dot4x2_wide`: at many rows the widening, not memory, bounds the bf16 products),
+    the same bits per (row, activation row).  Rows ahead0, ahead1 are prefetched."""
+    cols = x.shape[1]
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = _zzero()
+    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = _zzero()
+    c16 = cols - cols % 16
+    for j in range(0, c16, 16):
+        if j & 31 == 0:
+            _prefetch(w, ahead0, j)
+            _prefetch(w, ahead1, j)
+        v, t = _zload_bf16(w, r0, j), _zload_bf16(w, r1, j)
+        x0, x1, x2, x3 = (
+            _zload(x, u, j),
+            _zload(x, u + 1, j),
+            _zload(x, u + 2, j),
+            _zload(x, u + 3, j),
+        )
+        a0, b0 = _zfma(v, x0, a0), _zfma(t, x0, b0)
+        a1, b1 = _zfma(v, x1, a1), _zfma(t, x1, b1)
+        a2, b2 = _zfma(v, x2, a2), _zfma(t, x2, b2)
+        a3, b3 = _zfma(v, x3, a3), _zfma(t, x3, b3)
+        x4, x5, x6, x7 = (
+            _zload(x, u + 4, j),
+            _zload(x, u + 5, j),
+            _zload(x, u + 6, j),
+            _zload(x, u + 7, j),
+        )
+        a4, b4 = _zfma(v, x4, a4), _zfma(t, x4, b4)
+        a5, b5 = _zfma(v, x5, a5), _zfma(t, x5, b5)
+        a6, b6 = _zfma(v, x6, a6), _zfma(t, x6, b6)
+        a7, b7 = _zfma(v, x7, a7), _zfma(t, x7, b7)
+    p0, p1, p2, p3 = _vsum(_zpairs(a0)), _vsum(_zpairs(a1)), _vsum(_zpairs(a2)), _vsum(_zpairs(a3))
+    p4, p5, p6, p7 = _vsum(_zpairs(a4)), _vsum(_zpairs(a5)), _vsum(_zpairs(a6)), _vsum(_zpairs(a7))
+    q0, q1, q2, q3 = _vsum(_zpairs(b0)), _vsum(_zpairs(b1)), _vsum(_zpairs(b2)), _vsum(_zpairs(b3))
+    q4, q5, q6, q7 = _vsum(_zpairs(b4)), _vsum(_zpairs(b5)), _vsum(_zpairs(b6)), _vsum(_zpairs(b7))
+    for c in range(c16, cols):
+        v0, v1 = _widen(w[r0, c]), _widen(w[r1, c])
+        p0, q0 = _fma(v0, x[u, c], p0), _fma(v1, x[u, c], q0)
+        p1, q1 = _fma(v0, x[u + 1, c], p1), _fma(v1, x[u + 1, c], q1)
+        p2, q2 = _fma(v0, x[u + 2, c], p2), _fma(v1, x[u + 2, c], q2)
+        p3, q3 = _fma(v0, x[u + 3, c], p3), _fma(v1, x[u + 3, c], q3)
+        p4, q4 = _fma(v0, x[u + 4, c], p4), _fma(v1, x[u + 4, c], q4)
+        p5, q5 = _fma(v0, x[u + 5, c], p5), _fma(v1, x[u + 5, c], q5)
+        p6, q6 = _fma(v0, x[u + 6, c], p6), _fma(v1, x[u + 6, c], q6)
+        p7, q7 = _fma(v0, x[u + 7, c], p7), _fma(v1, x[u + 7, c], q7)
+    return (p0, p1, p2, p3, p4, p5, p6, p7), (q0, q1, q2, q3, q4, q5, q6, q7)
+
+
+@njit(cache=True, nogil=True)
+def _bf16_rows_x8_wide(w, x, out, r0, r1, b8):
+    """out[:b8, r0:r1] (b8 a multiple of 8) for bfloat16 rows w (uint16 [R, cols]), two
+    weight rows at a time against eight activation rows (`_bf16_dot2x8_wide`); an odd last
+    row is paired with itself.  Eight activation rows stay in L1 while the item's weight rows
+    pass (from L2 after the first eight, which prefetch the next pair from memory): the
+    other way round, sixteen activation rows were re-read from L2 for every pair, and that,
+    not the FMAs, bounded the products."""
+    last = w.shape[0] - 1
+    for u in range(0, b8, 8):
+        for r in range(r0, r1, 2):
+            s = min(r + 1, r1 - 1)
+            a0, a1 = (min(r + 2, last), min(r + 3, last)) if u == 0 else (r, s)
+            p, q = _bf16_dot2x8_wide(w, r, s, x, u, a0, a1)
+            for i in range(8):
+                out[u + i, r] = p[i]
+                out[u + i, s] = q[i]
+
+
 # Rows at most this wide take one weight row against four activation rows (`_bf16_rows_x4`):
 # the four rows of x stay in L1 and are read straight into the FMAs, the weight row is widened
 # once for the four. Measured on one thread at 16 activation rows (Zen 3, AVX2): 1.9x the
 # four-weight-row pass at 256 columns, 1.7x at 512, 0.9x at 1024 and 1.0x at 2048.
 NARROW_COLS = 512
+
+# From this many activation rows, AVX-512 takes two weight rows against eight activation rows
+# (`_bf16_rows_x8_wide`); below, four weight rows against two.
+WIDE_MANY_ROWS = 8
 
 
 @njit(cache=True, nogil=True)
@@ -420,7 +495,10 @@ def float_rows(fmt, wq, x, xp, out, r0, r1):
     w32 = wq.view(np.float32) if fmt != FMT_BF16 else np.empty((0, 0), dtype=np.float32)
     w16 = wq.view(np.uint16) if fmt == FMT_BF16 else np.empty((0, 0), dtype=np.uint16)
     first = 0  # the first activation row left for the four-weight-row pass
-    if fmt == FMT_BF16 and b >= 4 and cols <= NARROW_COLS:
+    if fmt == FMT_BF16 and WIDE_BF16 and b >= WIDE_MANY_ROWS:
+        first = b - b % 8
+        _bf16_rows_x8_wide(w16, x, out, r0, r1, first)
+    elif fmt == FMT_BF16 and b >= 4 and cols <= NARROW_COLS:
         first = b - b % 4
         _bf16_rows_x4(w16, x, xp, out, r0, r1, first)
     last = wq.shape[0] - 1
