@@ -303,15 +303,18 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 
 
-def convert_hf(llama: LlamaCpp, python: Path, hf_dir: Path, out: Path, log: Path) -> None:
-    """HF checkpoint -> bf16 GGUF with llama.cpp's converter (run by `python`, which has torch
-    and transformers); written to a temporary name and renamed when complete."""
+def convert_hf(
+    llama: LlamaCpp, python: Path, hf_dir: Path, out: Path, log: Path, outtype: str = "bf16"
+) -> None:
+    """HF checkpoint -> GGUF (`outtype`: bf16, f32, ...) with llama.cpp's converter (run by
+    `python`, which has torch and transformers); written to a temporary name and renamed
+    when complete."""
     wrapper = out.parent / "convert_hf_to_gguf_wrapper.py"
     wrapper.write_text(CONVERT_WRAPPER)
     tmp = out.with_name(out.name + ".partial")
     env = {k: v for k, v in tool_env().items() if k not in ("PYTHONPATH", "NO_LOCAL_GGUF")}
     run_logged(
-        [python, wrapper, llama.src, hf_dir, "--outtype", "bf16", "--outfile", tmp],
+        [python, wrapper, llama.src, hf_dir, "--outtype", outtype, "--outfile", tmp],
         log,
         f"llama.cpp's convert_hf_to_gguf.py on {hf_dir}",
         env=env,

@@ -24,7 +24,11 @@ def _convert_arguments(p) -> None:
         TRUNK_FORMATS,
     )
 
-    p.add_argument("src", help="checkpoint directory (config.json + *.safetensors)")
+    p.add_argument(
+        "src",
+        help="checkpoint directory (config.json + *.safetensors), or a llama.cpp GGUF file "
+        "(a split model: any of its -0000N-of-0000M.gguf parts)",
+    )
     p.add_argument("out", help="model directory to create")
     p.add_argument(
         "--experts",
@@ -44,13 +48,28 @@ def _convert_arguments(p) -> None:
         help="replace OUT if it is an earlier model directory or empty, never anything else",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--tokenizer",
+        metavar="TOKENIZER_JSON",
+        help="GGUF source: this tokenizer.json (and the tokenizer_config.json beside it) "
+        "instead of the tokenizer rebuilt from the file",
+    )
     p.set_defaults(func=cmd_convert)
 
 
 def cmd_convert(args) -> int:
     from moeshard.moe.convert.converter import convert
+    from moeshard.moe.convert.gguf_import import convert_gguf, is_gguf
 
-    s = convert(args.src, args.out, args.experts, args.trunk, args.force, not args.quiet)
+    if Path(args.src).is_file() and is_gguf(Path(args.src)):
+        s = convert_gguf(
+            args.src, args.out, args.experts, args.trunk, args.force, not args.quiet,
+            args.tokenizer,
+        )  # fmt: skip
+    elif args.tokenizer:
+        raise MoeshardError("--tokenizer applies to a GGUF source only")
+    else:
+        s = convert(args.src, args.out, args.experts, args.trunk, args.force, not args.quiet)
     print(
         f"converted {args.src} -> {args.out}: {s.params / 1e6:.2f} M params "
         f"(trunk {s.trunk_params / 1e6:.2f} M, experts {s.expert_params / 1e6:.2f} M), "

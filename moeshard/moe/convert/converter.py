@@ -307,25 +307,37 @@ def convert(
     trunk_fmt: str = DEFAULT_TRUNK_FORMAT,
     force: bool = False,
     progress: bool | Progress = True,
+    checkpoint=None,
+    origin: Path | None = None,
 ) -> ConvertSummary:
     """Convert checkpoint directory `src` into model directory `out` (see module docstring).
 
     expert_format None: mxfp4 where the checkpoint publishes its experts so (their bits
     kept), else DEFAULT_EXPERT_FORMAT.  progress: True for a progress bar on stderr (drawn
-    only if it is a terminal), False for none, or a `Progress` to draw on."""
+    only if it is a terminal), False for none, or a `Progress` to draw on.  checkpoint: the
+    tensors, where they are not src's safetensors (a GGUF file: `gguf_import`, which writes
+    src's config and tokenizer files and passes the file as `origin`); closed here."""
     started = time.perf_counter()
     src, out = Path(src), Path(out)
+    origin = Path(origin) if origin is not None else src
     if expert_format is not None and expert_format not in EXPERT_FORMATS:
         raise ConfigError(f"--experts {expert_format}: choose one of {', '.join(EXPERT_FORMATS)}")
     if trunk_fmt not in TRUNK_FORMATS:
         raise ConfigError(f"--trunk {trunk_fmt}: choose one of {', '.join(TRUNK_FORMATS)}")
     if not src.is_dir():
+        if checkpoint is not None:
+            checkpoint.close()
         raise CheckpointError(f"{src}: no such checkpoint directory")
-    check_output(out, [src], force, "model")
-    raw = read_json(src / "config.json")
-    config = load_config(src)
-    family = family_for(config.model_type, str(src / "config.json"))
-    ckpt = Checkpoint(src)
+    try:
+        check_output(out, [origin], force, "model")
+        raw = read_json(src / "config.json")
+        config = load_config(src)
+        family = family_for(config.model_type, str(src / "config.json"))
+    except BaseException:
+        if checkpoint is not None:
+            checkpoint.close()
+        raise
+    ckpt = checkpoint if checkpoint is not None else Checkpoint(src)
     bar = progress if isinstance(progress, Progress) else Progress("convert") if progress else None
     try:
         with staged(out, out.parent / f".{out.name}.tmp-convert") as tmp:
@@ -333,7 +345,7 @@ def convert(
             if expert_format is None:
                 expert_format = "mxfp4" if plan.mxfp4_experts else DEFAULT_EXPERT_FORMAT
             _check_block_dims(config, expert_format, src)
-            summary = _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, bar)
+            summary = _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, bar, origin)
             summary.seconds = time.perf_counter() - started
         return summary
     finally:
@@ -361,13 +373,14 @@ def _expert_record(gate, up, down, fmt: str) -> np.ndarray:
     return quant.pack_expert(*floats, fmt)
 
 
-def _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, bar) -> ConvertSummary:
+def _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, bar, origin) -> ConvertSummary:
     with ExitStack() as closing:  # a failure closes the files it leaves unfinished
-        return _write_files(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, bar, closing)
+        args = (config, plan, ckpt, src, tmp, expert_format, trunk_fmt, bar, closing, origin)
+        return _write_files(*args)
 
 
 def _write_files(
-    config, plan, ckpt, src, tmp, expert_format, trunk_fmt, bar, closing
+    config, plan, ckpt, src, tmp, expert_format, trunk_fmt, bar, closing, origin
 ) -> ConvertSummary:
     shapes = config.trunk_shapes()
     trunk = TrunkWriter(tmp / TRUNK_FILE, config.model_type)
@@ -462,7 +475,7 @@ def _write_files(
         "n_experts": config.n_experts,
         "moe_layers": list(config.moe_layers),
         "params": {"trunk": trunk_params, "experts": expert_params},
-        "converted_from": str(src),
+        "converted_from": str(origin),
         "skipped_tensors": plan.skipped,
         "merkle": merkle.manifest_entry(content, roots_sha),
         "covers": covers_entry(config_sha, data_id),

@@ -1,0 +1,373 @@
+"""`moeshard convert FILE.gguf OUT`: a llama.cpp GGUF file as a checkpoint (issue 39).
+
+llama.cpp's converter renames every tensor (`blk.N.attn_q.weight`), stacks the experts of a
+layer into one 3-D tensor per projection (`blk.N.ffn_gate_exps.weight` [experts, out, in]),
+and moves the config into metadata keys under the architecture's name (`qwen3moe.block_count`).
+This module undoes that: `GgufCheckpoint` offers the file's tensors under the Hugging Face
+names with the `Checkpoint` interface the converter reads (each expert a slice of its stack,
+read and dequantized alone), and `hf_config` writes the config.json transformers would have.
+Values are decoded by the `gguf` package's own dequantizers (`gguf.quants.dequantize`), so any
+type it knows imports, as float32, into the formats the user picks.
+
+Keys llama.cpp does not store because its graph hard-codes them are set as its graph sets
+them, each with the llama.cpp source line that does so.
+
+A split model (`NAME-00001-of-00003.gguf`) is read from all its parts; the metadata is that of
+the first (llama.cpp's gguf-split writes it there).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moeshard.moe.errors import CheckpointError
+
+_SPLIT = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$")
+
+
+def gguf_parts(path: Path) -> list[Path]:
+    """The files of the model `path` names: itself, or every part of a split model (any
+    part may be given)."""
+    m = _SPLIT.match(path.name)
+    if m is None:
+        return [path]
+    total = int(m["total"])
+    parts = [
+        path.with_name(f"{m['stem']}-{i:05d}-of-{total:05d}.gguf") for i in range(1, total + 1)
+    ]
+    missing = [p.name for p in parts if not p.exists()]
+    if missing:
+        raise CheckpointError(f"{path}: part of a {total}-file split model; missing {missing[0]}")
+    return parts
+
+
+# ---------------------------------------------------------------------------------------------
+# per architecture: tensor names and config keys
+
+
+@dataclass(frozen=True)
+class Arch:
+    model_type: str  # the Hugging Face model_type written to config.json
+    architecture: str  # its "architectures" entry
+    layer_tensors: dict[str, str]  # GGUF name after "blk.N." -> HF name after "model.layers.N."
+    expert_stacks: dict[str, str]  # stacked GGUF expert tensor -> HF projection name
+
+
+_QWEN_ATTENTION = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+}
+_STACKS = {
+    "ffn_gate_exps.weight": "gate_proj",
+    "ffn_up_exps.weight": "up_proj",
+    "ffn_down_exps.weight": "down_proj",
+}
+
+ARCHS = {
+    "qwen3moe": Arch(
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        _QWEN_ATTENTION
+        | {
+            "attn_q_norm.weight": "self_attn.q_norm.weight",
+            "attn_k_norm.weight": "self_attn.k_norm.weight",
+        },
+        _STACKS,
+    ),
+}
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _arch_of(fields: dict, source: Path) -> tuple[str, Arch]:
+    name = _text(fields, "general.architecture", source)
+    if name not in ARCHS:
+        raise CheckpointError(
+            f"{source}: GGUF architecture '{name}' cannot be imported yet "
+            f"(supported: {', '.join(sorted(ARCHS))})"
+        )
+    return name, ARCHS[name]
+
+
+def _value(fields: dict, key: str, source: Path, default=None):
+    field = fields.get(key)
+    if field is None:
+        if default is not None:
+            return default
+        raise CheckpointError(f"{source}: GGUF metadata key '{key}' is missing")
+    return field.contents()
+
+
+def _text(fields: dict, key: str, source: Path) -> str:
+    value = _value(fields, key, source)
+    if not isinstance(value, str):
+        raise CheckpointError(f"{source}: GGUF metadata key '{key}' is not a string")
+    return value
+
+
+def _int(fields: dict, key: str, source: Path, default=None) -> int:
+    value = _value(fields, key, source, default)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise CheckpointError(f"{source}: GGUF metadata key '{key}' is not an integer")
+    return int(value)
+
+
+def _float(fields: dict, key: str, source: Path, default=None) -> float:
+    """A float32 key as the decimal it was written from (1e-06, not 9.999999974752427e-07)."""
+    value = _value(fields, key, source, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+        raise CheckpointError(f"{source}: GGUF metadata key '{key}' is not a number")
+    return float(str(np.float32(value)))
+
+
+def hf_config(fields: dict, tensor_names: set[str], vocab_size: int, source: Path) -> dict:
+    """The config.json transformers would have written for the model these GGUF metadata
+    `fields` describe."""
+    name, arch = _arch_of(fields, source)
+    k = f"{name}."
+    heads = _int(fields, k + "attention.head_count", source)
+    hidden = _int(fields, k + "embedding_length", source)
+    config = {
+        "architectures": [arch.architecture],
+        "model_type": arch.model_type,
+        "hidden_size": hidden,
+        "num_hidden_layers": _int(fields, k + "block_count", source),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _int(fields, k + "attention.head_count_kv", source),
+        "head_dim": _int(fields, k + "attention.key_length", source, hidden // heads),
+        "intermediate_size": _int(fields, k + "feed_forward_length", source),
+        "moe_intermediate_size": _int(fields, k + "expert_feed_forward_length", source),
+        "num_experts": _int(fields, k + "expert_count", source),
+        "num_experts_per_tok": _int(fields, k + "expert_used_count", source),
+        "max_position_embeddings": _int(fields, k + "context_length", source),
+        "rms_norm_eps": _float(fields, k + "attention.layer_norm_rms_epsilon", source),
+        "rope_theta": _float(fields, k + "rope.freq_base", source),
+        "rope_scaling": _rope_scaling(fields, k, source),
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+        "bos_token_id": _int(fields, "tokenizer.ggml.bos_token_id", source, -1),
+        "eos_token_id": _int(fields, "tokenizer.ggml.eos_token_id", source, -1),
+    }
+    value_length = _int(fields, k + "attention.value_length", source, config["head_dim"])
+    if value_length != config["head_dim"]:
+        raise CheckpointError(
+            f"{source}: value length {value_length} differs from key length {config['head_dim']}"
+        )
+    if name == "qwen3moe":
+        # llama.cpp's graph renormalises the top-k weights of every qwen3moe model
+        # (src/models/qwen3moe.cpp: build_moe_ffn(..., LLM_FFN_SILU, true, ...)) and makes
+        # every layer a MoE layer (no mlp_only_layers / decoder_sparse_step in its hparams)
+        config |= {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+        config |= {"attention_bias": False, "use_sliding_window": False, "sliding_window": None}
+    for key in ("bos_token_id", "eos_token_id"):
+        if config[key] < 0:
+            config[key] = None
+    return config
+
+
+def _rope_scaling(fields: dict, k: str, source: Path) -> dict | None:
+    kind = fields.get(k + "rope.scaling.type")
+    if kind is None or kind.contents() in ("none", ""):
+        return None
+    kind = kind.contents()
+    if kind != "yarn":
+        raise CheckpointError(f"{source}: rope scaling '{kind}' cannot be imported yet")
+    return {
+        "rope_type": "yarn",
+        "factor": _float(fields, k + "rope.scaling.factor", source),
+        "original_max_position_embeddings": _int(
+            fields, k + "rope.scaling.original_context_length", source
+        ),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# the tensors
+
+
+@dataclass(frozen=True)
+class _Source:
+    tensor: object  # gguf.ReaderTensor
+    expert: int | None  # the slice of a stacked expert tensor, or the whole tensor
+    shape: tuple[int, ...]  # row-major, as the HF tensor
+
+
+class GgufCheckpoint:
+    """The tensors of GGUF files under their Hugging Face names, with the interface of
+    `moeshard.moe.convert.checkpoint.Checkpoint` that the converter reads."""
+
+    def __init__(self, paths: list[Path]):
+        from gguf import GGUFReader  # (imported here: it is only needed to import GGUF files)
+
+        self.directory = paths[0]  # (named in the converter's messages)
+        self.readers = []
+        for p in paths:
+            try:
+                self.readers.append(GGUFReader(p))
+            except (OSError, ValueError, KeyError, IndexError, EOFError) as exc:
+                what = f"not a readable GGUF file, truncated or malformed ({exc})"
+                raise CheckpointError(f"{p}: {what}") from None
+        self.fields = self.readers[0].fields
+        self.arch_name, self.arch = _arch_of(self.fields, paths[0])
+        self.sources: dict[str, _Source] = {}
+        for reader in self.readers:
+            for t in reader.tensors:
+                self._add(t)
+
+    def _add(self, t) -> None:
+        shape = tuple(int(d) for d in reversed(t.shape))  # ggml's ne is innermost first
+        name = t.name
+        if name in _GLOBAL_TENSORS:
+            self.sources[_GLOBAL_TENSORS[name]] = _Source(t, None, shape)
+            return
+        m = re.match(r"^blk\.(\d+)\.(.+)$", name)
+        if m is not None and m[2] in self.arch.expert_stacks:
+            proj = self.arch.expert_stacks[m[2]]
+            for e in range(shape[0]):
+                hf = f"model.layers.{m[1]}.mlp.experts.{e}.{proj}.weight"
+                self.sources[hf] = _Source(t, e, shape[1:])
+            return
+        if m is not None and m[2] in self.arch.layer_tensors:
+            self.sources[f"model.layers.{m[1]}.{self.arch.layer_tensors[m[2]]}"] = _Source(
+                t, None, shape
+            )
+            return
+        self.sources[name] = _Source(t, None, shape)  # (listed as skipped by the converter)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sources["model.embed_tokens.weight"].shape[0]
+
+    def names(self) -> list[str]:
+        return list(self.sources)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.sources[name].shape
+
+    def dtype(self, name: str) -> str:
+        return self.sources[name].tensor.tensor_type.name
+
+    def describe(self, name: str) -> str:
+        s = self.sources[name]
+        where = s.tensor.name + (f"[{s.expert}]" if s.expert is not None else "")
+        return f"{self.directory.name}:{where}"
+
+    def float32(self, name: str, block=None) -> np.ndarray:
+        """Tensor `name` as float32, decoded by `gguf.quants.dequantize` (an expert: its
+        slice of the stack alone)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        s = self.sources[name]
+        data = s.tensor.data if s.expert is None else s.tensor.data[s.expert]
+        qtype = s.tensor.tensor_type
+        try:
+            if qtype == GGMLQuantizationType.F32:
+                value = np.array(data, dtype=np.float32)
+            else:
+                value = dequantize(np.asarray(data), qtype).astype(np.float32, copy=False)
+        except NotImplementedError:
+            raise CheckpointError(
+                f"{self.describe(name)}: GGUF type {qtype.name} cannot be decoded"
+            ) from None
+        if value.shape != s.shape:
+            raise CheckpointError(
+                f"{self.describe(name)}: decoded to {list(value.shape)}, expected {list(s.shape)}"
+            )
+        return value
+
+    def close(self) -> None:
+        for reader in self.readers:
+            mm = getattr(reader, "data", None)
+            if hasattr(mm, "_mmap") and mm._mmap is not None:
+                mm._mmap.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# the conversion
+
+
+def _write_json(path: Path, value) -> None:
+    """(Into the staging directory, which convert reads and then removes: no rename needed.)"""
+    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether `path` is a file that starts as a GGUF file does."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def convert_gguf(
+    path,
+    out,
+    expert_format: str | None = None,
+    trunk_fmt: str | None = None,
+    force: bool = False,
+    progress=True,
+    tokenizer: Path | None = None,
+):
+    """`moeshard.moe.convert.converter.convert` of a GGUF file (or split model): its config,
+    tokenizer and generation config are written into a staging directory beside OUT as
+    transformers would have written them, and the tensors read from the file itself.
+    tokenizer: a tokenizer.json to use instead of rebuilding the file's (its
+    tokenizer_config.json beside it is taken too, where there is one)."""
+    import shutil
+    import tempfile
+
+    from moeshard.moe.convert.converter import DEFAULT_TRUNK_FORMAT, convert
+    from moeshard.moe.convert.gguf_tokenizer import tokenizer_config, tokenizer_json
+
+    path, out = Path(path), Path(out)
+    ckpt = GgufCheckpoint(gguf_parts(path))
+    try:
+        tensor_names = {t.name for r in ckpt.readers for t in r.tensors}
+        config = hf_config(ckpt.fields, tensor_names, ckpt.vocab_size, path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.gguf-", dir=out.parent))
+    except BaseException:
+        ckpt.close()
+        raise
+    try:
+        _write_json(staging / "config.json", config)
+        ids = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}
+        _write_json(staging / "generation_config.json", ids)
+        if tokenizer is not None:
+            tokenizer = Path(tokenizer)
+            if not tokenizer.is_file():
+                raise CheckpointError(f"--tokenizer {tokenizer}: no such file")
+            shutil.copyfile(tokenizer, staging / "tokenizer.json")
+            beside = tokenizer.with_name("tokenizer_config.json")
+            if beside.is_file():
+                shutil.copyfile(beside, staging / "tokenizer_config.json")
+            else:
+                _write_json(staging / "tokenizer_config.json", tokenizer_config(ckpt.fields, path))
+        else:
+            (staging / "tokenizer.json").write_text(tokenizer_json(ckpt.fields, path))
+            _write_json(staging / "tokenizer_config.json", tokenizer_config(ckpt.fields, path))
+        trunk = trunk_fmt or DEFAULT_TRUNK_FORMAT
+        return convert(staging, out, expert_format, trunk, force, progress, ckpt, path)
+    except BaseException:
+        ckpt.close()  # (convert closes it itself once it has it; closing twice is harmless)
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

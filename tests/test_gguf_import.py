@@ -1,0 +1,134 @@
+"""`moeshard convert FILE.gguf` (issue 39) on GGUF files made by llama.cpp's own converter from
+the repository's test checkpoints (tools/make_gguf_fixtures.py): the imported model gives
+transformers' logits and tokens, the same bits as the safetensors conversion, and the
+tokenizer rebuilt from the file encodes as the original tokenizer.json."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from helpers import FIXTURES, ROOT, reference
+
+from moeshard.cli import main
+from moeshard.coordinator.generate import SamplingOptions, generate
+from moeshard.coordinator.runtime import open_local
+from moeshard.moe.convert.gguf_import import convert_gguf, gguf_parts
+from moeshard.moe.errors import CheckpointError
+
+GGUF = FIXTURES / "gguf"
+TOLERANCE = 1e-4  # of the reference logit range, as tests/test_reference.py
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gguf") / "qwen3_moe"
+    convert_gguf(GGUF / "qwen3_moe-f32.gguf", out, "f32", "f32", progress=False)
+    return out
+
+
+def test_an_imported_f32_gguf_matches_transformers(imported):
+    ref = reference("qwen3_moe")
+    rt = open_local(imported)
+    logits = rt.transformer.forward(ref["prompt_ids"], rt.transformer.new_cache(64))  # [T, V]
+    span = float(ref["prefill_logits"].max() - ref["prefill_logits"].min())
+    assert float(np.abs(logits - ref["prefill_logits"]).max()) <= TOLERANCE * span
+    prompt = [int(t) for t in ref["prompt_ids"]]
+    opts = SamplingOptions(max_tokens=len(ref["greedy_ids"]), keep_logits=True)
+    result = generate(rt.transformer, prompt, opts)
+    assert result.tokens == [int(t) for t in ref["greedy_ids"]]
+    assert float(np.abs(np.stack(result.logits) - ref["greedy_logits"]).max()) <= TOLERANCE * span
+
+
+def test_the_gguf_gives_the_bits_of_the_safetensors(imported, converted):
+    """The file holds the checkpoint's f32 values: the same trunk and expert records, so
+    the same logits bit for bit (only config.json's wording differs)."""
+    ref = reference("qwen3_moe")
+    outs = []
+    for model in (imported, converted("qwen3_moe")):
+        rt = open_local(model)
+        outs.append(rt.transformer.forward(ref["prompt_ids"], rt.transformer.new_cache(64)))
+    assert np.array_equal(outs[0], outs[1])
+    manifest = json.loads((imported / "moeshard.json").read_text())
+    assert manifest["converted_from"].endswith("qwen3_moe-f32.gguf")
+
+
+def test_the_config_is_what_transformers_wrote(imported):
+    """Every field the model reads, from the GGUF metadata (and llama.cpp's hard-coded
+    qwen3moe choices), equals the checkpoint's config.json."""
+    got = json.loads((imported / "config.json").read_text())
+    want = json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text())
+    keys = (
+        "model_type hidden_size num_hidden_layers num_attention_heads num_key_value_heads "
+        "head_dim moe_intermediate_size num_experts num_experts_per_tok rms_norm_eps "
+        "rope_theta rope_scaling vocab_size tie_word_embeddings norm_topk_prob "
+        "decoder_sparse_step mlp_only_layers bos_token_id eos_token_id"
+    ).split()
+    assert {k: got[k] for k in keys} == {k: want[k] for k in keys}
+
+
+def test_the_tokenizer_rebuilt_from_the_file_encodes_as_the_original(imported):
+    from tokenizers import Tokenizer
+
+    rebuilt = Tokenizer.from_file(str(imported / "tokenizer.json"))
+    original = Tokenizer.from_file(str(FIXTURES / "qwen3_moe" / "tokenizer.json"))
+    corpus = [
+        (ROOT / "README.md").read_text(),
+        (ROOT / "docs" / "usage.md").read_text(),
+        "  spaces\t\ttabs\n\nnew lines <|endoftext|> ÿ 漢字 don't we'll 12345 3.14",
+    ]
+    for text in corpus:
+        ids = original.encode(text).ids
+        assert rebuilt.encode(text).ids == ids
+        assert rebuilt.decode(ids) == original.decode(ids)
+    config = json.loads((imported / "tokenizer_config.json").read_text())
+    assert config["eos_token"] == "<|endoftext|>" and config["add_bos_token"] is False
+
+
+def test_convert_on_the_command_line_takes_a_gguf_and_a_tokenizer(tmp_path, capsys):
+    out = tmp_path / "m"
+    tokenizer = FIXTURES / "qwen3_moe" / "tokenizer.json"
+    src = str(GGUF / "qwen3_moe-f32.gguf")
+    assert main(["convert", src, str(out), "--quiet", "--tokenizer", str(tokenizer)]) == 0
+    assert "converted" in capsys.readouterr().out
+    assert (out / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+    assert (out / "tokenizer_config.json").read_bytes() == tokenizer.with_name(
+        "tokenizer_config.json"
+    ).read_bytes()
+
+
+@pytest.mark.parametrize("keep", [3000, 500_000])
+def test_a_truncated_gguf_is_refused_and_leaves_nothing(tmp_path, capsys, keep):
+    src = tmp_path / "cut.gguf"
+    src.write_bytes((GGUF / "qwen3_moe-f32.gguf").read_bytes()[:keep])
+    out = tmp_path / "m"
+    assert main(["convert", str(src), str(out), "--quiet"]) == 2
+    assert "truncated or malformed" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf"]
+
+
+def test_an_architecture_not_imported_is_named(tmp_path):
+    from gguf import GGUFReader, GGUFWriter
+
+    src = tmp_path / "other.gguf"
+    reader = GGUFReader(GGUF / "qwen3_moe-f32.gguf")
+    writer = GGUFWriter(str(src), "bert")
+    tensor = reader.tensors[0]
+    writer.add_tensor(tensor.name, np.array(tensor.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match="architecture 'bert' cannot be imported yet"):
+        convert_gguf(src, tmp_path / "m", progress=False)
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_split_model_needs_every_part(tmp_path):
+    first = tmp_path / "m-00001-of-00002.gguf"
+    shutil.copyfile(GGUF / "qwen3_moe-f32.gguf", first)
+    with pytest.raises(CheckpointError, match="missing m-00002-of-00002.gguf"):
+        gguf_parts(first)
+    assert gguf_parts(tmp_path / "plain.gguf") == [tmp_path / "plain.gguf"]

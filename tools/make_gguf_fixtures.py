@@ -1,0 +1,47 @@
+#!/usr/bin/env python
+"""GGUF fixtures made by llama.cpp's own converter from the repository's test checkpoints
+(issue 39): `moeshard convert FILE.gguf` must reproduce what the safetensors give.
+
+    .venv/bin/python tools/make_gguf_fixtures.py [--out tests/fixtures/gguf]
+
+llama.cpp comes from the llama-cpp-python sdist, as `moeshard bench compare-llamacpp` builds
+it (cached under ~/.cache/moeshard); its convert_hf_to_gguf.py runs in the reference venv
+(`make ref-venv`: torch + transformers). For each fixture: NAME-f32.gguf, every tensor f32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from moeshard.bench import llamacpp  # noqa: E402
+
+# the test checkpoints whose llama.cpp architecture `moeshard convert` imports
+FIXTURES = ("qwen3_moe",)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(REPO / "tests" / "fixtures" / "gguf"))
+    p.add_argument("--python", default=str(REPO / ".venv-ref" / "bin" / "python"))
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cache = llamacpp.cache_root(None)
+    llama = llamacpp.ensure_built(cache, None)
+    for name in FIXTURES:
+        target = out / f"{name}-f32.gguf"
+        log = cache / f"gguf-fixture-{name}.log"
+        hf = REPO / "tests" / "fixtures" / name
+        llamacpp.convert_hf(llama, Path(args.python), hf, target, log, outtype="f32")
+        print(f"{hf} -> {target} ({target.stat().st_size / 1e6:.2f} MB)")
+    (out / "convert_hf_to_gguf_wrapper.py").unlink(missing_ok=True)  # (convert_hf's helper)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
