@@ -99,6 +99,40 @@ def test_convert_on_the_command_line_takes_a_gguf_and_a_tokenizer(tmp_path, caps
     ).read_bytes()
 
 
+@pytest.mark.parametrize(
+    ("variant", "fmt"), [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("mxfp4_moe", "mxfp4")]
+)
+def test_quantized_experts_are_kept_bit_for_bit(tmp_path, variant, fmt):
+    """llama-quantize's Q8_0, Q4_0 and MXFP4 experts become records of that format by default,
+    every block the file's own (reordered only), and the model runs within 8-bit activations'
+    error of the same file decoded to f32."""
+    from gguf import GGUFReader
+
+    from moeshard.moe.kernels.layout import packed_nbytes, unpack_to_ggml
+    from moeshard.moe.model.model_dir import ModelDir
+
+    src = GGUF / f"qwen3_moe-{variant}.gguf"
+    kept, decoded = tmp_path / "kept", tmp_path / "decoded"
+    convert_gguf(src, kept, progress=False)
+    convert_gguf(src, decoded, "f32", "f32", progress=False)
+    assert json.loads((kept / "moeshard.json").read_text())["expert_format"] == fmt
+    stacks = {t.name: t for t in GGUFReader(src).tensors if "_exps." in t.name}
+    shards = ModelDir(kept).shard_set
+    for layer in range(3):
+        for expert in range(8):
+            record, at = shards.read(layer, expert), 0
+            for proj, (rows, cols) in (("gate", (32, 64)), ("up", (32, 64)), ("down", (64, 32))):
+                n = packed_nbytes(fmt, rows, cols)
+                got = unpack_to_ggml(record[at : at + n], fmt, rows, cols)
+                want = np.asarray(stacks[f"blk.{layer}.ffn_{proj}_exps.weight"].data[expert])
+                assert np.array_equal(got.reshape(-1), want.view(np.uint8).reshape(-1))
+                at += n
+    prompt = reference("qwen3_moe")["prompt_ids"]
+    runs = [open_local(m).transformer for m in (kept, decoded)]
+    a, b = (t.forward(prompt, t.new_cache(16)) for t in runs)  # [T, V]
+    assert float(np.abs(a - b).max()) <= 0.02 * float(b.max() - b.min())
+
+
 @pytest.mark.parametrize("keep", [3000, 500_000])
 def test_a_truncated_gguf_is_refused_and_leaves_nothing(tmp_path, capsys, keep):
     src = tmp_path / "cut.gguf"

@@ -6,7 +6,8 @@
 
 llama.cpp comes from the llama-cpp-python sdist, as `moeshard bench compare-llamacpp` builds
 it (cached under ~/.cache/moeshard); its convert_hf_to_gguf.py runs in the reference venv
-(`make ref-venv`: torch + transformers). For each fixture: NAME-f32.gguf, every tensor f32.
+(`make ref-venv`: torch + transformers). For each fixture: NAME-f32.gguf, every tensor f32,
+and llama-quantize's NAME-q8_0.gguf, NAME-q4_0.gguf and NAME-mxfp4_moe.gguf of it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from moeshard.bench import llamacpp  # noqa: E402
 
 # the test checkpoints whose llama.cpp architecture `moeshard convert` imports
 FIXTURES = ("qwen3_moe",)
+# llama-quantize types of the f32 file, with its options: every 2-D tensor in the type
+# (--pure: no Q6_K output layer), and llama.cpp's MXFP4_MOE mix (experts MXFP4, the rest Q8_0)
+QUANTIZED = (("Q8_0", ["--pure"]), ("Q4_0", ["--pure"]), ("MXFP4_MOE", []))
 
 
 def main() -> int:
@@ -39,6 +43,10 @@ def main() -> int:
         hf = REPO / "tests" / "fixtures" / name
         llamacpp.convert_hf(llama, Path(args.python), hf, target, log, outtype="f32")
         print(f"{hf} -> {target} ({target.stat().st_size / 1e6:.2f} MB)")
+        for ftype, options in QUANTIZED:
+            quantized = out / f"{name}-{ftype.lower()}.gguf"
+            llamacpp.quantize(llama, target, quantized, options, 1, log, ftype)
+            print(f"{target.name} -> {quantized} ({quantized.stat().st_size / 1e6:.2f} MB)")
     (out / "convert_hf_to_gguf_wrapper.py").unlink(missing_ok=True)  # (convert_hf's helper)
     return 0
 

@@ -347,12 +347,19 @@ def same_formats_args(trunk: str = "bf16") -> list[str]:
 
 
 def quantize(
-    llama: LlamaCpp, src: Path, out: Path, options: Sequence[str], threads: int, log: Path
+    llama: LlamaCpp,
+    src: Path,
+    out: Path,
+    options: Sequence[str],
+    threads: int,
+    log: Path,
+    ftype: str = "Q4_0",
 ) -> None:
-    """llama-quantize src -> out as Q4_0 with extra options (temporary name, then renamed)."""
+    """llama-quantize src -> out as `ftype` with extra options (temporary name, then
+    renamed)."""
     tmp = out.with_name(out.name + ".partial")
     run_logged(
-        [llama.bin("llama-quantize"), *options, src, tmp, "Q4_0", str(threads)],
+        [llama.bin("llama-quantize"), *options, src, tmp, ftype, str(threads)],
         log,
         f"llama-quantize of {src.name}",
     )

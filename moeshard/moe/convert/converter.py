@@ -160,7 +160,12 @@ def expert_shapes(config, plan: Plan, ckpt: Checkpoint, layer, expert, check_onl
                 raise CheckpointError(
                     f"{ckpt.describe(name)}: shape {list(ckpt.shape(name))}, expected {list(shape)}"
                 )
-            out[proj] = None if check_only else ckpt.float32(name, plan.fp8_block)
+            if check_only:
+                out[proj] = None
+            elif hasattr(ckpt, "expert_matrix"):  # (a GGUF file: its ggml bytes, to keep)
+                out[proj] = ckpt.expert_matrix(name)
+            else:
+                out[proj] = ckpt.float32(name, plan.fp8_block)
             continue
         out[proj] = _from_stack(config, plan, ckpt, layer, expert, proj, shape, check_only)
     if check_only:
@@ -364,13 +369,21 @@ def _check_block_dims(config, expert_format: str, src: Path) -> None:
 
 
 def _expert_record(gate, up, down, fmt: str) -> np.ndarray:
-    """One expert's record: published MXFP4 matrices kept bit for bit when fmt is mxfp4,
-    decoded to float32 for any other format; float32 matrices packed to fmt."""
+    """One expert's record: published MXFP4 matrices, or a GGUF file's matrices in a format
+    moeshard has (`gguf_import.GgmlMatrix`), kept bit for bit when fmt is theirs, decoded
+    to float32 for any other format; float32 matrices packed to fmt."""
     mats = (gate, up, down)
-    if fmt == "mxfp4" and all(isinstance(m, mxfp4.PackedMxfp4) for m in mats):
+    if all(_kept_as(m) == fmt for m in mats):
         return np.concatenate([quant.pack_ggml(m.ggml_blocks(), fmt, *m.shape) for m in mats])
-    floats = [m.float32() if isinstance(m, mxfp4.PackedMxfp4) else m for m in mats]
+    floats = [m if isinstance(m, np.ndarray) else m.float32() for m in mats]
     return quant.pack_expert(*floats, fmt)
+
+
+def _kept_as(matrix) -> str | None:
+    """The format whose bits a matrix brings (MXFP4 as published, ggml bytes), or None."""
+    if isinstance(matrix, mxfp4.PackedMxfp4):
+        return "mxfp4"
+    return getattr(matrix, "fmt", None) if hasattr(matrix, "ggml_blocks") else None
 
 
 def _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, bar, origin) -> ConvertSummary:

@@ -201,6 +201,33 @@ def _rope_scaling(fields: dict, k: str, source: Path) -> dict | None:
 # the tensors
 
 
+# GGUF types whose bytes moeshard's formats hold as they are (`quant.pack_ggml` reorders them)
+KEPT_TYPES = {"F32": "f32", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0", "MXFP4": "mxfp4"}
+
+
+@dataclass(frozen=True)
+class GgmlMatrix:
+    """One matrix [rows, cols] as ggml stores it (`KEPT_TYPES`): its bytes go into a record
+    as they are, reordered (`converter._expert_record`), or are decoded (`float32`)."""
+
+    blocks: np.ndarray  # uint8 [rows, row bytes]
+    fmt: str  # moeshard's name of the format
+    qtype: object  # gguf.GGMLQuantizationType
+    shape: tuple[int, int]
+
+    @property
+    def size(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def ggml_blocks(self) -> np.ndarray:
+        return self.blocks
+
+    def float32(self) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        return dequantize(self.blocks, self.qtype).astype(np.float32, copy=False)
+
+
 @dataclass(frozen=True)
 class _Source:
     tensor: object  # gguf.ReaderTensor
@@ -292,6 +319,27 @@ class GgufCheckpoint:
             )
         return value
 
+    def expert_matrix(self, name: str):
+        """An expert's matrix for the converter: its ggml bytes where moeshard can keep them
+        (`GgmlMatrix`), else its float32 values."""
+        s = self.sources[name]
+        kind = s.tensor.tensor_type.name
+        if kind not in KEPT_TYPES or len(s.shape) != 2:
+            return self.float32(name)
+        data = s.tensor.data if s.expert is None else s.tensor.data[s.expert]
+        blocks = np.ascontiguousarray(data).view(np.uint8).reshape(s.shape[0], -1)
+        return GgmlMatrix(blocks, KEPT_TYPES[kind], s.tensor.tensor_type, s.shape)
+
+    def expert_types(self) -> set[str]:
+        """The GGUF types of the routed experts' tensors."""
+        stacks = self.arch.expert_stacks
+        return {
+            t.tensor_type.name
+            for r in self.readers
+            for t in r.tensors
+            if t.name.split(".", 2)[-1] in stacks
+        }
+
     def close(self) -> None:
         for reader in self.readers:
             mm = getattr(reader, "data", None)
@@ -365,6 +413,10 @@ def convert_gguf(
             (staging / "tokenizer.json").write_text(tokenizer_json(ckpt.fields, path))
             _write_json(staging / "tokenizer_config.json", tokenizer_config(ckpt.fields, path))
         trunk = trunk_fmt or DEFAULT_TRUNK_FORMAT
+        if expert_format is None:  # the experts' own format where it can be kept
+            types = ckpt.expert_types()
+            if len(types) == 1 and next(iter(types)) in KEPT_TYPES:
+                expert_format = KEPT_TYPES[next(iter(types))]
         return convert(staging, out, expert_format, trunk, force, progress, ckpt, path)
     except BaseException:
         ckpt.close()  # (convert closes it itself once it has it; closing twice is harmless)
