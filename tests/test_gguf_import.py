@@ -22,16 +22,32 @@ GGUF = FIXTURES / "gguf"
 TOLERANCE = 1e-4  # of the reference logit range, as tests/test_reference.py
 
 
+FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe")  # (llama.cpp: qwen3moe, qwen2moe, olmoe)
+
+
 @pytest.fixture(scope="module")
-def imported(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gguf") / "qwen3_moe"
-    convert_gguf(GGUF / "qwen3_moe-f32.gguf", out, "f32", "f32", progress=False)
-    return out
+def imports(tmp_path_factory):
+    """imports(fixture) -> its f32 GGUF converted with f32 experts and trunk (once)."""
+    root, done = tmp_path_factory.mktemp("gguf"), {}
+
+    def get(name: str):
+        if name not in done:
+            done[name] = root / name
+            convert_gguf(GGUF / f"{name}-f32.gguf", done[name], "f32", "f32", progress=False)
+        return done[name]
+
+    return get
 
 
-def test_an_imported_f32_gguf_matches_transformers(imported):
-    ref = reference("qwen3_moe")
-    rt = open_local(imported)
+@pytest.fixture
+def imported(imports):
+    return imports("qwen3_moe")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_an_imported_f32_gguf_matches_transformers(imports, name):
+    ref = reference(name)
+    rt = open_local(imports(name))
     logits = rt.transformer.forward(ref["prompt_ids"], rt.transformer.new_cache(64))  # [T, V]
     span = float(ref["prefill_logits"].max() - ref["prefill_logits"].min())
     assert float(np.abs(logits - ref["prefill_logits"]).max()) <= TOLERANCE * span
@@ -42,30 +58,39 @@ def test_an_imported_f32_gguf_matches_transformers(imported):
     assert float(np.abs(np.stack(result.logits) - ref["greedy_logits"]).max()) <= TOLERANCE * span
 
 
-def test_the_gguf_gives_the_bits_of_the_safetensors(imported, converted):
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_gguf_gives_the_bits_of_the_safetensors(imports, converted, name):
     """The file holds the checkpoint's f32 values: the same trunk and expert records, so
     the same logits bit for bit (only config.json's wording differs)."""
-    ref = reference("qwen3_moe")
-    outs = []
-    for model in (imported, converted("qwen3_moe")):
+    ref = reference(name)
+    imported, outs = imports(name), []
+    for model in (imported, converted(name)):
         rt = open_local(model)
         outs.append(rt.transformer.forward(ref["prompt_ids"], rt.transformer.new_cache(64)))
     assert np.array_equal(outs[0], outs[1])
     manifest = json.loads((imported / "moeshard.json").read_text())
-    assert manifest["converted_from"].endswith("qwen3_moe-f32.gguf")
+    assert manifest["converted_from"].endswith(f"{name}-f32.gguf")
 
 
-def test_the_config_is_what_transformers_wrote(imported):
-    """Every field the model reads, from the GGUF metadata (and llama.cpp's hard-coded
-    qwen3moe choices), equals the checkpoint's config.json."""
-    got = json.loads((imported / "config.json").read_text())
-    want = json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text())
-    keys = (
-        "model_type hidden_size num_hidden_layers num_attention_heads num_key_value_heads "
-        "head_dim moe_intermediate_size num_experts num_experts_per_tok rms_norm_eps "
-        "rope_theta rope_scaling vocab_size tie_word_embeddings norm_topk_prob "
-        "decoder_sparse_step mlp_only_layers bos_token_id eos_token_id"
-    ).split()
+COMMON_KEYS = (
+    "model_type hidden_size num_hidden_layers num_attention_heads num_key_value_heads "
+    "intermediate_size num_experts num_experts_per_tok rms_norm_eps rope_theta rope_scaling "
+    "vocab_size tie_word_embeddings norm_topk_prob bos_token_id eos_token_id"
+).split()
+FAMILY_KEYS = {
+    "qwen3_moe": "head_dim moe_intermediate_size decoder_sparse_step mlp_only_layers".split(),
+    "qwen2_moe": "moe_intermediate_size shared_expert_intermediate_size mlp_only_layers".split(),
+    "olmoe": ["clip_qkv"],
+}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_config_is_what_transformers_wrote(imports, name):
+    """Every field the model reads, from the GGUF metadata (and the choices llama.cpp's graph
+    hard-codes per architecture), equals the checkpoint's config.json."""
+    got = json.loads((imports(name) / "config.json").read_text())
+    want = json.loads((FIXTURES / name / "config.json").read_text())
+    keys = COMMON_KEYS + FAMILY_KEYS[name]
     assert {k: got[k] for k in keys} == {k: want[k] for k in keys}
 
 

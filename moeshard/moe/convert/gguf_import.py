@@ -73,17 +73,29 @@ _STACKS = {
     "ffn_down_exps.weight": "down_proj",
 }
 
+_QK_NORMS = {
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+_QKV_BIASES = {
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+}
+_SHARED_EXPERT = {
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+}
+
 ARCHS = {
-    "qwen3moe": Arch(
-        "qwen3_moe",
-        "Qwen3MoeForCausalLM",
-        _QWEN_ATTENTION
-        | {
-            "attn_q_norm.weight": "self_attn.q_norm.weight",
-            "attn_k_norm.weight": "self_attn.k_norm.weight",
-        },
-        _STACKS,
+    "qwen3moe": Arch("qwen3_moe", "Qwen3MoeForCausalLM", _QWEN_ATTENTION | _QK_NORMS, _STACKS),
+    "qwen2moe": Arch(
+        "qwen2_moe", "Qwen2MoeForCausalLM", _QWEN_ATTENTION | _QKV_BIASES | _SHARED_EXPERT, _STACKS
     ),
+    # (OLMoE's q/k norms span the whole projection, [hidden]: the same names)
+    "olmoe": Arch("olmoe", "OlmoeForCausalLM", _QWEN_ATTENTION | _QK_NORMS, _STACKS),
 }
 
 _GLOBAL_TENSORS = {
@@ -150,7 +162,6 @@ def hf_config(fields: dict, tensor_names: set[str], vocab_size: int, source: Pat
         "num_key_value_heads": _int(fields, k + "attention.head_count_kv", source),
         "head_dim": _int(fields, k + "attention.key_length", source, hidden // heads),
         "intermediate_size": _int(fields, k + "feed_forward_length", source),
-        "moe_intermediate_size": _int(fields, k + "expert_feed_forward_length", source),
         "num_experts": _int(fields, k + "expert_count", source),
         "num_experts_per_tok": _int(fields, k + "expert_used_count", source),
         "max_position_embeddings": _int(fields, k + "context_length", source),
@@ -169,16 +180,52 @@ def hf_config(fields: dict, tensor_names: set[str], vocab_size: int, source: Pat
         raise CheckpointError(
             f"{source}: value length {value_length} differs from key length {config['head_dim']}"
         )
-    if name == "qwen3moe":
-        # llama.cpp's graph renormalises the top-k weights of every qwen3moe model
-        # (src/models/qwen3moe.cpp: build_moe_ffn(..., LLM_FFN_SILU, true, ...)) and makes
-        # every layer a MoE layer (no mlp_only_layers / decoder_sparse_step in its hparams)
-        config |= {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
-        config |= {"attention_bias": False, "use_sliding_window": False, "sliding_window": None}
+    config |= _ARCH_CONFIG[name](fields, k, source)
     for key in ("bos_token_id", "eos_token_id"):
         if config[key] < 0:
             config[key] = None
     return config
+
+
+def _qwen3moe(fields: dict, k: str, source: Path) -> dict:
+    # llama.cpp's graph renormalises the top-k weights of every qwen3moe model
+    # (src/models/qwen3moe.cpp: build_moe_ffn(..., LLM_FFN_SILU, true, ...)) and makes every
+    # layer a MoE layer (its hparams have no mlp_only_layers / decoder_sparse_step)
+    return {
+        "moe_intermediate_size": _int(fields, k + "expert_feed_forward_length", source),
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
+
+
+def _qwen2moe(fields: dict, k: str, source: Path) -> dict:
+    # llama.cpp never renormalises qwen2moe's top-k weights (src/models/qwen2moe.cpp:
+    # build_moe_ffn(..., LLM_FFN_SILU, false, ...)); every layer is a MoE layer there too
+    return {
+        "moe_intermediate_size": _int(fields, k + "expert_feed_forward_length", source),
+        "shared_expert_intermediate_size": _int(
+            fields, k + "expert_shared_feed_forward_length", source
+        ),
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
+
+
+def _olmoe(fields: dict, k: str, source: Path) -> dict:
+    # OLMoE's experts are intermediate_size wide (llama.cpp: feed_forward_length); its top-k
+    # weights are not renormalised (src/models/olmoe.cpp: build_moe_ffn(..., false, ...)), and
+    # llama.cpp has no clip_qkv for it
+    return {"norm_topk_prob": False, "clip_qkv": None, "attention_bias": False}
+
+
+_ARCH_CONFIG = {"qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "olmoe": _olmoe}
 
 
 def _rope_scaling(fields: dict, k: str, source: Path) -> dict | None:
