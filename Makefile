@@ -33,7 +33,7 @@ test: $(VENV)/.stamp lint
 # Reference-only environment (torch + transformers): fixtures and demo-model training, never runtime.
 $(REF_VENV)/.stamp:
 	$(PYTHON) -m venv $(REF_VENV)
-	$(REF_PY) -m pip install -q torch==2.13.0 transformers safetensors tokenizers numpy matplotlib
+	$(REF_PY) -m pip install -q torch==2.13.0 transformers safetensors tokenizers numpy matplotlib sentencepiece
 	touch $@
 
 ref-venv: $(REF_VENV)/.stamp

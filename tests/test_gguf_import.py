@@ -22,7 +22,8 @@ GGUF = FIXTURES / "gguf"
 TOLERANCE = 1e-4  # of the reference logit range, as tests/test_reference.py
 
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe")  # (llama.cpp: qwen3moe, qwen2moe, olmoe)
+# llama.cpp's qwen3moe, qwen2moe, olmoe, and llama with experts (its q/k rows permuted)
+FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +75,16 @@ def test_the_gguf_gives_the_bits_of_the_safetensors(imports, converted, name):
 
 COMMON_KEYS = (
     "model_type hidden_size num_hidden_layers num_attention_heads num_key_value_heads "
-    "intermediate_size num_experts num_experts_per_tok rms_norm_eps rope_theta rope_scaling "
-    "vocab_size tie_word_embeddings norm_topk_prob bos_token_id eos_token_id"
+    "intermediate_size num_experts_per_tok rms_norm_eps rope_theta rope_scaling "
+    "vocab_size tie_word_embeddings bos_token_id eos_token_id"
 ).split()
 FAMILY_KEYS = {
-    "qwen3_moe": "head_dim moe_intermediate_size decoder_sparse_step mlp_only_layers".split(),
-    "qwen2_moe": "moe_intermediate_size shared_expert_intermediate_size mlp_only_layers".split(),
-    "olmoe": ["clip_qkv"],
+    "qwen3_moe": "head_dim moe_intermediate_size num_experts norm_topk_prob decoder_sparse_step "
+    "mlp_only_layers".split(),
+    "qwen2_moe": "moe_intermediate_size num_experts norm_topk_prob "
+    "shared_expert_intermediate_size mlp_only_layers".split(),
+    "olmoe": "num_experts norm_topk_prob clip_qkv".split(),
+    "mixtral": "num_local_experts sliding_window".split(),
 }
 
 

@@ -56,6 +56,9 @@ class Arch:
     architecture: str  # its "architectures" entry
     layer_tensors: dict[str, str]  # GGUF name after "blk.N." -> HF name after "model.layers.N."
     expert_stacks: dict[str, str]  # stacked GGUF expert tensor -> HF projection name
+    # llama.cpp's converter reorders a `llama` model's q/k rows for its interleaved RoPE
+    # (conversion/llama.py: LlamaModel.permute); they are put back (`unpermute_rows`)
+    permuted_qk: bool = False
 
 
 _QWEN_ATTENTION = {
@@ -96,7 +99,19 @@ ARCHS = {
     ),
     # (OLMoE's q/k norms span the whole projection, [hidden]: the same names)
     "olmoe": Arch("olmoe", "OlmoeForCausalLM", _QWEN_ATTENTION | _QK_NORMS, _STACKS),
+    # Mixtral: llama.cpp's `llama` architecture with experts (a dense llama is refused)
+    "llama": Arch("mixtral", "MixtralForCausalLM", _QWEN_ATTENTION, _STACKS, permuted_qk=True),
 }
+
+
+def unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's `LlamaModel.permute` of a q or k projection [heads * D, cols]: per
+    head it had taken rows (0, D/2, 1, D/2 + 1, ...), the rotary pairs interleaved; back to
+    the halves transformers' rotate_half expects."""
+    rows = w.shape[0]
+    half = rows // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
 
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -162,7 +177,6 @@ def hf_config(fields: dict, tensor_names: set[str], vocab_size: int, source: Pat
         "num_key_value_heads": _int(fields, k + "attention.head_count_kv", source),
         "head_dim": _int(fields, k + "attention.key_length", source, hidden // heads),
         "intermediate_size": _int(fields, k + "feed_forward_length", source),
-        "num_experts": _int(fields, k + "expert_count", source),
         "num_experts_per_tok": _int(fields, k + "expert_used_count", source),
         "max_position_embeddings": _int(fields, k + "context_length", source),
         "rms_norm_eps": _float(fields, k + "attention.layer_norm_rms_epsilon", source),
@@ -192,6 +206,7 @@ def _qwen3moe(fields: dict, k: str, source: Path) -> dict:
     # (src/models/qwen3moe.cpp: build_moe_ffn(..., LLM_FFN_SILU, true, ...)) and makes every
     # layer a MoE layer (its hparams have no mlp_only_layers / decoder_sparse_step)
     return {
+        "num_experts": _int(fields, k + "expert_count", source),
         "moe_intermediate_size": _int(fields, k + "expert_feed_forward_length", source),
         "norm_topk_prob": True,
         "decoder_sparse_step": 1,
@@ -206,6 +221,7 @@ def _qwen2moe(fields: dict, k: str, source: Path) -> dict:
     # llama.cpp never renormalises qwen2moe's top-k weights (src/models/qwen2moe.cpp:
     # build_moe_ffn(..., LLM_FFN_SILU, false, ...)); every layer is a MoE layer there too
     return {
+        "num_experts": _int(fields, k + "expert_count", source),
         "moe_intermediate_size": _int(fields, k + "expert_feed_forward_length", source),
         "shared_expert_intermediate_size": _int(
             fields, k + "expert_shared_feed_forward_length", source
@@ -218,14 +234,28 @@ def _qwen2moe(fields: dict, k: str, source: Path) -> dict:
     }
 
 
+def _llama(fields: dict, k: str, source: Path) -> dict:
+    if _int(fields, k + "expert_count", source, 0) == 0:
+        raise CheckpointError(f"{source}: a dense llama model, not a mixture of experts")
+    # Mixtral's experts are intermediate_size wide (llama.cpp: feed_forward_length); its
+    # graph renormalises the top-k weights (src/models/llama.cpp: build_moe_ffn(...,
+    # LLM_FFN_SILU, true, ...)), as transformers' Mixtral always does
+    return {"num_local_experts": _int(fields, k + "expert_count", source), "sliding_window": None}
+
+
 def _olmoe(fields: dict, k: str, source: Path) -> dict:
     # OLMoE's experts are intermediate_size wide (llama.cpp: feed_forward_length); its top-k
     # weights are not renormalised (src/models/olmoe.cpp: build_moe_ffn(..., false, ...)), and
     # llama.cpp has no clip_qkv for it
-    return {"norm_topk_prob": False, "clip_qkv": None, "attention_bias": False}
+    return {
+        "num_experts": _int(fields, k + "expert_count", source),
+        "norm_topk_prob": False,
+        "clip_qkv": None,
+        "attention_bias": False,
+    }
 
 
-_ARCH_CONFIG = {"qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "olmoe": _olmoe}
+_ARCH_CONFIG = {"qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "olmoe": _olmoe, "llama": _llama}
 
 
 def _rope_scaling(fields: dict, k: str, source: Path) -> dict | None:
@@ -280,6 +310,7 @@ class _Source:
     tensor: object  # gguf.ReaderTensor
     expert: int | None  # the slice of a stacked expert tensor, or the whole tensor
     shape: tuple[int, ...]  # row-major, as the HF tensor
+    heads: int = 0  # a permuted q/k projection: its heads (`unpermute_rows`), else 0
 
 
 class GgufCheckpoint:
@@ -318,9 +349,12 @@ class GgufCheckpoint:
                 self.sources[hf] = _Source(t, e, shape[1:])
             return
         if m is not None and m[2] in self.arch.layer_tensors:
-            self.sources[f"model.layers.{m[1]}.{self.arch.layer_tensors[m[2]]}"] = _Source(
-                t, None, shape
-            )
+            heads = 0
+            if self.arch.permuted_qk and m[2] in ("attn_q.weight", "attn_k.weight"):
+                key = "head_count" if m[2] == "attn_q.weight" else "head_count_kv"
+                heads = _int(self.fields, f"{self.arch_name}.attention.{key}", self.directory)
+            hf = f"model.layers.{m[1]}.{self.arch.layer_tensors[m[2]]}"
+            self.sources[hf] = _Source(t, None, shape, heads)
             return
         self.sources[name] = _Source(t, None, shape)  # (listed as skipped by the converter)
 
@@ -364,7 +398,7 @@ class GgufCheckpoint:
             raise CheckpointError(
                 f"{self.describe(name)}: decoded to {list(value.shape)}, expected {list(s.shape)}"
             )
-        return value
+        return unpermute_rows(value, s.heads) if s.heads else value
 
     def expert_matrix(self, name: str):
         """An expert's matrix for the converter: its ggml bytes where moeshard can keep them
