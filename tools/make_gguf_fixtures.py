@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 from moeshard.bench import llamacpp  # noqa: E402
 
 # the test checkpoints whose llama.cpp architecture `moeshard convert` imports
-FIXTURES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+FIXTURES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "deepseek_v3_fp8")
 # llama-quantize types of qwen3_moe's f32 file, with its options: every 2-D tensor in the type
 # (--pure: no Q6_K output layer), and llama.cpp's MXFP4_MOE mix (experts MXFP4, the rest Q8_0)
 QUANTIZED = (("Q8_0", ["--pure"]), ("Q4_0", ["--pure"]), ("MXFP4_MOE", []))

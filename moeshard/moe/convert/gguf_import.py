@@ -99,6 +99,31 @@ ARCHS = {
     ),
     # (OLMoE's q/k norms span the whole projection, [hidden]: the same names)
     "olmoe": Arch("olmoe", "OlmoeForCausalLM", _QWEN_ATTENTION | _QK_NORMS, _STACKS),
+    # DeepSeek-V3 and Kimi-K2; its attn_k_b / attn_v_b are put back together into kv_b_proj
+    "deepseek2": Arch(
+        "deepseek_v3",
+        "DeepseekV3ForCausalLM",
+        {
+            "attn_norm.weight": "input_layernorm.weight",
+            "ffn_norm.weight": "post_attention_layernorm.weight",
+            "attn_q.weight": "self_attn.q_proj.weight",
+            "attn_q_a.weight": "self_attn.q_a_proj.weight",
+            "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+            "attn_q_b.weight": "self_attn.q_b_proj.weight",
+            "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+            "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+            "attn_output.weight": "self_attn.o_proj.weight",
+            "ffn_gate.weight": "mlp.gate_proj.weight",
+            "ffn_up.weight": "mlp.up_proj.weight",
+            "ffn_down.weight": "mlp.down_proj.weight",
+            "ffn_gate_inp.weight": "mlp.gate.weight",
+            "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+            "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+            "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+            "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+        },
+        _STACKS,
+    ),
     # Mixtral: llama.cpp's `llama` architecture with experts (a dense llama is refused)
     "llama": Arch("mixtral", "MixtralForCausalLM", _QWEN_ATTENTION, _STACKS, permuted_qk=True),
 }
@@ -175,7 +200,6 @@ def hf_config(fields: dict, tensor_names: set[str], vocab_size: int, source: Pat
         "num_hidden_layers": _int(fields, k + "block_count", source),
         "num_attention_heads": heads,
         "num_key_value_heads": _int(fields, k + "attention.head_count_kv", source),
-        "head_dim": _int(fields, k + "attention.key_length", source, hidden // heads),
         "intermediate_size": _int(fields, k + "feed_forward_length", source),
         "num_experts_per_tok": _int(fields, k + "expert_used_count", source),
         "max_position_embeddings": _int(fields, k + "context_length", source),
@@ -189,11 +213,14 @@ def hf_config(fields: dict, tensor_names: set[str], vocab_size: int, source: Pat
         "bos_token_id": _int(fields, "tokenizer.ggml.bos_token_id", source, -1),
         "eos_token_id": _int(fields, "tokenizer.ggml.eos_token_id", source, -1),
     }
-    value_length = _int(fields, k + "attention.value_length", source, config["head_dim"])
-    if value_length != config["head_dim"]:
-        raise CheckpointError(
-            f"{source}: value length {value_length} differs from key length {config['head_dim']}"
-        )
+    if name != "deepseek2":  # (whose key and value lengths are those of its MQA form)
+        config["head_dim"] = _int(fields, k + "attention.key_length", source, hidden // heads)
+        value_length = _int(fields, k + "attention.value_length", source, config["head_dim"])
+        if value_length != config["head_dim"]:
+            raise CheckpointError(
+                f"{source}: value length {value_length} differs from key length "
+                f"{config['head_dim']}"
+            )
     config |= _ARCH_CONFIG[name](fields, k, source)
     for key in ("bos_token_id", "eos_token_id"):
         if config[key] < 0:
@@ -255,7 +282,64 @@ def _olmoe(fields: dict, k: str, source: Path) -> dict:
     }
 
 
-_ARCH_CONFIG = {"qwen3moe": _qwen3moe, "qwen2moe": _qwen2moe, "olmoe": _olmoe, "llama": _llama}
+def _deepseek2(fields: dict, k: str, source: Path) -> dict:
+    """DeepSeek-V3 / Kimi-K2 from llama.cpp's deepseek2 keys (conversion/deepseek.py writes
+    them): MLA sizes from the *_mla lengths, the router from the expert_* keys."""
+    gating = _int(fields, k + "expert_gating_func", source, 1)
+    if gating != 2:  # llama.cpp: 1 softmax (DeepSeek-V2), 2 sigmoid (V3)
+        raise CheckpointError(
+            f"{source}: deepseek2 with softmax routing (DeepSeek-V2) cannot be imported yet"
+        )
+    rope = _int(fields, k + "rope.dimension_count", source)
+    q_lora = _int(fields, k + "attention.q_lora_rank", source, 0)
+    config = {
+        "num_key_value_heads": _int(fields, k + "attention.head_count", source),  # MHA, not MQA
+        "first_k_dense_replace": _int(fields, k + "leading_dense_block_count", source, 0),
+        "moe_intermediate_size": _int(fields, k + "expert_feed_forward_length", source),
+        "n_routed_experts": _int(fields, k + "expert_count", source),
+        "n_shared_experts": _int(fields, k + "expert_shared_count", source, 0),
+        "n_group": _int(fields, k + "expert_group_count", source, 1),
+        "topk_group": _int(fields, k + "expert_group_used_count", source, 1),
+        "norm_topk_prob": bool(_value(fields, k + "expert_weights_norm", source, False)),
+        "routed_scaling_factor": _float(fields, k + "expert_weights_scale", source, 1.0),
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "q_lora_rank": q_lora or None,
+        "kv_lora_rank": _int(fields, k + "attention.kv_lora_rank", source),
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": _int(fields, k + "attention.key_length_mla", source) - rope,
+        "v_head_dim": _int(fields, k + "attention.value_length_mla", source),
+        # llama.cpp's deepseek2 graph rotates interleaved pairs, as transformers does with
+        # rope_interleave (its default for deepseek_v3)
+        "rope_interleave": True,
+        "moe_layer_freq": 1,
+        "num_nextn_predict_layers": 0,
+        "attention_bias": False,
+    }
+    scaling = _rope_scaling(fields, k, source)
+    if scaling is not None:
+        # llama.cpp keeps YaRN's mscale_all_dim only, as yarn_log_multiplier = 0.1 x it
+        # (conversion/deepseek.py), and its graph takes mscale to be the same
+        # (src/models/deepseek2.cpp: mscale and kq_scale both from rope_yarn_log_mul)
+        log_mul = _float(fields, k + "rope.scaling.yarn_log_multiplier", source, 0.0)
+        mscale = float(str(np.float32(log_mul) / np.float32(0.1)))
+        scaling |= {
+            "beta_fast": _float(fields, k + "rope.scaling.yarn_beta_fast", source, 32.0),
+            "beta_slow": _float(fields, k + "rope.scaling.yarn_beta_slow", source, 1.0),
+            "mscale": mscale,
+            "mscale_all_dim": mscale,
+        }
+        config["rope_scaling"] = scaling
+    return config
+
+
+_ARCH_CONFIG = {
+    "qwen3moe": _qwen3moe,
+    "qwen2moe": _qwen2moe,
+    "olmoe": _olmoe,
+    "llama": _llama,
+    "deepseek2": _deepseek2,
+}
 
 
 def _rope_scaling(fields: dict, k: str, source: Path) -> dict | None:
@@ -311,6 +395,7 @@ class _Source:
     expert: int | None  # the slice of a stacked expert tensor, or the whole tensor
     shape: tuple[int, ...]  # row-major, as the HF tensor
     heads: int = 0  # a permuted q/k projection: its heads (`unpermute_rows`), else 0
+    v_b: object = None  # deepseek2's kv_b_proj: `tensor` is attn_k_b, this attn_v_b
 
 
 class GgufCheckpoint:
@@ -331,9 +416,20 @@ class GgufCheckpoint:
         self.fields = self.readers[0].fields
         self.arch_name, self.arch = _arch_of(self.fields, paths[0])
         self.sources: dict[str, _Source] = {}
+        self._kv_b: dict[str, dict[str, object]] = {}  # layer -> {"attn_k_b": t, "attn_v_b": t}
         for reader in self.readers:
             for t in reader.tensors:
                 self._add(t)
+        for layer, parts in sorted(self._kv_b.items()):
+            if set(parts) != {"attn_k_b.weight", "attn_v_b.weight"}:
+                raise CheckpointError(f"{paths[0]}: layer {layer} has only {sorted(parts)}")
+            k_b, v_b = parts["attn_k_b.weight"], parts["attn_v_b.weight"]
+            heads, lora, nope = (int(d) for d in reversed(k_b.shape))  # [heads, lora, nope]
+            v_head = int(v_b.shape[1])  # [heads, v_head, lora]
+            shape = (heads * (nope + v_head), lora)
+            self.sources[f"model.layers.{layer}.self_attn.kv_b_proj.weight"] = _Source(
+                k_b, None, shape, v_b=v_b
+            )
 
     def _add(self, t) -> None:
         shape = tuple(int(d) for d in reversed(t.shape))  # ggml's ne is innermost first
@@ -342,6 +438,9 @@ class GgufCheckpoint:
             self.sources[_GLOBAL_TENSORS[name]] = _Source(t, None, shape)
             return
         m = re.match(r"^blk\.(\d+)\.(.+)$", name)
+        if m is not None and m[2] in ("attn_k_b.weight", "attn_v_b.weight"):
+            self._kv_b.setdefault(m[1], {})[m[2]] = t  # (assembled once both are read)
+            return
         if m is not None and m[2] in self.arch.expert_stacks:
             proj = self.arch.expert_stacks[m[2]]
             for e in range(shape[0]):
@@ -383,6 +482,8 @@ class GgufCheckpoint:
         from gguf.quants import dequantize
 
         s = self.sources[name]
+        if s.v_b is not None:
+            return self._kv_b_proj(name, s)
         data = s.tensor.data if s.expert is None else s.tensor.data[s.expert]
         qtype = s.tensor.tensor_type
         try:
@@ -399,6 +500,28 @@ class GgufCheckpoint:
                 f"{self.describe(name)}: decoded to {list(value.shape)}, expected {list(s.shape)}"
             )
         return unpermute_rows(value, s.heads) if s.heads else value
+
+    def _kv_b_proj(self, name: str, s: _Source) -> np.ndarray:
+        """kv_b_proj [heads * (nope + v_head), lora] from llama.cpp's split: attn_k_b
+        [heads, lora, nope] (k_b transposed) and attn_v_b [heads, v_head, lora]
+        (conversion/deepseek.py: kv_b viewed per head, split, k_b transposed)."""
+        k_b = self._decode(s.tensor)  # [heads, lora, nope]
+        v_b = self._decode(s.v_b)  # [heads, v_head, lora]
+        if k_b.ndim != 3 or v_b.ndim != 3 or k_b.shape[1] != v_b.shape[2]:
+            raise CheckpointError(f"{self.describe(name)}: attn_k_b and attn_v_b do not match")
+        per_head = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)  # [heads, nope+v, lora]
+        return np.ascontiguousarray(per_head.reshape(s.shape))
+
+    def _decode(self, tensor) -> np.ndarray:
+        """A whole tensor as float32 (`float32` without the naming)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        if tensor.tensor_type == GGMLQuantizationType.F32:
+            value = np.array(tensor.data, dtype=np.float32)
+        else:
+            value = dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32)
+        return value.reshape(tuple(int(d) for d in reversed(tensor.shape)))
 
     def expert_matrix(self, name: str):
         """An expert's matrix for the converter: its ggml bytes where moeshard can keep them
