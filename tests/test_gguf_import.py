@@ -183,3 +183,79 @@ def test_a_split_model_needs_every_part(tmp_path):
     with pytest.raises(CheckpointError, match="missing m-00002-of-00002.gguf"):
         gguf_parts(first)
     assert gguf_parts(tmp_path / "plain.gguf") == [tmp_path / "plain.gguf"]
+
+
+# Pre-tokenizers as the models' own tokenizer.json files write them (Qwen2/Qwen3, Llama 3,
+# DeepSeek-V3), written out here apart from the importer's code.
+_BYTES = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+
+
+def _splits(*patterns):
+    return {
+        "type": "Sequence",
+        "pretokenizers": [
+            *(
+                {"type": "Split", "pattern": {"Regex": p}, "behavior": "Isolated", "invert": False}
+                for p in patterns
+            ),
+            _BYTES,
+        ],
+    }
+
+
+MODEL_PRE_TOKENIZERS = {
+    "qwen2": _splits(
+        "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+"
+        "[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+    ),
+    "llama-bpe": _splits(
+        "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}"
+        "\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+    ),
+    "deepseek-v3": _splits(
+        "\\p{N}{1,3}",
+        "[一-龥぀-ゟ゠-ヿ]+",
+        "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}"
+        "\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+    ),
+}
+
+
+@pytest.mark.parametrize("pre", sorted(MODEL_PRE_TOKENIZERS))
+def test_the_pre_tokenizers_of_popular_models_are_rebuilt(tmp_path, pre):
+    """A GGUF naming `pre` (the fixture's vocabulary and merges) rebuilds the tokenizer the
+    model's tokenizer.json describes: the same ids on text where the pre-tokenizers differ
+    (digit runs, contractions, CJK, punctuation before letters)."""
+    from gguf import GGUFReader, GGUFWriter
+    from tokenizers import Tokenizer
+
+    from moeshard.moe.convert.gguf_tokenizer import tokenizer_json
+
+    fields = GGUFReader(GGUF / "qwen3_moe-f32.gguf").fields
+    src = tmp_path / "t.gguf"
+    writer = GGUFWriter(str(src), "qwen3moe")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(fields["tokenizer.ggml.tokens"].contents())
+    writer.add_token_types(fields["tokenizer.ggml.token_type"].contents())
+    writer.add_token_merges(fields["tokenizer.ggml.merges"].contents())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    rebuilt = Tokenizer.from_str(tokenizer_json(GGUFReader(src).fields, src))
+    spec = json.loads((FIXTURES / "qwen3_moe" / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = MODEL_PRE_TOKENIZERS[pre]
+    want = Tokenizer.from_str(json.dumps(spec))
+    text = (
+        "In 2024, 1234567 people didn't say 'HELLO' we'll... x=3.14159!!\n\n\t漢字かなカナ "
+        "über-cool #tag @user (a)[b]{c} <|endoftext|>" + (ROOT / "README.md").read_text()[:4000]
+    )
+    assert rebuilt.encode(text).ids == want.encode(text).ids
+
+    def pieces(tokenizer):
+        return [piece for piece, _ in tokenizer.pre_tokenizer.pre_tokenize_str(text)]
+
+    assert pieces(rebuilt) == pieces(want)
+    for other in (p for p in MODEL_PRE_TOKENIZERS if p != pre):  # (the text tells them apart)
+        spec["pre_tokenizer"] = MODEL_PRE_TOKENIZERS[other]
+        assert pieces(Tokenizer.from_str(json.dumps(spec))) != pieces(want), other

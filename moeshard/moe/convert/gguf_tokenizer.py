@@ -22,7 +22,45 @@ def _byte_level_gpt2() -> dict:
     return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
 
 
-PRE_TOKENIZERS = {"gpt-2": _byte_level_gpt2}
+def _split_then_bytes(*patterns: str) -> dict:
+    """Splits by each regex in turn (isolating the matches), then bytes to byte-level
+    characters without GPT-2's regex: the form of Llama 3's, Qwen2's and DeepSeek-V3's
+    tokenizer.json."""
+    splits = [
+        {"type": "Split", "pattern": {"Regex": p}, "behavior": "Isolated", "invert": False}
+        for p in patterns
+    ]
+    last = {
+        "type": "ByteLevel",
+        "add_prefix_space": False,
+        "trim_offsets": False,
+        "use_regex": False,
+    }
+    return {"type": "Sequence", "pretokenizers": [*splits, last]}
+
+
+# The regexes as the models' tokenizer.json files write them; llama.cpp quotes them beside its
+# own adaptations in src/llama-vocab.cpp ("original regex from tokenizer.json"), per pre name.
+_LETTERS_DIGITS = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{DIGITS}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = _LETTERS_DIGITS.replace("{DIGITS}", "")  # one digit a piece
+_LLAMA3 = _LETTERS_DIGITS.replace("{DIGITS}", "{1,3}")  # up to three digits a piece
+_DEEPSEEK3 = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+"
+    r"|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+
+PRE_TOKENIZERS = {
+    "gpt-2": _byte_level_gpt2,
+    "qwen2": lambda: _split_then_bytes(_QWEN2),
+    "llama-bpe": lambda: _split_then_bytes(_LLAMA3),
+    "deepseek-v3": lambda: _split_then_bytes(*_DEEPSEEK3),
+}
 
 
 def tokenizer_json(fields: dict, source: Path) -> str:
