@@ -177,6 +177,35 @@ def test_an_architecture_not_imported_is_named(tmp_path):
     assert not (tmp_path / "m").exists()
 
 
+def test_a_split_model_imports_from_any_part(tmp_path, imported):
+    """The fixture rewritten as a three-part split model (gguf's writer, llama.cpp's split
+    format: the metadata in the first part, split.* keys in every part), given by its
+    middle part: the same model as the single file."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(GGUF / "qwen3_moe-f32.gguf")
+    writer = GGUFWriter(str(tmp_path / "m.gguf"), "qwen3moe", split_max_tensors=15)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue  # (the writer's own)
+        kind = field.types[0]
+        sub = field.types[1] if kind == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), kind, sub_type=sub)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    parts = sorted(p.name for p in tmp_path.glob("m-*.gguf"))
+    assert parts == [f"m-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    out = tmp_path / "split"
+    convert_gguf(tmp_path / parts[1], out, "f32", "f32", progress=False)
+    prompt = reference("qwen3_moe")["prompt_ids"]
+    a, b = (open_local(m).transformer for m in (out, imported))
+    assert np.array_equal(a.forward(prompt, a.new_cache(16)), b.forward(prompt, b.new_cache(16)))
+
+
 def test_a_split_model_needs_every_part(tmp_path):
     first = tmp_path / "m-00001-of-00002.gguf"
     shutil.copyfile(GGUF / "qwen3_moe-f32.gguf", first)
