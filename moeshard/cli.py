@@ -19,6 +19,25 @@ def quiet_interrupt(signum, frame) -> None:
     raise SystemExit(130)
 
 
+def redeliver_interrupt(unraisable) -> None:
+    """`sys.unraisablehook` for the commands: a Ctrl-C that lands in a finalizer (llvmlite's
+    `ObjectRef.__del__` while numba compiles at start-up) cannot leave it, so Python prints
+    "Exception ignored ... Traceback" and carries on as if no key was pressed. It is raised
+    again in the main thread instead (`_thread.interrupt_main`), where `main` turns it into
+    one line and 130; anything else goes to Python's own hook.  From a helper thread, a few
+    milliseconds later: raised from here it would land in the hook itself (should it land in
+    a finalizer again, this hook sends it once more)."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        import _thread
+        import threading
+
+        later = threading.Timer(0.01, _thread.interrupt_main)
+        later.daemon = True  # (never what keeps the process alive)
+        later.start()
+        return
+    sys.__unraisablehook__(unraisable)
+
+
 if __name__ == "__main__":  # `python -m moeshard.cli` (the `moeshard` script: entry.py)
     signal.signal(signal.SIGINT, quiet_interrupt)
 
@@ -237,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     if signal.getsignal(signal.SIGINT) is quiet_interrupt:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # the command's own handling
+    if sys.unraisablehook is sys.__unraisablehook__:
+        sys.unraisablehook = redeliver_interrupt
     try:
         configure_process(args)
         network.check_peer_options(args)

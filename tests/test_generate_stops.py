@@ -289,3 +289,24 @@ def test_ctrl_c_at_any_moment_of_a_network_generation_is_one_line_and_130(demo, 
             assert err.strip().splitlines()[-1] == "moeshard: interrupted", (moment, err)
     finally:
         node.stop()
+
+
+def test_a_ctrl_c_swallowed_by_a_finalizer_is_raised_again():
+    """A KeyboardInterrupt inside a __del__ (a Ctrl-C while llvmlite frees what numba
+    compiled: a fresh clone's CI once printed its "Exception ignored ... Traceback" and went
+    on generating) comes back as a KeyboardInterrupt in the main thread, with no traceback."""
+    import sys
+
+    from moeshard.cli import redeliver_interrupt
+
+    class Finalizer:
+        def __del__(self):
+            raise KeyboardInterrupt
+
+    previous, sys.unraisablehook = sys.unraisablehook, redeliver_interrupt
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            Finalizer()  # (freed at once: its __del__ runs here)
+            time.sleep(5)  # (it comes back within milliseconds)
+    finally:
+        sys.unraisablehook = previous
