@@ -19,23 +19,43 @@ def quiet_interrupt(signum, frame) -> None:
     raise SystemExit(130)
 
 
+_interrupt = {"swallowed": False, "handled": False}
+
+
 def redeliver_interrupt(unraisable) -> None:
-    """`sys.unraisablehook` for the commands: a Ctrl-C that lands in a finalizer (llvmlite's
-    `ObjectRef.__del__` while numba compiles at start-up) cannot leave it, so Python prints
+    """`sys.unraisablehook` for the commands: a Ctrl-C that lands in a finalizer or a ctypes
+    callback (llvmlite's, while numba compiles at start-up) cannot leave it, so Python prints
     "Exception ignored ... Traceback" and carries on as if no key was pressed. It is raised
-    again in the main thread instead (`_thread.interrupt_main`), where `main` turns it into
-    one line and 130; anything else goes to Python's own hook.  From a helper thread, a few
-    milliseconds later: raised from here it would land in the hook itself (should it land in
-    a finalizer again, this hook sends it once more)."""
+    again in the main thread instead, where `main` turns it into one line and 130; anything
+    else goes to Python's own hook.  From a helper thread, a few milliseconds later: raised
+    from here it would land in the hook itself (should it land in a finalizer again, this
+    hook sends it once more).  Once the interrupt is reported, what finalizers still raise
+    is its debris (llvmlite freeing an object whose constructor it cut short) and is not
+    printed."""
+    if _interrupt["handled"]:
+        return
     if isinstance(unraisable.exc_value, KeyboardInterrupt):
-        import _thread
         import threading
 
-        later = threading.Timer(0.01, _thread.interrupt_main)
+        _interrupt["swallowed"] = True
+        later = threading.Timer(0.01, _interrupt_main)
         later.daemon = True  # (never what keeps the process alive)
         later.start()
         return
     sys.__unraisablehook__(unraisable)
+
+
+def _interrupt_main() -> None:
+    import _thread
+
+    if not _interrupt["handled"]:
+        _thread.interrupt_main()
+
+
+def _interrupted() -> int:
+    _interrupt["handled"] = True
+    print("moeshard: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # `python -m moeshard.cli` (the `moeshard` script: entry.py)
@@ -258,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # the command's own handling
     if sys.unraisablehook is sys.__unraisablehook__:
         sys.unraisablehook = redeliver_interrupt
+    _interrupt.update(swallowed=False, handled=False)  # (main may run more than once)
     try:
         configure_process(args)
         network.check_peer_options(args)
@@ -266,13 +287,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moeshard: error: {exc}", file=sys.stderr)
         return getattr(exc, "exit_code", EXIT_BAD_INPUT)
     except KeyboardInterrupt:
-        print("moeshard: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return _interrupted()
     except Terminated:
         print("moeshard: terminated", file=sys.stderr)
         return EXIT_TERMINATED
     except BrokenPipeError:
         return EXIT_OK
+    except Exception:
+        if _interrupt["swallowed"]:  # what a swallowed Ctrl-C broke (numba: "no compiled
+            return _interrupted()  # object yet" when it landed in llvmlite's callback)
+        raise
 
 
 if __name__ == "__main__":

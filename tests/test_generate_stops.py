@@ -28,10 +28,10 @@ DEMO = ROOT / "models" / "demo-hf"
 PROMPT = "The function returns"
 
 
-def _moeshard(*args: str) -> subprocess.Popen:
+def _moeshard(*args: str, env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-X", "faulthandler", "-m", "moeshard", *args]
     return subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
 
 
@@ -297,6 +297,7 @@ def test_a_ctrl_c_swallowed_by_a_finalizer_is_raised_again():
     on generating) comes back as a KeyboardInterrupt in the main thread, with no traceback."""
     import sys
 
+    from moeshard import cli
     from moeshard.cli import redeliver_interrupt
 
     class Finalizer:
@@ -310,3 +311,24 @@ def test_a_ctrl_c_swallowed_by_a_finalizer_is_raised_again():
             time.sleep(5)  # (it comes back within milliseconds)
     finally:
         sys.unraisablehook = previous
+        cli._interrupt.update(swallowed=False, handled=False)  # (main's state, for other tests)
+
+
+def test_ctrl_c_while_the_kernels_compile_is_one_line_and_130(demo, tmp_path):
+    """SIGINT at moments of a start with nothing in numba's cache (a fresh install), while
+    llvmlite compiles: it once landed in llvmlite's callbacks, and numba then failed with
+    "no compiled object yet" (exit 1, a traceback), or a finalizer printed one."""
+    for i, moment in enumerate((0.8, 1.2, 1.6, 2.0, 2.5)):
+        env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / f"cache{i}"))
+        proc = _moeshard("generate", str(demo), "--prompt", PROMPT, "--max-tokens", "50", env=env)
+        try:
+            time.sleep(moment)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+        assert "Traceback" not in err, (moment, err)
+        if proc.returncode == 0:
+            continue  # (done before the signal)
+        assert proc.returncode in INTERRUPTED, (moment, proc.returncode, err)
+        assert err.strip().splitlines()[-1] == "moeshard: interrupted", (moment, err)
