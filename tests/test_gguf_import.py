@@ -150,6 +150,23 @@ def test_quantized_experts_are_kept_bit_for_bit(tmp_path, variant, fmt):
     assert float(np.abs(a - b).max()) <= 0.02 * float(b.max() - b.min())
 
 
+def test_experts_of_a_type_moeshard_has_not_are_repacked_with_their_cost_printed(tmp_path, capsys):
+    """llama-quantize's Q4_K_M of a 64-wide model (Q5_0 and Q8_0: its fallbacks where rows
+    are too short for K-quants): the experts are decoded and packed as q4_0, and convert
+    prints what that cost, per mix of types."""
+    out = tmp_path / "m"
+    assert main(["convert", str(GGUF / "qwen3_moe-q4_k_m.gguf"), str(out), "--quiet"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("experts stored")]
+    assert lines, "no line on the re-quantized experts"
+    for line in lines:
+        error = float(line.split("relative RMS error of their weights ")[1].split()[0])
+        assert 0.01 < error < 0.2, line  # (4 bits from 5: about 0.1; from 8: less)
+    assert json.loads((out / "moeshard.json").read_text())["expert_format"] == "q4_0"
+    rt = open_local(out)
+    prompt = reference("qwen3_moe")["prompt_ids"]
+    assert np.isfinite(rt.transformer.forward(prompt, rt.transformer.new_cache(16))).all()
+
+
 @pytest.mark.parametrize("keep", [3000, 500_000])
 def test_a_truncated_gguf_is_refused_and_leaves_nothing(tmp_path, capsys, keep):
     src = tmp_path / "cut.gguf"

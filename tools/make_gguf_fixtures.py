@@ -8,7 +8,8 @@ llama.cpp comes from the llama-cpp-python sdist, as `moeshard bench compare-llam
 it (cached under ~/.cache/moeshard); its convert_hf_to_gguf.py runs in the reference venv
 (`make ref-venv`: torch + transformers, and sentencepiece, which the converter imports for
 a `llama` model even when its tokenizer is BPE). For each fixture: NAME-f32.gguf, every tensor f32,
-and llama-quantize's NAME-q8_0.gguf, NAME-q4_0.gguf and NAME-mxfp4_moe.gguf of it.
+and llama-quantize's NAME-q8_0.gguf, NAME-q4_0.gguf, NAME-mxfp4_moe.gguf and NAME-q4_k_m.gguf
+of qwen3_moe's.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from moeshard.bench import llamacpp  # noqa: E402
 # the test checkpoints whose llama.cpp architecture `moeshard convert` imports
 FIXTURES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "deepseek_v3_fp8")
 # llama-quantize types of qwen3_moe's f32 file, with its options: every 2-D tensor in the type
-# (--pure: no Q6_K output layer), and llama.cpp's MXFP4_MOE mix (experts MXFP4, the rest Q8_0)
-QUANTIZED = (("Q8_0", ["--pure"]), ("Q4_0", ["--pure"]), ("MXFP4_MOE", []))
+# (--pure: no Q6_K output layer), llama.cpp's MXFP4_MOE mix (experts MXFP4, the rest Q8_0),
+# and its Q4_K_M mix (64 columns are too few for K-quants: its fallbacks, Q5_0 and Q8_0)
+QUANTIZED = (("Q8_0", ["--pure"]), ("Q4_0", ["--pure"]), ("MXFP4_MOE", []), ("Q4_K_M", []))
 
 
 def main() -> int:

@@ -75,6 +75,8 @@ def cmd_convert(args) -> int:
         f"(trunk {s.trunk_params / 1e6:.2f} M, experts {s.expert_params / 1e6:.2f} M), "
         f"{s.bytes_written / 1e6:.1f} MB written in {s.seconds:.2f} s; model id {s.model_id[:16]}"
     )
+    for line in s.requantized:
+        print(line)
     if s.skipped:
         print(f"skipped {len(s.skipped)} checkpoint tensors not used by inference:")
         reasons: dict[str, list[str]] = {}

@@ -303,6 +303,33 @@ class ConvertSummary:
     seconds: float
     skipped: dict[str, str]
     model_id: str
+    requantized: list[str] = field(default_factory=list)  # what re-quantizing cost, per type
+
+
+# experts re-quantized from another format (a GGUF type moeshard has no kernels for): the
+# first this many are measured against the decoded values for the summary's error figure
+MEASURED_EXPERTS = 16
+
+
+@dataclass
+class Requantized:
+    """Experts a file holds in a `source` type, decoded and packed as `target`: the
+    relative RMS error that cost, over the first MEASURED_EXPERTS of them."""
+
+    source: str
+    target: str
+    experts: int = 0
+    measured: int = 0
+    err2: float = 0.0
+    norm2: float = 0.0
+
+    def line(self) -> str:
+        rel = (self.err2 / self.norm2) ** 0.5 if self.norm2 else 0.0
+        return (
+            f"experts stored as {self.source} in the file, decoded and packed as {self.target}: "
+            f"relative RMS error of their weights {rel:.4f} ({self.measured} of {self.experts} "
+            f"experts measured); pick the format with --experts"
+        )
 
 
 def convert(
@@ -368,15 +395,36 @@ def _check_block_dims(config, expert_format: str, src: Path) -> None:
                 )
 
 
-def _expert_record(gate, up, down, fmt: str) -> np.ndarray:
+def _expert_record(gate, up, down, fmt: str, requantized: dict | None = None) -> np.ndarray:
     """One expert's record: published MXFP4 matrices, or a GGUF file's matrices in a format
     moeshard has (`gguf_import.GgmlMatrix`), kept bit for bit when fmt is theirs, decoded
-    to float32 for any other format; float32 matrices packed to fmt."""
+    to float32 for any other format; float32 matrices packed to fmt.  A GGUF file's matrices
+    of another type are counted (and the first few measured) in `requantized` by type."""
     mats = (gate, up, down)
     if all(_kept_as(m) == fmt for m in mats):
         return np.concatenate([quant.pack_ggml(m.ggml_blocks(), fmt, *m.shape) for m in mats])
     floats = [m if isinstance(m, np.ndarray) else m.float32() for m in mats]
-    return quant.pack_expert(*floats, fmt)
+    record = quant.pack_expert(*floats, fmt)
+    types = sorted({m.type_name for m in mats if hasattr(m, "type_name")})
+    if requantized is not None and types and any(t.lower() != fmt for t in types):
+        source = "/".join(types)  # (a layer may mix types: Q4_K_M's down projections)
+        _measure(requantized.setdefault(source, Requantized(source, fmt)), floats, record, fmt)
+    return record
+
+
+def _measure(r: Requantized, floats: list[np.ndarray], record: np.ndarray, fmt: str) -> None:
+    r.experts += 1
+    if r.measured >= MEASURED_EXPERTS:
+        return
+    r.measured += 1
+    at = 0
+    for w in floats:
+        n = quant.packed_nbytes(fmt, *w.shape)
+        packed = quant.unpack_to_ggml(record[at : at + n], fmt, *w.shape)
+        back = quant.dequantize(packed, fmt, w.shape).astype(np.float64)  # [rows, cols]
+        r.err2 += float(np.sum((back - w) ** 2))
+        r.norm2 += float(np.sum(w.astype(np.float64) ** 2))
+        at += n
 
 
 def _kept_as(matrix) -> str | None:
@@ -447,6 +495,7 @@ def _write_files(
         if bar:
             bar.advance(trunk.file.bytes_written - before)
     expert_params = 0
+    requantized: dict[str, Requantized] = {}
     roots: dict[tuple[int, int], bytes] = {}  # possession roots, one per record
     for shard in shards:
         shard.begin()
@@ -454,7 +503,7 @@ def _write_files(
             bar.advance(shard.file.bytes_written)
         for layer, expert in zip(shard.index.layers, shard.index.experts, strict=True):
             gate, up, down = expert_shapes(config, plan, ckpt, layer, expert)
-            record = _expert_record(gate, up, down, expert_format)
+            record = _expert_record(gate, up, down, expert_format, requantized)
             before = shard.file.bytes_written
             crc = shard.write(record)
             roots[(layer, expert)] = merkle.root(record)
@@ -502,4 +551,5 @@ def _write_files(
         seconds=0.0,
         skipped=plan.skipped,
         model_id=model_id,
+        requantized=[r.line() for _, r in sorted(requantized.items())],
     )

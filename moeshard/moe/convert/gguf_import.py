@@ -372,9 +372,14 @@ class GgmlMatrix:
     as they are, reordered (`converter._expert_record`), or are decoded (`float32`)."""
 
     blocks: np.ndarray  # uint8 [rows, row bytes]
-    fmt: str  # moeshard's name of the format
+    fmt: str | None  # moeshard's name of the format, None where moeshard has no such format
     qtype: object  # gguf.GGMLQuantizationType
     shape: tuple[int, int]
+
+    @property
+    def type_name(self) -> str:
+        """The GGUF type's name (Q4_K, ...): what the converter reports re-quantizing."""
+        return self.qtype.name
 
     @property
     def size(self) -> int:
@@ -524,15 +529,15 @@ class GgufCheckpoint:
         return value.reshape(tuple(int(d) for d in reversed(tensor.shape)))
 
     def expert_matrix(self, name: str):
-        """An expert's matrix for the converter: its ggml bytes where moeshard can keep them
-        (`GgmlMatrix`), else its float32 values."""
+        """An expert's matrix for the converter, as the file holds it (`GgmlMatrix`): its
+        bytes are kept where moeshard has its type and the user picks it, else decoded."""
         s = self.sources[name]
-        kind = s.tensor.tensor_type.name
-        if kind not in KEPT_TYPES or len(s.shape) != 2:
+        if len(s.shape) != 2 or s.heads or s.v_b is not None:
             return self.float32(name)
         data = s.tensor.data if s.expert is None else s.tensor.data[s.expert]
         blocks = np.ascontiguousarray(data).view(np.uint8).reshape(s.shape[0], -1)
-        return GgmlMatrix(blocks, KEPT_TYPES[kind], s.tensor.tensor_type, s.shape)
+        kind = s.tensor.tensor_type.name
+        return GgmlMatrix(blocks, KEPT_TYPES.get(kind), s.tensor.tensor_type, s.shape)
 
     def expert_types(self) -> set[str]:
         """The GGUF types of the routed experts' tensors."""
