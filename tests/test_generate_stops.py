@@ -304,6 +304,7 @@ def test_a_ctrl_c_swallowed_by_a_finalizer_is_raised_again():
         def __del__(self):
             raise KeyboardInterrupt
 
+    cli._interrupt.update(swallowed=False, handled=False)  # (as main sets it at its start)
     previous, sys.unraisablehook = sys.unraisablehook, redeliver_interrupt
     try:
         with pytest.raises(KeyboardInterrupt):
