@@ -305,3 +305,26 @@ def test_the_pre_tokenizers_of_popular_models_are_rebuilt(tmp_path, pre):
     for other in (p for p in MODEL_PRE_TOKENIZERS if p != pre):  # (the text tells them apart)
         spec["pre_tokenizer"] = MODEL_PRE_TOKENIZERS[other]
         assert pieces(Tokenizer.from_str(json.dumps(spec))) != pieces(want), other
+
+
+def test_quality_compares_gguf_files_with_the_checkpoint(capsys):
+    """`moeshard quality SRC --gguf FILE`: the f32 GGUF of the same checkpoint is the reference
+    itself (top-1 100%, KL 0); its Q4_0 and Q4_K_M mixes cost something, each row labelled
+    with the file's expert types and the format they ran in."""
+    src = FIXTURES / "qwen3_moe"
+    ggufs = [GGUF / f"qwen3_moe-{v}.gguf" for v in ("f32", "q4_0", "q4_k_m")]
+    args = ["quality", str(src), "--prompt-ids", "1,2,3,4", "--tokens", "8", "--experts", "q4_0"]
+    assert main([*args, *(a for g in ggufs for a in ("--gguf", str(g)))]) == 0
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        parts = line.split()
+        if len(parts) == 7 and parts[1].startswith("gguf:"):
+            rows[(parts[0], parts[1][5:], parts[2])] = (float(parts[4][:-1]), float(parts[5]))
+    assert rows[("F32>f32", "qwen3_moe-f32.gguf", "-")] == (100.0, 0.0)
+    assert set(rows) >= {
+        ("Q4_0>q4_0", "qwen3_moe-q4_0.gguf", "q8"),
+        ("Q4_0>q4_0", "qwen3_moe-q4_0.gguf", "f32"),
+        ("Q5_0/Q8_0>f32", "qwen3_moe-q4_k_m.gguf", "-"),
+    }
+    for key, (_, kl) in rows.items():
+        assert kl > 0 or key[0] == "F32>f32", key

@@ -35,11 +35,19 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(REPO / "tests" / "fixtures" / "gguf"))
     p.add_argument("--python", default=str(REPO / ".venv-ref" / "bin" / "python"))
+    p.add_argument(
+        "--demo",
+        metavar="DIR",
+        help="instead: the embedded demo model's GGUFs into DIR (F32, then llama-quantize's "
+        "Q4_K_M, IQ4_XS and Q4_0 mixes), for `moeshard quality models/demo-hf --gguf ...`",
+    )
     args = p.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     cache = llamacpp.cache_root(None)
     llama = llamacpp.ensure_built(cache, None)
+    if args.demo:
+        return demo_ggufs(llama, Path(args.python), Path(args.demo), cache)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     for name in FIXTURES:
         target = out / f"{name}-f32.gguf"
         log = cache / f"gguf-fixture-{name}.log"
@@ -51,6 +59,22 @@ def main() -> int:
             llamacpp.quantize(llama, target, quantized, options, 1, log, ftype)
             print(f"{target.name} -> {quantized} ({quantized.stat().st_size / 1e6:.2f} MB)")
     (out / "convert_hf_to_gguf_wrapper.py").unlink(missing_ok=True)  # (convert_hf's helper)
+    return 0
+
+
+DEMO_MIXES = ("Q4_K_M", "IQ4_XS", "Q4_0")  # llama-quantize's own mixes (output layer, fallbacks)
+
+
+def demo_ggufs(llama, python: Path, out: Path, cache: Path) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    log = cache / "gguf-demo.log"
+    f32 = out / "demo-f32.gguf"
+    llamacpp.convert_hf(llama, python, REPO / "models" / "demo-hf", f32, log, outtype="f32")
+    (out / "convert_hf_to_gguf_wrapper.py").unlink(missing_ok=True)
+    for ftype in DEMO_MIXES:
+        target = out / f"demo-{ftype.lower()}.gguf"
+        llamacpp.quantize(llama, f32, target, [], 1, log, ftype)
+        print(f"{target} ({target.stat().st_size / 1e6:.2f} MB)")
     return 0
 
 

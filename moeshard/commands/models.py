@@ -177,6 +177,14 @@ def add_quality(sub) -> None:
         help="how q4_0/q8_0 kernels take activations, compared (q8: 8-bit, what generate uses; "
         "f32: float)",
     )
+    p.add_argument(
+        "--gguf",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="also the same model as this llama.cpp GGUF file holds it (repeatable): experts "
+        "of a type moeshard has run in it, others and the trunk decoded exactly to f32",
+    )
     p.set_defaults(func=cmd_quality)
 
 
@@ -217,17 +225,23 @@ def cmd_quality(args) -> int:
     unknown = [m for m in modes if m not in quant.ACTIVATIONS]
     if unknown:
         raise MoeshardError(f"--activations: unknown {unknown}; expected {quant.ACTIVATIONS}")
+    for path in args.gguf:
+        if not Path(path).is_file():
+            raise MoeshardError(f"--gguf {path}: no such file")
     rows = compare_formats(
-        args.src, prompts, args.tokens, args.experts.split(","), args.trunk.split(","), modes
-    )
+        args.src, prompts, args.tokens, args.experts.split(","), args.trunk.split(","), modes,
+        tuple(Path(p) for p in args.gguf),
+    )  # fmt: skip
     print(f"reference: f32 experts and trunk, {len(prompts)} prompts x {args.tokens} greedy tokens")
+    wide = max([8] + [len(r.experts) for r in rows])
+    trunk = max([6] + [len(r.trunk) for r in rows])
     print(
-        f"{'experts':>8} {'trunk':>6} {'activations':>11} {'positions':>9} {'top-1 agree':>11} "
-        f"{'mean KL':>10} {'max KL':>10}"
+        f"{'experts':>{wide}} {'trunk':>{trunk}} {'activations':>11} {'positions':>9} "
+        f"{'top-1 agree':>11} {'mean KL':>10} {'max KL':>10}"
     )
     for r in rows:
         print(
-            f"{r.experts:>8} {r.trunk:>6} {r.activations:>11} {r.positions:>9} "
+            f"{r.experts:>{wide}} {r.trunk:>{trunk}} {r.activations:>11} {r.positions:>9} "
             f"{r.top1_agreement:>11.2%} {r.mean_kl:>10.2e} {r.max_kl:>10.2e}"
         )
     return EXIT_OK

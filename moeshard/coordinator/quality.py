@@ -5,6 +5,9 @@ directory, greedy-decodes with f32 experts and trunk (the reference), then runs 
 combination teacher-forced on the same token sequence and compares next-token distributions
 position by position: top-1 agreement (same argmax) and KL(f32 || quantised).
 
+`--gguf FILE` adds the same model as a llama.cpp GGUF file holds it (a Q4_K_M, IQ4_XS or Q4_0
+mix from llama-quantize), compared with the same reference.
+
 `moeshard perplexity SRC --text FILE` reports perplexity of a text under each expert format.
 """
 
@@ -58,9 +61,11 @@ def compare_formats(
     expert_formats: list[str],
     trunk_formats: list[str],
     activations: tuple[str, ...] = ("q8",),
+    ggufs: tuple[Path, ...] = (),
 ) -> list[Comparison]:
     """One row per (trunk, experts) format pair, and per activation mode (`quant.ACTIVATIONS`)
-    for pairs with q4_0/q8_0 weights; the f32 reference uses no quantised kernel."""
+    for pairs with q4_0/q8_0 weights; the f32 reference uses no quantised kernel.  Then one
+    row per GGUF file of the same model (`gguf_rows`)."""
     with tempfile.TemporaryDirectory(prefix="moeshard-quality-") as tmp:
         root = Path(tmp)
         reference = root / "f32-f32"
@@ -81,7 +86,35 @@ def compare_formats(
                 quantised = experts in QUANTISED or trunk in QUANTISED
                 for mode in activations if quantised else ("-",):
                     out.append(_compare(target, sequences, ref_logp, experts, trunk, mode))
+        for i, path in enumerate(ggufs):
+            out += gguf_rows(Path(path), root / f"gguf-{i}", sequences, ref_logp, activations)
         return out
+
+
+def gguf_rows(path: Path, target: Path, sequences, ref_logp, activations) -> list[Comparison]:
+    """The model as a GGUF file holds it (llama.cpp's quantization mixes, `llama-quantize`):
+    experts whose type moeshard has are kept (their kernels run), any other type is decoded
+    exactly to f32, as is the trunk; so the row measures the file's weights.  The experts
+    column names the file's expert types and the format they ran in."""
+    from moeshard.moe.convert.gguf_import import (
+        KEPT_TYPES,
+        GgufCheckpoint,
+        convert_gguf,
+        gguf_parts,
+    )
+
+    ckpt = GgufCheckpoint(gguf_parts(path))
+    try:
+        types = sorted(ckpt.expert_types())
+    finally:
+        ckpt.close()
+    kept = KEPT_TYPES.get(types[0]) if len(types) == 1 else None
+    fmt = kept or "f32"
+    convert_gguf(path, target, fmt, "f32", progress=False)
+    label = f"{'/'.join(types)}>{fmt}"
+    trunk = f"gguf:{path.name}"
+    modes = activations if fmt in QUANTISED else ("-",)
+    return [_compare(target, sequences, ref_logp, label, trunk, mode) for mode in modes]
 
 
 def _compare(target: Path, sequences, ref_logp, experts: str, trunk: str, mode: str):
