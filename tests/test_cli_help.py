@@ -88,8 +88,9 @@ def _help(capsys, *argv: str) -> str:
 def test_convert_help_shows_the_formats_defaults(capsys):
     out = _help(capsys, "convert")
     assert "weight format of the experts (default: mxfp4 for a checkpoint that publishes" in out
-    assert f"experts in MXFP4, their bits kept; else {DEFAULT_EXPERT_FORMAT})" in out
-    assert f"(everything but the experts) (default: {DEFAULT_TRUNK_FORMAT})" in out
+    assert "a GGUF file's own type where it is one of these;" in out
+    assert f"else {DEFAULT_EXPERT_FORMAT})" in out
+    assert f"(everything but the experts; default: {DEFAULT_TRUNK_FORMAT}, or a GGUF" in out
 
 
 def test_generate_help_shows_max_tokens_default(capsys):

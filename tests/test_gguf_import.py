@@ -150,6 +150,43 @@ def test_quantized_experts_are_kept_bit_for_bit(tmp_path, variant, fmt):
     assert float(np.abs(a - b).max()) <= 0.02 * float(b.max() - b.min())
 
 
+@pytest.mark.parametrize(("name", "variant"), [("qwen3_moe", "q8_0"), ("mixtral", "f32")])
+def test_the_trunk_keeps_its_bits_where_its_format_is_the_files(tmp_path, name, variant):
+    """A file whose trunk matrices are all Q8_0 (or F32) gets that trunk format by default,
+    every matrix packed from the file's own blocks; Mixtral's q/k rows move whole, undecoded,
+    back from llama.cpp's RoPE order."""
+    from gguf import GGUFReader
+
+    from moeshard.moe.convert.gguf_import import unpermute_rows
+    from moeshard.moe.kernels.layout import unpack_to_ggml
+    from moeshard.moe.storage.trunk_file import TrunkLayout, read_trunk_tensors
+
+    src = GGUF / f"{name}-{variant}.gguf"
+    out = tmp_path / "m"
+    convert_gguf(src, out, progress=False)
+    assert json.loads((out / "moeshard.json").read_text())["trunk_format"] == variant
+    stored = read_trunk_tensors(TrunkLayout(out / "trunk.gguf"))
+    tensors = {t.name: t for t in GGUFReader(src).tensors}
+    heads = {"attn_q": 4, "attn_k": 2}  # (mixtral's fixture: 4 heads, 2 kv heads)
+    for gguf_name, hf in (
+        ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight"),
+        ("blk.1.attn_k.weight", "model.layers.1.self_attn.k_proj.weight"),
+        ("token_embd.weight", "model.embed_tokens.weight"),
+    ):
+        t = stored[hf]
+        assert t.fmt == variant
+        want = np.asarray(tensors[gguf_name].data).view(np.uint8).reshape(t.shape[0], -1)
+        if name == "mixtral" and "attn_" in gguf_name:
+            want = unpermute_rows(want, heads[gguf_name.split(".")[2]])
+        assert np.array_equal(unpack_to_ggml(t.data, variant, *t.shape), want), gguf_name
+    if name == "mixtral":  # the f32 trunk kept: the same model as the checkpoint's
+        ref = reference(name)
+        rt = open_local(out)
+        logits = rt.transformer.forward(ref["prompt_ids"], rt.transformer.new_cache(16))
+        span = float(ref["prefill_logits"].max() - ref["prefill_logits"].min())
+        assert float(np.abs(logits - ref["prefill_logits"]).max()) <= TOLERANCE * span
+
+
 def test_experts_of_a_type_moeshard_has_not_are_repacked_with_their_cost_printed(tmp_path, capsys):
     """llama-quantize's Q4_K_M of a 64-wide model (Q5_0 and Q8_0: its fallbacks where rows
     are too short for K-quants): the experts are decoded and packed as q4_0, and convert

@@ -34,13 +34,14 @@ def _convert_arguments(p) -> None:
         "--experts",
         choices=EXPERT_FORMATS,
         help=f"weight format of the experts (default: mxfp4 for a checkpoint that publishes "
-        f"its experts in MXFP4, their bits kept; else {DEFAULT_EXPERT_FORMAT})",
+        f"its experts in MXFP4, their bits kept, and a GGUF file's own type where it is one of "
+        f"these; else {DEFAULT_EXPERT_FORMAT})",
     )
     p.add_argument(
         "--trunk",
         choices=TRUNK_FORMATS,
-        default=DEFAULT_TRUNK_FORMAT,
-        help="weight format of the trunk (everything but the experts)",
+        help=f"weight format of the trunk (everything but the experts; default: "
+        f"{DEFAULT_TRUNK_FORMAT}, or a GGUF file's own where it is one of these, its bits kept)",
     )
     p.add_argument(
         "--force",

@@ -336,7 +336,7 @@ def convert(
     src: str | Path,
     out: str | Path,
     expert_format: str | None = None,
-    trunk_fmt: str = DEFAULT_TRUNK_FORMAT,
+    trunk_fmt: str | None = DEFAULT_TRUNK_FORMAT,
     force: bool = False,
     progress: bool | Progress = True,
     checkpoint=None,
@@ -352,6 +352,7 @@ def convert(
     started = time.perf_counter()
     src, out = Path(src), Path(out)
     origin = Path(origin) if origin is not None else src
+    trunk_fmt = trunk_fmt or DEFAULT_TRUNK_FORMAT
     if expert_format is not None and expert_format not in EXPERT_FORMATS:
         raise ConfigError(f"--experts {expert_format}: choose one of {', '.join(EXPERT_FORMATS)}")
     if trunk_fmt not in TRUNK_FORMATS:
@@ -427,6 +428,17 @@ def _measure(r: Requantized, floats: list[np.ndarray], record: np.ndarray, fmt: 
         at += n
 
 
+def _kept_trunk_tensor(ckpt, name: str, fmt: str, shape) -> np.ndarray | None:
+    """A GGUF file's trunk matrix packed from its own blocks, where its type is the trunk
+    format picked for it (the same bits, reordered); None otherwise (decode and pack)."""
+    if len(shape) != 2 or not hasattr(ckpt, "expert_matrix"):
+        return None
+    m = ckpt.expert_matrix(name)  # (any 2-D matrix of the file, as it holds it)
+    if _kept_as(m) != fmt or tuple(m.shape) != tuple(shape):
+        return None
+    return quant.pack_ggml(m.ggml_blocks(), fmt, *m.shape)
+
+
 def _kept_as(matrix) -> str | None:
     """The format whose bits a matrix brings (MXFP4 as published, ggml bytes), or None."""
     if isinstance(matrix, mxfp4.PackedMxfp4):
@@ -486,12 +498,15 @@ def _write_files(
         bar.advance(trunk.file.bytes_written)
     trunk_params = 0
     for name, (_, fmt, shape) in zip(trunk_names, trunk.entries, strict=True):
-        value = ckpt.float32(plan.trunk[name], plan.fp8_block).reshape(shape)
-        matrix = value.reshape(as_matrix(shape))  # what the trunk file stores for any shape
+        packed = _kept_trunk_tensor(ckpt, plan.trunk[name], fmt, shape)
+        if packed is None:
+            value = ckpt.float32(plan.trunk[name], plan.fp8_block).reshape(shape)
+            matrix = value.reshape(as_matrix(shape))  # what the trunk file stores for any shape
+            packed = quant.pack(np.ascontiguousarray(matrix), fmt)
         before = trunk.file.bytes_written
-        crc = trunk.write(quant.pack(np.ascontiguousarray(matrix), fmt))
+        crc = trunk.write(packed)
         digest.update(f"{name}:{fmt}:{crc};".encode())
-        trunk_params += value.size
+        trunk_params += int(np.prod(shape))
         if bar:
             bar.advance(trunk.file.bytes_written - before)
     expert_params = 0

@@ -532,12 +532,29 @@ class GgufCheckpoint:
         """An expert's matrix for the converter, as the file holds it (`GgmlMatrix`): its
         bytes are kept where moeshard has its type and the user picks it, else decoded."""
         s = self.sources[name]
-        if len(s.shape) != 2 or s.heads or s.v_b is not None:
+        if len(s.shape) != 2 or s.v_b is not None:
             return self.float32(name)
         data = s.tensor.data if s.expert is None else s.tensor.data[s.expert]
         blocks = np.ascontiguousarray(data).view(np.uint8).reshape(s.shape[0], -1)
+        if s.heads:  # (a row permutation: the rows' blocks move whole, undecoded)
+            blocks = np.ascontiguousarray(unpermute_rows(blocks, s.heads))
         kind = s.tensor.tensor_type.name
         return GgmlMatrix(blocks, KEPT_TYPES.get(kind), s.tensor.tensor_type, s.shape)
+
+    def trunk_format(self) -> str | None:
+        """The trunk format that keeps the file's trunk matrices' bits: their one type where
+        moeshard's trunk has it (f32, bf16, q8_0), else None (the default, bf16)."""
+        stacks = self.arch.expert_stacks
+        types = {
+            t.tensor_type.name
+            for r in self.readers
+            for t in r.tensors
+            if len(t.shape) == 2
+            and t.name.split(".", 2)[-1] not in stacks
+            and "ffn_gate_inp" not in t.name  # (routers stay f32 whatever the file holds)
+        }
+        kept = {"F32": "f32", "BF16": "bf16", "Q8_0": "q8_0"}
+        return kept.get(next(iter(types))) if len(types) == 1 else None
 
     def expert_types(self) -> set[str]:
         """The GGUF types of the routed experts' tensors."""
@@ -621,7 +638,7 @@ def convert_gguf(
         else:
             (staging / "tokenizer.json").write_text(tokenizer_json(ckpt.fields, path))
             _write_json(staging / "tokenizer_config.json", tokenizer_config(ckpt.fields, path))
-        trunk = trunk_fmt or DEFAULT_TRUNK_FORMAT
+        trunk = trunk_fmt or ckpt.trunk_format() or DEFAULT_TRUNK_FORMAT
         if expert_format is None:  # the experts' own format where it can be kept
             types = ckpt.expert_types()
             if len(types) == 1 and next(iter(types)) in KEPT_TYPES:
