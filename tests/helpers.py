@@ -345,3 +345,14 @@ def moeshard_run(*args, home) -> subprocess.CompletedProcess:
 # (Popen's -2), which Python chooses under `python -m` when a KeyboardInterrupt was left
 # unhandled on the way out (bpo-1054041) and which a shell reports as 130 all the same.
 INTERRUPTED = (130, -2)
+
+
+def assert_quiet_stop(returncode: int, err: str, context, finished_ok: bool = True) -> None:
+    """What a command stopped by SIGINT must show: no traceback; exit 0 where it had finished
+    before the signal (`finished_ok`), else an `INTERRUPTED` status with "moeshard:
+    interrupted" as the last line on stderr."""
+    assert "Traceback" not in err, (context, err)
+    if finished_ok and returncode == 0:
+        return
+    assert returncode in INTERRUPTED, (context, returncode, err)
+    assert err.strip().splitlines()[-1] == "moeshard: interrupted", (context, err)

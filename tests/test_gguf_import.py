@@ -204,6 +204,16 @@ def test_experts_of_a_type_moeshard_has_not_are_repacked_with_their_cost_printed
     assert np.isfinite(rt.transformer.forward(prompt, rt.transformer.new_cache(16))).all()
 
 
+def test_a_tokenizer_that_does_not_load_is_refused_and_leaves_nothing(tmp_path, capsys):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"model": {"type": "BPE"')  # cut short
+    out = tmp_path / "m"
+    src = str(GGUF / "qwen3_moe-f32.gguf")
+    assert main(["convert", src, str(out), "--quiet", "--tokenizer", str(bad)]) == 2
+    assert "not a tokenizer.json" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenizer.json"]
+
+
 @pytest.mark.parametrize("keep", [3000, 500_000])
 def test_a_truncated_gguf_is_refused_and_leaves_nothing(tmp_path, capsys, keep):
     src = tmp_path / "cut.gguf"

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import numpy as np
 import openai
 import pytest
-from helpers import INTERRUPTED, ROOT, wait_until
+from helpers import ROOT, assert_quiet_stop, wait_until
 
 from moeshard.coordinator.chat import chat_prompt
 from moeshard.coordinator.generate import SamplingOptions, generate
@@ -588,7 +588,5 @@ def test_ctrl_c_at_any_moment_of_serve_leaves_no_traceback(demo):
             _, err = proc.communicate(timeout=60)
         finally:
             proc.kill()
-        assert "Traceback" not in err, (moment, err)
-        assert proc.returncode in (0, *INTERRUPTED), (moment, proc.returncode, err)  # stopped,
-        if proc.returncode in INTERRUPTED:  # or interrupted before uvicorn took the signal over
-            assert err.strip().splitlines()[-1] == "moeshard: interrupted", (moment, err)
+        # stopped (0), or interrupted before uvicorn took the signal over
+        assert_quiet_stop(proc.returncode, err, moment)

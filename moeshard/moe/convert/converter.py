@@ -162,8 +162,8 @@ def expert_shapes(config, plan: Plan, ckpt: Checkpoint, layer, expert, check_onl
                 )
             if check_only:
                 out[proj] = None
-            elif hasattr(ckpt, "expert_matrix"):  # (a GGUF file: its ggml bytes, to keep)
-                out[proj] = ckpt.expert_matrix(name)
+            elif hasattr(ckpt, "matrix"):  # (a GGUF file: its ggml bytes, to keep)
+                out[proj] = ckpt.matrix(name)
             else:
                 out[proj] = ckpt.float32(name, plan.fp8_block)
             continue
@@ -431,9 +431,9 @@ def _measure(r: Requantized, floats: list[np.ndarray], record: np.ndarray, fmt: 
 def _kept_trunk_tensor(ckpt, name: str, fmt: str, shape) -> np.ndarray | None:
     """A GGUF file's trunk matrix packed from its own blocks, where its type is the trunk
     format picked for it (the same bits, reordered); None otherwise (decode and pack)."""
-    if len(shape) != 2 or not hasattr(ckpt, "expert_matrix"):
+    if len(shape) != 2 or not hasattr(ckpt, "matrix"):
         return None
-    m = ckpt.expert_matrix(name)  # (any 2-D matrix of the file, as it holds it)
+    m = ckpt.matrix(name)
     if _kept_as(m) != fmt or tuple(m.shape) != tuple(shape):
         return None
     return quant.pack_ggml(m.ggml_blocks(), fmt, *m.shape)

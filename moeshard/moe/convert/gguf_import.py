@@ -362,6 +362,21 @@ def _rope_scaling(fields: dict, k: str, source: Path) -> dict | None:
 # the tensors
 
 
+def _decoded(data: np.ndarray, qtype, what: str) -> np.ndarray:
+    """ggml data (the reader's typed array, or raw bytes) -> float32 values, by gguf's own
+    dequantizers; a type gguf cannot decode is refused naming `what`."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    data = np.asarray(data)
+    try:
+        if qtype == GGMLQuantizationType.F32:
+            return data.view(np.float32) if data.dtype == np.uint8 else data.astype(np.float32)
+        return dequantize(data, qtype).astype(np.float32, copy=False)
+    except NotImplementedError:
+        raise CheckpointError(f"{what}: GGUF type {qtype.name} cannot be decoded") from None
+
+
 # GGUF types whose bytes moeshard's formats hold as they are (`quant.pack_ggml` reorders them)
 KEPT_TYPES = {"F32": "f32", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0", "MXFP4": "mxfp4"}
 
@@ -389,9 +404,7 @@ class GgmlMatrix:
         return self.blocks
 
     def float32(self) -> np.ndarray:
-        from gguf.quants import dequantize
-
-        return dequantize(self.blocks, self.qtype).astype(np.float32, copy=False)
+        return _decoded(self.blocks, self.qtype, f"a {self.qtype.name} matrix")
 
 
 @dataclass(frozen=True)
@@ -483,23 +496,11 @@ class GgufCheckpoint:
     def float32(self, name: str, block=None) -> np.ndarray:
         """Tensor `name` as float32, decoded by `gguf.quants.dequantize` (an expert: its
         slice of the stack alone)."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
         s = self.sources[name]
         if s.v_b is not None:
             return self._kv_b_proj(name, s)
         data = s.tensor.data if s.expert is None else s.tensor.data[s.expert]
-        qtype = s.tensor.tensor_type
-        try:
-            if qtype == GGMLQuantizationType.F32:
-                value = np.array(data, dtype=np.float32)
-            else:
-                value = dequantize(np.asarray(data), qtype).astype(np.float32, copy=False)
-        except NotImplementedError:
-            raise CheckpointError(
-                f"{self.describe(name)}: GGUF type {qtype.name} cannot be decoded"
-            ) from None
+        value = _decoded(data, s.tensor.tensor_type, self.describe(name))
         if value.shape != s.shape:
             raise CheckpointError(
                 f"{self.describe(name)}: decoded to {list(value.shape)}, expected {list(s.shape)}"
@@ -518,19 +519,14 @@ class GgufCheckpoint:
         return np.ascontiguousarray(per_head.reshape(s.shape))
 
     def _decode(self, tensor) -> np.ndarray:
-        """A whole tensor as float32 (`float32` without the naming)."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
-        if tensor.tensor_type == GGMLQuantizationType.F32:
-            value = np.array(tensor.data, dtype=np.float32)
-        else:
-            value = dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32)
+        """A whole tensor as float32, in its row-major shape."""
+        value = _decoded(tensor.data, tensor.tensor_type, f"{self.directory.name}:{tensor.name}")
         return value.reshape(tuple(int(d) for d in reversed(tensor.shape)))
 
-    def expert_matrix(self, name: str):
-        """An expert's matrix for the converter, as the file holds it (`GgmlMatrix`): its
-        bytes are kept where moeshard has its type and the user picks it, else decoded."""
+    def matrix(self, name: str):
+        """A 2-D tensor (an expert's matrix, a trunk matrix) for the converter, as the file
+        holds it (`GgmlMatrix`): its bytes are kept where moeshard has its type and the user
+        picks it, else decoded."""
         s = self.sources[name]
         if len(s.shape) != 2 or s.v_b is not None:
             return self.float32(name)
@@ -575,6 +571,16 @@ class GgufCheckpoint:
 
 # ---------------------------------------------------------------------------------------------
 # the conversion
+
+
+def _check_tokenizer(path: Path) -> None:
+    """Refused here, not at the model's first request."""
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as exc:  # (tokenizers raises plain Exception subclasses)
+        raise CheckpointError(f"--tokenizer {path}: not a tokenizer.json ({exc})") from None
 
 
 def _write_json(path: Path, value) -> None:
@@ -629,6 +635,7 @@ def convert_gguf(
             tokenizer = Path(tokenizer)
             if not tokenizer.is_file():
                 raise CheckpointError(f"--tokenizer {tokenizer}: no such file")
+            _check_tokenizer(tokenizer)
             shutil.copyfile(tokenizer, staging / "tokenizer.json")
             beside = tokenizer.with_name("tokenizer_config.json")
             if beside.is_file():
