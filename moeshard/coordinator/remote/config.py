@@ -28,6 +28,7 @@ class RemoteConfig:
     wire_dtype: str = "f32"  # activations on the wire: f32 (exact) or bf16 (half the bytes)
     ewma_alpha: float = 0.2  # weight of the newest round trip in a node's latency estimate
     call_cost_ms: float = 0.3  # extra score for involving one more node in a layer
+    trial_share: float = 0.05  # layer calls giving a new node one expert (`experts._give_trial`)
     backoff_s: float = 0.5  # first ban after a failure; doubles on each failed probe
     max_backoff_s: float = 30.0  # longest ban between probes
     probe_interval_s: float = 0.2  # how often the prober looks for banned nodes due a probe

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 import threading
 import time
 from collections import defaultdict
@@ -56,6 +57,8 @@ ABANDONED_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCE
 LAYER_HISTORY = 100_000  # layer call times kept
 FINISH_WAIT_S = 2.0  # at close, how long a node may take to end its stream
 ENDED_STREAM_WAIT_S = 0.2  # a stream the node has ended holds only what it had sent
+TRIAL_CALLS = 8  # a node with fewer calls this run may be given one expert of a layer on trial
+_TRIAL_RANDOM = random.SystemRandom()
 
 
 class _Missing(Exception):
@@ -152,6 +155,7 @@ class RemoteExperts(ExpertsBase):
         def queue_ms(p: Peer) -> float:
             return p.queue_ms(at) if self.config.queue_aware else 0.0
 
+        options: dict[int, list[Peer]] = {}
         for expert in experts:
             no = excluded.get(expert, ())
             cands = [p for p in live if p.holds(layer, expert) and p.addr not in no]
@@ -179,6 +183,8 @@ class RemoteExperts(ExpertsBase):
             best = min(cands, key=score)
             chosen[expert] = best
             load[best.addr] += 1
+            options[expert] = cands
+        _give_trial(chosen, options, self.config.trial_share)
         return chosen, missing
 
     def _fan_out(self, layer, hidden, ids, weights, dtype, hint) -> np.ndarray:
@@ -482,6 +488,22 @@ def _wait_until(at: float) -> None:
     left = at - time.monotonic()
     if left > 0:
         time.sleep(left)
+
+
+def _give_trial(chosen: dict[int, Peer], options: dict[int, list[Peer]], share: float) -> None:
+    """Holder choice is greedy: a node never chosen keeps its estimate, so a new one may get
+    no work at all, and with no work it earns no record (every call of a node still in its
+    vetting is audited, `policy.rate_for`). So with probability `share` per layer call, drawn
+    from `random.SystemRandom` (nothing a node sees sets it), one expert of the layer goes to
+    a node that holds it and has had fewer than TRIAL_CALLS calls this run. A node gains
+    nothing by being new: at most TRIAL_CALLS such calls per run, each one checked."""
+    if share <= 0 or _TRIAL_RANDOM.random() >= share:
+        return
+    trials = [(e, p) for e, cands in options.items() for p in cands if p.calls < TRIAL_CALLS]
+    trials = [(e, p) for e, p in trials if chosen[e] is not p]
+    if trials:
+        expert, peer = _TRIAL_RANDOM.choice(trials)
+        chosen[expert] = peer
 
 
 def _by_peer(chosen: dict[int, Peer]) -> dict[str, tuple[Peer, list[int]]]:
