@@ -121,7 +121,10 @@ def test_goal_lines_say_met_or_not_met():
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--only", "kernels,bogus"], "--only: choose from kernels,bandwidth,demo,big,capped"),
+        (
+            ["--only", "kernels,bogus"],
+            "--only: choose from kernels,bandwidth,demo,big,capped,kquants",
+        ),
         (["--rounds", "0"], "at least 1"),
         (["--cap", "100M"], "--cap must exceed"),
         (["--threads", "999"], "--threads"),

@@ -117,30 +117,48 @@ def test_convert_on_the_command_line_takes_a_gguf_and_a_tokenizer(tmp_path, caps
 
 
 @pytest.mark.parametrize(
-    ("variant", "fmt"), [("q8_0", "q8_0"), ("q4_0", "q4_0"), ("mxfp4_moe", "mxfp4")]
+    ("source", "fmt"),
+    [
+        ("qwen3_moe-q8_0", "q8_0"),
+        ("qwen3_moe-q4_0", "q4_0"),
+        ("qwen3_moe-mxfp4_moe", "mxfp4"),
+        ("qwen3_moe_wide-q4_k", "q4_K"),
+        ("qwen3_moe_wide-q4_k_m", "q4_K,q4_K/q6_K"),
+    ],
 )
-def test_quantized_experts_are_kept_bit_for_bit(tmp_path, variant, fmt):
-    """llama-quantize's Q8_0, Q4_0 and MXFP4 experts become records of that format by default,
-    every block the file's own (reordered only), and the model runs within 8-bit activations'
-    error of the same file decoded to f32."""
+def test_quantized_experts_are_kept_bit_for_bit(tmp_path, source, fmt):
+    """llama-quantize's Q8_0, Q4_0, MXFP4, Q4_K and Q4_K_M experts (the K-quants: of a model
+    256 wide; Q4_K_M gives its second layer's down projections Q6_K, the first's Q4_K)
+    become records of those formats by default, every block the file's own (reordered only),
+    and the model runs within 8-bit activations' error of the same file decoded to f32."""
     from gguf import GGUFReader
 
     from moeshard.moe.kernels.layout import packed_nbytes, unpack_to_ggml
+    from moeshard.moe.kernels.quant import record_format, record_matrix_formats
     from moeshard.moe.model.model_dir import ModelDir
 
-    src = GGUF / f"qwen3_moe-{variant}.gguf"
+    src = GGUF / f"{source}.gguf"
     kept, decoded = tmp_path / "kept", tmp_path / "decoded"
     convert_gguf(src, kept, progress=False)
     convert_gguf(src, decoded, "f32", "f32", progress=False)
     assert json.loads((kept / "moeshard.json").read_text())["expert_format"] == fmt
     stacks = {t.name: t for t in GGUFReader(src).tensors if "_exps." in t.name}
-    shards = ModelDir(kept).shard_set
-    for layer in range(3):
-        for expert in range(8):
+    model = ModelDir(kept)
+    shards, c = model.shard_set, model.config
+    layers, experts = c.num_hidden_layers, c.n_experts
+    hidden, inter = c.expert_hidden, c.expert_intermediate
+    for layer in range(layers):
+        formats = record_matrix_formats(record_format(fmt, layer))
+        for expert in range(experts):
             record, at = shards.read(layer, expert), 0
-            for proj, (rows, cols) in (("gate", (32, 64)), ("up", (32, 64)), ("down", (64, 32))):
-                n = packed_nbytes(fmt, rows, cols)
-                got = unpack_to_ggml(record[at : at + n], fmt, rows, cols)
+            for proj, (rows, cols), f in zip(
+                ("gate", "up", "down"),
+                ((inter, hidden), (inter, hidden), (hidden, inter)),
+                formats,
+                strict=True,
+            ):
+                n = packed_nbytes(f, rows, cols)
+                got = unpack_to_ggml(record[at : at + n], f, rows, cols)
                 want = np.asarray(stacks[f"blk.{layer}.ffn_{proj}_exps.weight"].data[expert])
                 assert np.array_equal(got.reshape(-1), want.view(np.uint8).reshape(-1))
                 at += n
@@ -375,3 +393,34 @@ def test_quality_compares_gguf_files_with_the_checkpoint(capsys):
     }
     for key, (_, kl) in rows.items():
         assert kl > 0 or key[0] == "F32>f32", key
+
+
+def test_a_mix_of_k_quants_runs_the_same_on_nodes_and_under_a_ram_budget(tmp_path):
+    """A Q4_K_M file's experts as they are (q4_K, and q4_K/q6_K records in its second layer,
+    every record one size): the same tokens and logits bits through 3 nodes (2 replicas, the
+    audits on) and streamed under the smallest budget, as in RAM."""
+    from helpers import generate_on_nodes
+
+    from moeshard.coordinator.runtime import open_streaming
+    from moeshard.moe.convert.placement import shard_model
+    from moeshard.moe.model.model_dir import ModelDir
+    from moeshard.moe.storage.budget import plan_budget
+
+    model = tmp_path / "m"
+    convert_gguf(GGUF / "qwen3_moe_wide-q4_k_m.gguf", model, progress=False)
+    prompt = [int(t) for t in reference("qwen3_moe")["prompt_ids"]]
+    opts = SamplingOptions(max_tokens=8, keep_logits=True)
+    local = generate(open_local(model).transformer, prompt, opts)
+    plan = shard_model(model, 3, 2, tmp_path / "shards")
+    remote, calls = generate_on_nodes(model, plan, prompt, opts)
+    assert remote.tokens == local.tokens and all(c > 0 for c in calls)
+    assert all(np.array_equal(a, b) for a, b in zip(remote.logits, local.logits, strict=True))
+    minimum = plan_budget(ModelDir(model), 1 << 40, 64).minimum
+    rt = open_streaming(model, minimum, 64)
+    try:
+        streamed = generate(rt.transformer, prompt, opts)
+        assert rt.experts.stats()["misses"] > 0
+    finally:
+        rt.close()
+    assert streamed.tokens == local.tokens
+    assert all(np.array_equal(a, b) for a, b in zip(streamed.logits, local.logits, strict=True))

@@ -79,7 +79,33 @@ def int_rows_all() -> dict[str, np.ndarray]:
                 out = np.empty((b, rows), dtype=np.float32)  # [b, rows]
                 idots.int_rows(quant._FMT_CODE[fmt], wq, ws, xq, xd, xc, out, 0, rows)
                 results[f"int_rows {fmt} {rows}x{cols} b{b}"] = out
-    return results | every_scale()
+    return results | every_scale() | k_quants()
+
+
+def k_quants() -> dict[str, np.ndarray]:
+    """`idots.int_rows` on random valid q4_K and q6_K blocks (gguf-py cannot make them):
+    random code and scale bytes, float16 d (and dmin) over four decades."""
+    results = {}
+    for fmt, block, d_at in (("q4_K", 144, (0, 4)), ("q6_K", 210, (208, 210))):
+        rows, cols = 13, 512
+        rng = np.random.default_rng(block)
+        raw = rng.integers(0, 256, (rows, cols // 256, block), dtype=np.uint8)
+        n = (d_at[1] - d_at[0]) // 2
+        d = (10.0 ** rng.uniform(-4, 0, (rows, cols // 256, n))).astype(np.float16)
+        raw[:, :, d_at[0] : d_at[1]] = d.view(np.uint8).reshape(rows, cols // 256, 2 * n)
+        data = layout._readonly(quant.pack_ggml(raw.reshape(rows, -1), fmt, rows, cols))
+        _, row_bytes, scale_off = layout._matrix_layout(fmt, rows, cols)
+        wq, ws = _matrix_views(quant._FMT_CODE[fmt], data, rows, cols, row_bytes, scale_off)
+        for b in BATCHES + (4, 5):
+            x = rng.standard_normal((b, cols)).astype(np.float32) * 3  # [b, cols]
+            if b == 3:
+                x[1, 40] = np.inf
+            xq, xd, xc = activations.activation_buffers(b, cols)
+            activations.quantize_activations(x, xq, xd, xc)
+            out = np.empty((b, rows), dtype=np.float32)  # [b, rows]
+            idots.int_rows(quant._FMT_CODE[fmt], wq, ws, xq, xd, xc, out, 0, rows)
+            results[f"int_rows {fmt} {rows}x{cols} b{b}"] = out
+    return results
 
 
 def every_scale() -> dict[str, np.ndarray]:

@@ -9,7 +9,8 @@ it (cached under ~/.cache/moeshard); its convert_hf_to_gguf.py runs in the refer
 (`make ref-venv`: torch + transformers, and sentencepiece, which the converter imports for
 a `llama` model even when its tokenizer is BPE). For each fixture: NAME-f32.gguf, every tensor f32,
 and llama-quantize's NAME-q8_0.gguf, NAME-q4_0.gguf, NAME-mxfp4_moe.gguf and NAME-q4_k_m.gguf
-of qwen3_moe's.
+of qwen3_moe's; and qwen3_moe_wide-q4_k.gguf / -q4_k_m.gguf of a random Qwen3-MoE whose
+expert widths are multiples of 256 (`WIDE`), so that the K-quants are really used.
 """
 
 from __future__ import annotations
@@ -41,11 +42,15 @@ def main() -> int:
         help="instead: the embedded demo model's GGUFs into DIR (F32, then llama-quantize's "
         "Q4_K_M, IQ4_XS and Q4_0 mixes), for `moeshard quality models/demo-hf --gguf ...`",
     )
+    p.add_argument("--wide-only", action="store_true", help="only the K-quant fixtures")
     args = p.parse_args()
     cache = llamacpp.cache_root(None)
     llama = llamacpp.ensure_built(cache, None)
     if args.demo:
         return demo_ggufs(llama, Path(args.python), Path(args.demo), cache)
+    if args.wide_only:
+        wide_ggufs(llama, Path(args.python), Path(args.out), cache)
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in FIXTURES:
@@ -58,8 +63,64 @@ def main() -> int:
             quantized = out / f"{name}-{ftype.lower()}.gguf"
             llamacpp.quantize(llama, target, quantized, options, 1, log, ftype)
             print(f"{target.name} -> {quantized} ({quantized.stat().st_size / 1e6:.2f} MB)")
+    wide_ggufs(llama, Path(args.python), out, cache)
     (out / "convert_hf_to_gguf_wrapper.py").unlink(missing_ok=True)  # (convert_hf's helper)
     return 0
+
+
+# A Qwen3-MoE whose expert widths are multiples of 256, so llama-quantize really writes
+# K-quants (the test checkpoints' 64 and 32 columns get its fallbacks): random weights from
+# transformers' own initialisation, the qwen3_moe fixture's tokenizer; only the quantized
+# GGUFs are kept (the tests compare them with their own blocks decoded by gguf-py).
+WIDE = dict(
+    hidden_size=256,
+    intermediate_size=256,
+    moe_intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    vocab_size=384,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+WIDE_QUANTIZED = (("Q4_K", ["--pure"]), ("Q4_K_M", []))
+WIDE_SCRIPT = """
+import json, shutil, sys, torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+out, tok, cfg = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+torch.manual_seed(3900)
+model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**cfg)).eval()
+with torch.no_grad():  # weights of a trained model's size, not the 0.02 of the initialiser
+    for p in model.parameters():
+        if p.dim() == 2:
+            p.mul_(2.5)
+model.save_pretrained(out)
+for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(f"{tok}/{name}", f"{out}/{name}")
+"""
+
+
+def wide_ggufs(llama, python: Path, out: Path, cache: Path) -> None:
+    import json
+    import subprocess
+    import tempfile
+
+    log = cache / "gguf-fixture-qwen3_moe_wide.log"
+    with tempfile.TemporaryDirectory() as tmp:
+        hf, f32 = Path(tmp) / "hf", Path(tmp) / "wide-f32.gguf"
+        tok = REPO / "tests" / "fixtures" / "qwen3_moe"
+        subprocess.run([python, "-c", WIDE_SCRIPT, hf, tok, json.dumps(WIDE)], check=True)
+        llamacpp.convert_hf(llama, python, hf, f32, log, outtype="f32")
+        (Path(tmp) / "convert_hf_to_gguf_wrapper.py").unlink(missing_ok=True)
+        for ftype, options in WIDE_QUANTIZED:
+            target = out / f"qwen3_moe_wide-{ftype.lower()}.gguf"
+            llamacpp.quantize(llama, f32, target, options, 1, log, ftype)
+            print(f"{hf} -> {target} ({target.stat().st_size / 1e6:.2f} MB)")
 
 
 DEMO_MIXES = ("Q4_K_M", "IQ4_XS", "Q4_0")  # llama-quantize's own mixes (output layer, fallbacks)

@@ -41,7 +41,7 @@ import numba
 from moeshard.bench import llamacpp
 from moeshard.bench.compare_bandwidth import Bandwidth
 from moeshard.bench.compare_sides import MATRIX, REPETITIONS, RUN_TIMEOUT_S, InRam, Kernels
-from moeshard.bench.compare_table import GOALS, Row, goal_line, table
+from moeshard.bench.compare_table import GOALS, Row, goal_line, relative_goal_line, table
 from moeshard.bench.kernels import POOL_BYTES, _cpu_name
 from moeshard.bench.llamacpp import LlamaCpp
 from moeshard.bench.memory_cgroup import (
@@ -54,6 +54,7 @@ from moeshard.bench.memory_cgroup import (
 from moeshard.moe.errors import MoeshardError
 from moeshard.moe.kernels import dots, idots, quant
 from moeshard.moe.kernels.build import cpu_level, target_features
+from moeshard.moe.model.model_dir import ModelDir
 from moeshard.moe.storage.manifest import FORMAT_VERSION, MANIFEST
 from moeshard.moe.units import fmt_bytes, parse_size
 
@@ -61,7 +62,8 @@ REPO = Path(__file__).resolve().parents[2]
 DEMO_HF = REPO / "models" / "demo-hf"
 BIG_ARGS = ["--layers", "8", "--experts", "64", "--hidden", "1024", "--inter", "768"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-PARTS = ("kernels", "bandwidth", "demo", "big", "capped")
+PARTS = ("kernels", "bandwidth", "demo", "big", "capped", "kquants")
+K_MIX = "Q4_K_M experts"  # the big model's llama-quantize Q4_K_M experts, bf16 trunk
 CAP_MARGIN = (
     256 << 20
 )  # the interpreter with numpy, numba and the kernels (~245 MB RSS) beside --ram
@@ -112,23 +114,31 @@ class Workspace:
             llamacpp.run_logged(cmd, self.log, f"moeshard convert {hf}", cwd=REPO)
         return out
 
-    def llama_variants(self, hf: Path, name: str, default_too: bool) -> dict[str, Path]:
+    def llama_variants(
+        self, hf: Path, name: str, default_too: bool, k_mix: bool = False
+    ) -> dict[str, Path]:
         """{"same formats": q4_0 experts + bf16 trunk, "Q4_0" (if default_too): llama-quantize's
-        own Q4_0 mix} GGUF files of an HF checkpoint (via a bf16 GGUF, deleted afterwards)."""
+        own Q4_0 mix, "Q4_K_M experts" (if k_mix): its Q4_K_M mix of the experts (Q4_K, some
+        layers' down projections Q6_K) + bf16 trunk} GGUF files of an HF checkpoint (via a
+        bf16 GGUF, deleted afterwards)."""
         wanted = {"same formats": self.root / f"{name}-q4_0-bf16trunk.gguf"}
         if default_too:
             wanted["Q4_0"] = self.root / f"{name}-Q4_0.gguf"
+        if k_mix:
+            wanted[K_MIX] = self.root / f"{name}-q4_k_m-bf16trunk.gguf"
         if all(p.is_file() for p in wanted.values()):
             return wanted
         bf16 = self.root / f"{name}-bf16.gguf"
         if not bf16.is_file():
             self.step(f"llama.cpp convert_hf_to_gguf.py {hf} -> {bf16}")
             llamacpp.convert_hf(self.llama, self.convert_python, hf, bf16, self.log)
-        options = {"same formats": llamacpp.same_formats_args("bf16"), "Q4_0": []}
+        same = llamacpp.same_formats_args("bf16")
+        options = {"same formats": (same, "Q4_0"), "Q4_0": ([], "Q4_0"), K_MIX: (same, "Q4_K_M")}
         for label, path in wanted.items():
             if not path.is_file():
                 self.step(f"llama-quantize {bf16.name} -> {path.name}")
-                llamacpp.quantize(self.llama, bf16, path, options[label], self.threads, self.log)
+                args, ftype = options[label]
+                llamacpp.quantize(self.llama, bf16, path, args, self.threads, self.log, ftype)
                 self.check_loads(path)
         llamacpp.check_same_formats(wanted["same formats"])
         bf16.unlink()
@@ -408,10 +418,11 @@ def run(args) -> int:
         header.append(_models_line("demo model", demo, variants))
         work.step("demo model: opening and warming moeshard")
         suites.append(InRam("demo model", "demo", demo, variants, cfg))
-    if {"big", "capped"} & set(cfg.parts):
+    if {"big", "capped", "kquants"} & set(cfg.parts):
         hf = work.big_hf()
         big = work.moeshard_convert(hf, work.root / "big")
-        variants = work.llama_variants(hf, "big", default_too=True)
+        variants = work.llama_variants(hf, "big", True, k_mix="kquants" in cfg.parts)
+        k_file = variants.pop(K_MIX, None)
         header.append(_models_line("big model", big, variants))
         if "big" in cfg.parts:
             work.step("big model: opening and warming moeshard")
@@ -427,6 +438,16 @@ def run(args) -> int:
                     f"moeshard --ram {fmt_bytes(cfg.cap - CAP_MARGIN)}; {cfg.capped_tokens} "
                     f"decode tokens per run; page cache of the model files dropped before each"
                 )
+        if k_file is not None:  # the same GGUF file on both sides: its experts kept as they are
+            big_k = work.moeshard_convert(k_file, work.root / "big-q4_k_m")
+            header.append(
+                f"big model, Q4_K_M experts: {k_file.name} ({_size(k_file)}) in llama.cpp and "
+                f"`moeshard convert`ed ({_size(big_k)}: its Q4_K/Q6_K blocks and bf16 trunk "
+                f"kept, expert format {ModelDir(big_k).expert_format})"
+            )
+            work.step("big model, Q4_K_M experts: opening and warming moeshard")
+            label, variants_k = "big model, Q4_K_M experts", {"same formats": k_file}
+            suites.append(InRam(label, "bigk", big_k, variants_k, cfg))
     header.append(
         f"{cfg.rounds} interleaved round(s), llama.cpp then moeshard, in RAM each the median of "
         f"{REPETITIONS} repetitions; decode {cfg.tokens} "
@@ -450,6 +471,8 @@ def run(args) -> int:
     print("goals:")
     for goal in GOALS:
         print("  " + goal_line(goal, by_key.get(goal.key)))
+    if "bigk decode same" in by_key:  # issue 39: K-quants at least as close as q4_0
+        print("  " + relative_goal_line(by_key["bigk decode same"], by_key.get("big decode same")))
     print(
         f"\nmeasuring {time.perf_counter() - measuring:.1f} s; whole run "
         f"{time.perf_counter() - started:.0f} s (cache: {cache})"

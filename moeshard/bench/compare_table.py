@@ -99,6 +99,20 @@ GOALS = [
 ]
 
 
+def relative_goal_line(row: Row, baseline: Row | None) -> str:
+    """Issue 39: the Q4_K_M file's decode ratio at least the same-format q4_0 model's."""
+    label = "big model decode, Q4_K_M experts, same file on both sides"
+    mine = row.ratios()
+    if not mine:
+        return f"{label}: not measured"
+    ratio = statistics.median(mine)
+    if baseline is None or not baseline.ratios():
+        return f"{label}: ratio {ratio:.2f} (goal >= the q4_0 row's, not measured in this run)"
+    base = statistics.median(baseline.ratios())
+    verdict = "MET" if ratio >= base else "NOT MET"
+    return f"{label}: ratio {ratio:.2f} (goal >= same-format q4_0's {base:.2f}): {verdict}"
+
+
 def goal_line(goal: Goal, row: Row | None) -> str:
     """'kernels q4_0 1 col: ratio 0.83 (goal >= 1.0): NOT MET'. A llama.cpp that never ran
     (killed under the memory cap) while moeshard did meets the goal."""

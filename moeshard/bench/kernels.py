@@ -122,16 +122,37 @@ def _arena(record: np.ndarray, min_copies: int = 2) -> tuple[np.ndarray, list[in
     return raw, offsets
 
 
+def random_ggml(fmt: str, rows: int, cols: int, rng) -> np.ndarray:
+    """Valid ggml blocks of a K-quant (gguf-py cannot quantise them): random codes and
+    scales, float16 d (and q4_K's dmin) of a trained model's size -> the kernel layout."""
+    block, scales_at = {"q4_K": (144, slice(0, 4)), "q6_K": (210, slice(208, 210))}[fmt]
+    nsup = cols // 256
+    raw = rng.integers(0, 256, (rows, nsup, block), dtype=np.uint8)  # [rows, nsup, block]
+    n = (scales_at.stop - scales_at.start) // 2  # float16 scales per block
+    d = rng.uniform(1e-4, 1e-3, (rows, nsup, n)).astype(np.float16)
+    raw[:, :, scales_at] = d.view(np.uint8).reshape(rows, nsup, 2 * n)
+    return quant.pack_ggml(raw.reshape(rows, -1), fmt, rows, cols)
+
+
+def packed_matrix(fmt: str, rows: int, cols: int, rng) -> np.ndarray:
+    """A rows x cols matrix of Gaussian weights in `fmt` (random valid blocks for K-quants)."""
+    if fmt in quant.GGML_FORMATS:
+        return random_ggml(fmt, rows, cols, rng)
+    return quant.pack(rng.standard_normal((rows, cols), dtype=np.float32), fmt)
+
+
+def packed_expert(fmt: str, hidden: int, inter: int, rng) -> np.ndarray:
+    shapes = ((inter, hidden), (inter, hidden), (hidden, inter))  # gate, up, down
+    return np.concatenate([packed_matrix(fmt, r, c, rng) for r, c in shapes])
+
+
 def bench_decode_layer(
     hidden: int, inter: int, fmt: str, experts: int, n_samples: int
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """(seconds per layer: one call per expert, seconds per layer: one batched call, bytes per
     layer) for `experts` distinct records at batch 1, cycled through a pool bigger than L3."""
     rng = np.random.default_rng(0)
-    gate = rng.standard_normal((inter, hidden), dtype=np.float32)
-    up = rng.standard_normal((inter, hidden), dtype=np.float32)
-    down = rng.standard_normal((hidden, inter), dtype=np.float32)
-    record = quant.pack_expert(gate, up, down, fmt)
+    record = packed_expert(fmt, hidden, inter, rng)
     arena, offsets = _arena(record, min_copies=2 * experts)  # >= 2 layers' worth
     groups = [offsets[i : i + experts] for i in range(0, len(offsets) - experts + 1, experts)]
     x = rng.standard_normal((1, hidden), dtype=np.float32)  # [1, H]
@@ -161,17 +182,14 @@ def bench_shape(
     rng = np.random.default_rng(0)
     if kind == "expert":
         hidden, inter = a, b_
-        gate = rng.standard_normal((inter, hidden), dtype=np.float32)
-        up = rng.standard_normal((inter, hidden), dtype=np.float32)
-        down = rng.standard_normal((hidden, inter), dtype=np.float32)
-        pool = _pool(quant.pack_expert(gate, up, down, fmt))
+        pool = _pool(packed_expert(fmt, hidden, inter, rng))
         cols = hidden
 
         def call(rec, x):
             return quant.expert_ffn(rec, fmt, hidden, inter, x)
     else:
         rows, cols = a, b_
-        pool = _pool(quant.pack(rng.standard_normal((rows, cols), dtype=np.float32), fmt))
+        pool = _pool(packed_matrix(fmt, rows, cols, rng))
 
         def call(rec, x):
             return quant.matmul(rec, fmt, rows, cols, x)
@@ -230,8 +248,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(args) -> int:
     fmts = [f for f in args.formats.split(",") if f]
     for f in fmts:
-        if f not in quant.FORMATS:
-            raise MoeshardError(f"unknown format {f!r}; choose from {quant.FORMATS}")
+        if f not in quant.ALL_FORMATS:
+            raise MoeshardError(f"unknown format {f!r}; choose from {quant.ALL_FORMATS}")
 
     cpu = _cpu_name()
     print(f"cpu: {cpu}; numba threads: {numba.get_num_threads()}; os cpus: {os.cpu_count()}")
@@ -253,9 +271,11 @@ def run(args) -> int:
     print(head)
     print("-" * len(head))
     shapes = SHAPES[:2] if args.quick else SHAPES
+    per_weight: dict[tuple[str, str], tuple[float, int]] = {}  # (shape, fmt) -> (s, bytes)
     for label, kind, a, b_ in shapes:
         for fmt in fmts:
             res, nbytes = bench_shape(kind, a, b_, fmt, args.samples)
+            per_weight[(label, fmt)] = (float(np.median(res[1])), nbytes)
             line = f"{label:34} {fmt:5} {nbytes / 1e6:7.2f}"
             for batch in BATCHES:
                 gbs = nbytes / float(np.median(res[batch])) / 1e9
@@ -267,6 +287,8 @@ def run(args) -> int:
         "\nGB/s = packed weight bytes per second (median); ratio = GB/s / DRAM read (numpy); "
         "'b=1 best' = fastest sample (the machine may be shared)."
     )
+    if "q4_0" in fmts and len(fmts) > 1:
+        print_against_q4_0(per_weight, [s[0] for s in shapes], fmts, shapes)
     experts = 16
     print(f"\ndecode layer: {experts} experts at batch 1 (a top-{experts} MoE layer)")
     head = f"{'shape':34} {'fmt':5} {'MB':>7} {'per expert':>11} {'batched':>9} {'ratio':>6}"
@@ -288,6 +310,29 @@ def run(args) -> int:
         "one experts_ffn_b1 call (experts split across threads); GB/s of packed bytes, medians."
     )
     return 0
+
+
+def print_against_q4_0(per_weight, labels, fmts, shapes) -> None:
+    """Batch 1 per format against q4_0 on the same shape: time per weight, and time per
+    packed byte (a format that moves more bytes per weight may take longer per weight)."""
+    weights = {label: (3 * a * b_ if kind == "expert" else a * b_) for label, kind, a, b_ in shapes}
+    print("\nbatch 1 against q4_0 on the same shape (medians)")
+    head = f"{'shape':34} {'fmt':5} {'bits/w':>6} {'ns/weight':>9} {'x q4_0':>7} {'time/byte':>9}"
+    print(head)
+    print("-" * len(head))
+    for label in labels:
+        t0, b0 = per_weight[(label, "q4_0")]
+        for fmt in fmts:
+            t, nbytes = per_weight[(label, fmt)]
+            n = weights[label]
+            print(
+                f"{label:34} {fmt:5} {8 * nbytes / n:6.2f} {t / n * 1e9:9.4f} {t / t0:7.2f}"
+                f" {(t / nbytes) / (t0 / b0):9.2f}"
+            )
+    print(
+        "x q4_0 = time per weight over q4_0's; time/byte = time per packed byte over q4_0's "
+        "(issue 39's goal for the K-quants: at most 1.3)."
+    )
 
 
 def _cpu_name() -> str:

@@ -83,8 +83,8 @@ class NaiveExperts(ExpertsBase):
             st.stall_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             parts.update(
-                run_experts(self.buf, {e: 0}, s.fmt, s.hidden, s.inter, hidden, ids, weights,
-                            self.kernels, s.glu)
+                run_experts(self.buf, {e: 0}, s.record_format(layer), s.hidden, s.inter, hidden,
+                            ids, weights, self.kernels, s.glu)
             )  # fmt: skip
             st.compute_s += time.perf_counter() - t0
             self.counts[(layer, e)] += len(parts[e][0])

@@ -21,6 +21,7 @@ def _convert_arguments(p) -> None:
         DEFAULT_EXPERT_FORMAT,
         DEFAULT_TRUNK_FORMAT,
         EXPERT_FORMATS,
+        KEPT_ONLY_FORMATS,
         TRUNK_FORMATS,
     )
 
@@ -32,10 +33,11 @@ def _convert_arguments(p) -> None:
     p.add_argument("out", help="model directory to create")
     p.add_argument(
         "--experts",
-        choices=EXPERT_FORMATS,
+        choices=EXPERT_FORMATS + KEPT_ONLY_FORMATS,
         help=f"weight format of the experts (default: mxfp4 for a checkpoint that publishes "
         f"its experts in MXFP4, their bits kept, and a GGUF file's own type where it is one of "
-        f"these; else {DEFAULT_EXPERT_FORMAT})",
+        f"these, a mix per layer kept too; else {DEFAULT_EXPERT_FORMAT}). "
+        f"{' and '.join(KEPT_ONLY_FORMATS)}: only a GGUF file's own blocks",
     )
     p.add_argument(
         "--trunk",

@@ -324,7 +324,8 @@ class Auditor:
         waves = partial(
             self.records.waves, layer, obtain=obtain, most=self.records.slots // WORKERS
         )
-        return recompute_partial_sum(waves, s.fmt, s.hidden, s.inter, s.glu, hidden, ids, weights)
+        fmt = s.record_format(layer)
+        return recompute_partial_sum(waves, fmt, s.hidden, s.inter, s.glu, hidden, ids, weights)
 
     def _obtain(self, case: Case, key: Key, out: np.ndarray) -> int:
         """Fill `out` with record `key`, checked against its root: from another holder (in

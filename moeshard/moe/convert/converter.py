@@ -44,6 +44,7 @@ from moeshard.moe.storage.trunk_file import TrunkWriter, as_matrix
 log = logging.getLogger(__name__)
 
 EXPERT_FORMATS = ("f32", "bf16", "q8_0", "q4_0", "mxfp4")
+KEPT_ONLY_FORMATS = quant.GGML_FORMATS  # only as a GGUF file's experts bring them (no quantiser)
 TRUNK_FORMATS = ("f32", "bf16", "q8_0")
 DEFAULT_EXPERT_FORMAT = "q4_0"
 DEFAULT_TRUNK_FORMAT = "bf16"
@@ -354,7 +355,19 @@ def convert(
     origin = Path(origin) if origin is not None else src
     trunk_fmt = trunk_fmt or DEFAULT_TRUNK_FORMAT
     if expert_format is not None and expert_format not in EXPERT_FORMATS:
-        raise ConfigError(f"--experts {expert_format}: choose one of {', '.join(EXPERT_FORMATS)}")
+        # a GGUF file's own formats (`gguf_import`): its K-quants, a mix per layer
+        try:
+            quant.expert_format_entries(expert_format)
+        except ValueError:
+            known = EXPERT_FORMATS + KEPT_ONLY_FORMATS
+            raise ConfigError(
+                f"--experts {expert_format}: choose one of {', '.join(known)}"
+            ) from None
+        if checkpoint is None:
+            raise ConfigError(
+                f"--experts {expert_format}: only a GGUF file's experts can be kept as "
+                f"{expert_format}; choose one of {', '.join(EXPERT_FORMATS)}"
+            )
     if trunk_fmt not in TRUNK_FORMATS:
         raise ConfigError(f"--trunk {trunk_fmt}: choose one of {', '.join(TRUNK_FORMATS)}")
     if not src.is_dir():
@@ -386,6 +399,14 @@ def convert(
 
 
 def _check_block_dims(config, expert_format: str, src: Path) -> None:
+    for fmt in quant.matrix_formats(expert_format):
+        if fmt in quant.GGML_FORMATS:
+            for dim in (config.expert_hidden, config.expert_intermediate):
+                if dim % quant.QK_K:
+                    raise ConfigError(
+                        f"{src / 'config.json'}: expert width {dim} is not a multiple of "
+                        f"{quant.QK_K}, so experts cannot be {fmt}"
+                    )
     if expert_format in quant.BLOCK_FORMATS:
         width = "hidden_size" if config.expert_hidden == config.hidden_size else "expert width"
         for dim, what in ((config.expert_hidden, width), (config.expert_intermediate, "moe")):
@@ -402,8 +423,16 @@ def _expert_record(gate, up, down, fmt: str, requantized: dict | None = None) ->
     to float32 for any other format; float32 matrices packed to fmt.  A GGUF file's matrices
     of another type are counted (and the first few measured) in `requantized` by type."""
     mats = (gate, up, down)
-    if all(_kept_as(m) == fmt for m in mats):
-        return np.concatenate([quant.pack_ggml(m.ggml_blocks(), fmt, *m.shape) for m in mats])
+    wanted = quant.record_matrix_formats(fmt)  # (gate, up, down)
+    pairs = list(zip(mats, wanted, strict=True))
+    if all(_kept_as(m) == f for m, f in pairs):
+        return np.concatenate([quant.pack_ggml(m.ggml_blocks(), f, *m.shape) for m, f in pairs])
+    if set(wanted) & set(KEPT_ONLY_FORMATS):
+        types = "/".join(sorted({getattr(m, "type_name", "float") for m in mats}))
+        raise ConfigError(
+            f"{fmt} experts are kept from a GGUF file's {fmt.upper()} blocks, never made: this "
+            f"expert's matrices are {types}; pick --experts q4_0, q8_0, bf16 or f32"
+        )
     floats = [m if isinstance(m, np.ndarray) else m.float32() for m in mats]
     record = quant.pack_expert(*floats, fmt)
     types = sorted({m.type_name for m in mats if hasattr(m, "type_name")})
@@ -518,7 +547,10 @@ def _write_files(
             bar.advance(shard.file.bytes_written)
         for layer, expert in zip(shard.index.layers, shard.index.experts, strict=True):
             gate, up, down = expert_shapes(config, plan, ckpt, layer, expert)
-            record = _expert_record(gate, up, down, expert_format, requantized)
+            fmt = quant.record_format(expert_format, layer)
+            record = _expert_record(gate, up, down, fmt, requantized)
+            if record.size < record_bytes:  # a layer of a smaller format in a mix: zeros after
+                record = np.concatenate([record, np.zeros(record_bytes - record.size, np.uint8)])
             before = shard.file.bytes_written
             crc = shard.write(record)
             roots[(layer, expert)] = merkle.root(record)

@@ -378,7 +378,15 @@ def _decoded(data: np.ndarray, qtype, what: str) -> np.ndarray:
 
 
 # GGUF types whose bytes moeshard's formats hold as they are (`quant.pack_ggml` reorders them)
-KEPT_TYPES = {"F32": "f32", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0", "MXFP4": "mxfp4"}
+KEPT_TYPES = {
+    "F32": "f32",
+    "BF16": "bf16",
+    "Q8_0": "q8_0",
+    "Q4_0": "q4_0",
+    "MXFP4": "mxfp4",
+    "Q4_K": "q4_K",
+    "Q6_K": "q6_K",
+}
 
 
 @dataclass(frozen=True)
@@ -552,6 +560,34 @@ class GgufCheckpoint:
         kept = {"F32": "f32", "BF16": "bf16", "Q8_0": "q8_0"}
         return kept.get(next(iter(types))) if len(types) == 1 else None
 
+    def kept_expert_format(self) -> str | None:
+        """The experts' format spec that keeps every expert block of the file as it is
+        (`quant.record_format`): their one type, "gate-up/down" types where the down
+        projections differ, or one entry per layer where layers differ (llama-quantize's
+        Q4_K_M gives some layers' down projections Q6_K); None where a type is not one
+        moeshard has or a layer's gate and up differ."""
+        stacks, layers = self.arch.expert_stacks, {}
+        blocks = 0
+        for r in self.readers:
+            for t in r.tensors:
+                m = re.match(r"^blk\.(\d+)\.(.+)$", t.name)
+                if m is None:
+                    continue
+                blocks = max(blocks, int(m[1]) + 1)
+                if m[2] in stacks:
+                    layers.setdefault(int(m[1]), {})[stacks[m[2]]] = t.tensor_type.name
+        per_layer = ["-"] * blocks
+        for layer, types in layers.items():
+            kept = {proj: KEPT_TYPES.get(kind) for proj, kind in types.items()}
+            gate, up, down = (kept.get(p) for p in ("gate_proj", "up_proj", "down_proj"))
+            if None in (gate, up, down) or gate != up:
+                return None
+            per_layer[layer] = gate if down == gate else f"{gate}/{down}"
+        used = {f for f in per_layer if f != "-"}
+        if not used:
+            return None
+        return next(iter(used)) if len(used) == 1 else ",".join(per_layer)
+
     def expert_types(self) -> set[str]:
         """The GGUF types of the routed experts' tensors."""
         stacks = self.arch.expert_stacks
@@ -646,10 +682,8 @@ def convert_gguf(
             (staging / "tokenizer.json").write_text(tokenizer_json(ckpt.fields, path))
             _write_json(staging / "tokenizer_config.json", tokenizer_config(ckpt.fields, path))
         trunk = trunk_fmt or ckpt.trunk_format() or DEFAULT_TRUNK_FORMAT
-        if expert_format is None:  # the experts' own format where it can be kept
-            types = ckpt.expert_types()
-            if len(types) == 1 and next(iter(types)) in KEPT_TYPES:
-                expert_format = KEPT_TYPES[next(iter(types))]
+        if expert_format is None:  # the experts' own formats where they can be kept
+            expert_format = ckpt.kept_expert_format()
         return convert(staging, out, expert_format, trunk, force, progress, ckpt, path)
     except BaseException:
         ckpt.close()  # (convert closes it itself once it has it; closing twice is harmless)

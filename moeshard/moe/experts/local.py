@@ -77,16 +77,17 @@ class LocalExperts(ExpertsBase):
         # a decode step: one kernel call, no Python between; several rows (a batched step,
         # a prefill): the experts on their rows in one call, summed in another
         self._arena(layer)
+        fmt = s.record_format(layer)
         fused = decode_weighted_sum if hidden.shape[0] == 1 else rows_weighted_sum
         out = fused(
-            self.readonly[layer], lambda experts: self._offsets(layer, experts), s.fmt,
+            self.readonly[layer], lambda experts: self._offsets(layer, experts), fmt,
             s.hidden, s.inter, hidden, ids, weights, dtype, self.kernels, s.glu,
         )  # fmt: skip
         if out is not None:
             return out
         offsets = {int(e): self.offset(layer, int(e)) for e in np.unique(ids[ids >= 0])}
         parts = run_experts(
-            self.arenas[layer], offsets, s.fmt, s.hidden, s.inter, hidden, ids, weights,
+            self.arenas[layer], offsets, fmt, s.hidden, s.inter, hidden, ids, weights,
             self.kernels, s.glu,
         )  # fmt: skip
         return weighted_sum(parts, hidden.shape, dtype)

@@ -278,12 +278,13 @@ class ExpertStore(ExpertsBase):
     def _compute(self, group: list[Key], hidden, ids, weights, partial) -> None:
         """Run the landed experts of `group` on their routed rows into `partial`."""
         t0 = time.perf_counter()
-        offsets = {e: self.slot_of[(layer, e)] * self.slot_bytes for layer, e in group}
+        layer = group[0][0]  # (a group is one layer's experts)
+        offsets = {e: self.slot_of[(layer, e)] * self.slot_bytes for _, e in group}
         partial.update(
             run_experts(
                 self.arena,
                 offsets,
-                self.fmt,
+                self.shards.record_format(layer),
                 self.hidden,
                 self.inter,
                 hidden,

@@ -1,6 +1,7 @@
 """Step 1 of the integer kernels (`moeshard.moe.kernels.idots` has all the steps): the
-activations quantised to 8 bits per 32-column block, with each block's scale and 8 x the sum
-of its codes, once per call for every row group that multiplies them."""
+activations quantised to 8 bits per 32-column block, with each block's scale, 8 x the sum of
+its codes and the sum of its first 16 (q6_K's scales cover 16 columns), once per call for
+every row group that multiplies them."""
 
 import numpy as np
 from numba import njit
@@ -11,7 +12,8 @@ from moeshard.moe.kernels.dots import QK
 @njit(cache=True, nogil=True)
 def quantize_activations(x, xq, xd, xc):
     """x float32 [b, cols] -> codes xq int8 [b, cols], block scales xd float32 [b, cols // 32]
-    and 8 * the block sums of the codes xc int32 [b, cols // 32] (step 1 of the module doc)."""
+    and xc int32 [b, 2 * (cols // 32)]: xc[u, 2k] = 8 * the sum of block k's codes, xc[u,
+    2k + 1] the sum of its first 16 (step 1 of the module doc)."""
     for u in range(x.shape[0]):
         for k in range(x.shape[1] // QK):
             c0 = QK * k
@@ -38,10 +40,14 @@ def quantize_activations(x, xq, xd, xc):
                 for c in range(c0, c0 + QK):
                     q = np.rint(x[u, c] * inv)
                     xq[u, c] = np.int8(min(max(q, np.float32(-127.0)), np.float32(127.0)))
-            s = 0
-            for c in range(c0, c0 + QK):
+            first = 0
+            for c in range(c0, c0 + QK // 2):
+                first += np.int32(xq[u, c])
+            s = first
+            for c in range(c0 + QK // 2, c0 + QK):
                 s += np.int32(xq[u, c])
-            xc[u, k] = 8 * s
+            xc[u, 2 * k] = 8 * s
+            xc[u, 2 * k + 1] = first
 
 
 @njit(cache=True, nogil=True)
@@ -50,5 +56,5 @@ def activation_buffers(b, cols):
     nb = cols // QK
     xq = np.empty((b, cols), dtype=np.int8)  # [b, cols]
     xd = np.empty((b, nb), dtype=np.float32)  # [b, nb]
-    xc = np.empty((b, nb), dtype=np.int32)  # [b, nb]
+    xc = np.empty((b, 2 * nb), dtype=np.int32)  # [b, 2 nb]: 8 x block sums, first halves
     return xq, xd, xc

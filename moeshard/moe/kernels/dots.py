@@ -74,6 +74,8 @@ FMT_BF16 = 1
 FMT_Q8_0 = 2
 FMT_Q4_0 = 3
 FMT_MXFP4 = 4
+FMT_Q4_K = 5  # K-quants: integer kernels only (`idots`), 8-bit activations in either mode
+FMT_Q6_K = 6
 
 QK = 32  # weights per quantisation block
 LANES = 8  # float32 partial sums per (activation row, weight row) pair

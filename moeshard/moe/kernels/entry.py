@@ -42,7 +42,16 @@ from numba import njit, prange
 
 from moeshard.moe.kernels import fixedmath
 from moeshard.moe.kernels.activations import activation_buffers, quantize_activations
-from moeshard.moe.kernels.dots import FMT_BF16, FMT_F32, FMT_MXFP4, QK, ROW_GROUP, ROWS_PER_ITEM
+from moeshard.moe.kernels.dots import (
+    FMT_BF16,
+    FMT_F32,
+    FMT_MXFP4,
+    FMT_Q4_K,
+    FMT_Q6_K,
+    QK,
+    ROW_GROUP,
+    ROWS_PER_ITEM,
+)
 from moeshard.moe.kernels.fdots import even_odd, float_rows
 from moeshard.moe.kernels.idots import int_rows
 from moeshard.moe.kernels.tiles import _tile_rows
@@ -84,6 +93,10 @@ def _matrix_views(fmt, data, rows, cols, row_bytes, scale_off):
     groups, nb = (rows + ROW_GROUP - 1) // ROW_GROUP, cols // QK
     wq = data[: groups * row_bytes].reshape((groups, row_bytes))
     per_group = nb * ROW_GROUP if fmt != FMT_MXFP4 else nb * ROW_GROUP // 2  # uint16 each
+    if fmt == FMT_Q4_K:  # 160 bytes per super-block of 8 blocks (`layout._q4k_group_scales`)
+        per_group = nb // 8 * 80
+    elif fmt == FMT_Q6_K:  # 144 bytes per super-block (`layout._q6k_group_scales`)
+        per_group = nb // 8 * 72
     ws = data[scale_off : scale_off + groups * per_group * 2].view(np.uint16)
     return wq, ws.reshape((groups, per_group))
 
@@ -96,7 +109,7 @@ def _activations(fmt, int8, x):
     a format does not use are empty."""
     b, cols = x.shape
     xp = even_odd(x) if fmt == FMT_BF16 else np.empty((0, cols), dtype=np.float32)
-    if fmt == FMT_F32 or fmt == FMT_BF16 or not int8:
+    if fmt == FMT_F32 or fmt == FMT_BF16 or not (int8 or fmt >= FMT_Q4_K):
         xq, xd, xc = activation_buffers(0, cols)
         return xq, xd, xc, xp
     xq, xd, xc = activation_buffers(b, cols)
@@ -229,11 +242,20 @@ def matmul_group_serial_kernel(fmt, int8, datas, rows, cols, row_bytes, scale_of
 
 @njit(cache=True, nogil=True)
 def _expert_views(fmt, record, hidden, inter, layout):
+    """The gate, up and down views of an expert record whose format code is fmt (gate-up's
+    code + 16 x down's: `quant._record_code`)."""
     n_gu, rb_gu, s_gu, rb_d, s_d = layout
-    gq, gs = _matrix_views(fmt, record[:n_gu], inter, hidden, rb_gu, s_gu)
-    uq, us = _matrix_views(fmt, record[n_gu : 2 * n_gu], inter, hidden, rb_gu, s_gu)
-    dq, ds = _matrix_views(fmt, record[2 * n_gu :], hidden, inter, rb_d, s_d)
+    fu, fd = _halves(fmt)
+    gq, gs = _matrix_views(fu, record[:n_gu], inter, hidden, rb_gu, s_gu)
+    uq, us = _matrix_views(fu, record[n_gu : 2 * n_gu], inter, hidden, rb_gu, s_gu)
+    dq, ds = _matrix_views(fd, record[2 * n_gu :], hidden, inter, rb_d, s_d)
     return gq, gs, uq, us, dq, ds
+
+
+@njit(cache=True, nogil=True)
+def _halves(fmt):
+    """An expert format code -> (gate and up's format code, down's)."""
+    return fmt % 16, fmt // 16
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -245,24 +267,25 @@ def expert_ffn_kernel(fmt, int8, record, hidden, inter, layout, lut, x, glu):
     region, down rows a second; the [b, inter] activation stays float32.
     """
     gq, gs, uq, us, dq, ds = _expert_views(fmt, record, hidden, inter, layout)
+    fu, fd = _halves(fmt)
     b = x.shape[0]
-    act = _activations(fmt, int8, x)
+    act = _activations(fu, int8, x)
     g = np.empty((b, inter), dtype=np.float32)  # [b, inter]
     u = np.empty((b, inter), dtype=np.float32)  # [b, inter]
     n_items = (inter + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
     for it in prange(2 * n_items):
         if it < n_items:
             r0, r1 = _item(it, inter)
-            _rows(fmt, gq, gs, lut, x, act, g, r0, r1)
+            _rows(fu, gq, gs, lut, x, act, g, r0, r1)
         else:
             r0, r1 = _item(it - n_items, inter)
-            _rows(fmt, uq, us, lut, x, act, u, r0, r1)
+            _rows(fu, uq, us, lut, x, act, u, r0, r1)
     h = _glu_mul(g, u, glu)  # [b, inter]
-    h_act = _activations(fmt, int8, h)
+    h_act = _activations(fd, int8, h)
     y = np.empty((b, hidden), dtype=np.float32)  # [b, hidden]
     for it in prange((hidden + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
         r0, r1 = _item(it, hidden)
-        _rows(fmt, dq, ds, lut, h, h_act, y, r0, r1)
+        _rows(fd, dq, ds, lut, h, h_act, y, r0, r1)
     return y
 
 
@@ -271,14 +294,15 @@ def _expert_serial(fmt, int8, record, hidden, inter, layout, lut, x, y, glu):
     """One expert on its rows x float32 [n, hidden] on the calling thread -> y [n, hidden]
     (each row the bits `expert_ffn_kernel` gives it: the same row kernels, whole ranges)."""
     gq, gs, uq, us, dq, ds = _expert_views(fmt, record, hidden, inter, layout)
+    fu, fd = _halves(fmt)
     n = x.shape[0]
-    act = _activations(fmt, int8, x)
+    act = _activations(fu, int8, x)
     g = np.empty((n, inter), dtype=np.float32)  # [n, inter]
     u = np.empty((n, inter), dtype=np.float32)  # [n, inter]
-    _rows(fmt, gq, gs, lut, x, act, g, 0, inter)
-    _rows(fmt, uq, us, lut, x, act, u, 0, inter)
+    _rows(fu, gq, gs, lut, x, act, g, 0, inter)
+    _rows(fu, uq, us, lut, x, act, u, 0, inter)
     h = _glu_mul(g, u, glu)  # [n, inter]
-    _rows(fmt, dq, ds, lut, h, _activations(fmt, int8, h), y, 0, hidden)
+    _rows(fd, dq, ds, lut, h, _activations(fd, int8, h), y, 0, hidden)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -304,15 +328,16 @@ def experts_rows_kernel(
 @njit(cache=True, nogil=True)
 def _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, act, y, glu):
     """One expert on the calling thread, batch 1: x float32 [1, hidden] -> y [hidden]; act
-    is `_activations(fmt, int8, x)` (made once for all the experts of a row)."""
+    is `_activations(gate-up's format, int8, x)` (made once for all the experts of a row)."""
     gq, gs, uq, us, dq, ds = _expert_views(fmt, record, hidden, inter, layout)
+    fu, fd = _halves(fmt)
     g = np.empty((1, inter), dtype=np.float32)  # [1, inter]
     u = np.empty((1, inter), dtype=np.float32)  # [1, inter]
-    _rows(fmt, gq, gs, lut, x, act, g, 0, inter)
-    _rows(fmt, uq, us, lut, x, act, u, 0, inter)
+    _rows(fu, gq, gs, lut, x, act, g, 0, inter)
+    _rows(fu, uq, us, lut, x, act, u, 0, inter)
     h = _glu_mul(g, u, glu)  # [1, inter]
     out = np.empty((1, hidden), dtype=np.float32)  # [1, hidden]
-    _rows(fmt, dq, ds, lut, h, _activations(fmt, int8, h), out, 0, hidden)
+    _rows(fd, dq, ds, lut, h, _activations(fd, int8, h), out, 0, hidden)
     y[:] = out[0]
 
 
@@ -331,7 +356,7 @@ def experts_b1_kernel(fmt, int8, arena, offsets, nbytes, hidden, inter, layout, 
     for e in prange(m):
         record = arena[offsets[e] : offsets[e] + nbytes]
         xe = x[e : e + 1]
-        act = _activations(fmt, int8, xe)
+        act = _activations(_halves(fmt)[0], int8, xe)
         _expert_b1(fmt, int8, record, hidden, inter, layout, lut, xe, act, y[e], glu)
     return y
 
@@ -349,7 +374,7 @@ def experts_b1_sum_kernel(fmt, int8, arena, offsets, nbytes, hidden, inter, layo
     more time there than in the kernels)."""
     m = offsets.shape[0]
     y = np.empty((m, hidden), dtype=np.float32)  # [m, hidden]
-    act = _activations(fmt, int8, x)  # x quantised once for every expert
+    act = _activations(_halves(fmt)[0], int8, x)  # x quantised once for every expert
     for e in prange(m):
         record = arena[offsets[e] : offsets[e] + nbytes]
         _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, act, y[e], glu)
@@ -363,7 +388,7 @@ def experts_b1_sum_serial_kernel(
     """`experts_b1_sum_kernel` on the calling thread (the same bits), for small experts."""
     m = offsets.shape[0]
     y = np.empty((m, hidden), dtype=np.float32)  # [m, hidden]
-    act = _activations(fmt, int8, x)
+    act = _activations(_halves(fmt)[0], int8, x)
     for e in range(m):
         record = arena[offsets[e] : offsets[e] + nbytes]
         _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, act, y[e], glu)

@@ -1,5 +1,5 @@
-"""Integer q4_0/q8_0/mxfp4 dot products: activations quantised to 8 bits per block, as llama.cpp
-does.
+"""Integer q4_0/q8_0/mxfp4/q4_K/q6_K dot products: activations quantised to 8 bits per block,
+as llama.cpp does.
 
 For one activation row x and one weight row (codes q, block scales dw; ``e = q - 8`` for
 q4_0, ``e = q`` for q8_0, twice the E2M1 value for mxfp4, whose dw is then half the E8M0
@@ -55,6 +55,19 @@ never loaded on another.
   768x1024 product in cache took 16.3 against 17.1 us: the loads, nibble masks and
   broadcasts around it are most of the work at batch 1.
 
+ggml's K-quants, kept as GGUF files hold them (`layout`: q4_K, q6_K; integer kernels only,
+so they take 8-bit activations in either activation mode) use the same 32-column activation
+blocks (llama.cpp's own K-quant products take one activation scale per 256 columns):
+
+* q4_K, value ``d sc_s q - dmin m_s`` per 32-column sub-block s, q unsigned 0..15 (loaded as
+  q4_0's codes): with ``t = sum q xq`` and ``s = sum xq`` (``xc``), ``a = fma((d sc_s) dx, t,
+  a)`` then ``a = fma((-(dmin m_s)) dx, s, a)``; ``d sc_s`` and ``dmin m_s`` are exact in
+  float32 (an 11-bit significand by a 6-bit integer).
+* q6_K, value ``d sc_j (q - 32)`` per 16 columns j, q unsigned 0..63 (low nibbles loaded as
+  q4_0's, high bit pairs from two more loads): per half of a block, ``t = sum (q - 32) xq``
+  exactly (the halves' ``sum xq`` are in ``xc``), ``a = fma((d sc_j) dx, t, a)``, the first
+  half then the second.
+
 Step 1 is shared with llama.cpp's q8_0 activations; steps 2-3 are an exact integer block sum
 and one float32 accumulator per row, which need no particular instruction order.
 
@@ -75,6 +88,8 @@ from moeshard.moe.kernels.dots import (
     F32X8,
     FMT_MXFP4,
     FMT_Q4_0,
+    FMT_Q4_K,
+    FMT_Q6_K,
     LANES,
     MXFP4_VALUES,
     QK,
@@ -417,9 +432,16 @@ def _group_block_kernel(kind: str):
     holds the activation codes, rows `us` (an m-tuple), xd float32 [b, nb] their block
     scales and xc int32 [b, nb] 8 * their block sums (q4_0, and mxfp4 on AVX2); a is the m lane
     accumulators, lane r of a[u] for (activation row us[u], weight row 8g + r)."""
-    n_loads = 8 if kind == "q8_0" else 4  # 32-byte loads per block of a row group
-    sums_of = {"q4_0": _q4_sums, "q8_0": _q8_sums, "mxfp4": _mx_sums}[kind]
+    n_loads = {"q8_0": 8, "q6_K": 6}.get(kind, 4)  # 32-byte loads per block of a row group
+    sums_of = {
+        "q4_0": _q4_sums,
+        "q8_0": _q8_sums,
+        "mxfp4": _mx_sums,
+        "q4_K": _q4_sums,
+        "q6_K": _q6_sums,
+    }[kind]
     scale_bytes = 1 if kind == "mxfp4" else 2
+    super_scales = {"q4_K": 160, "q6_K": 144}.get(kind, 0)  # bytes per super-block and group
 
     @intrinsic
     def block(typingctx, a, wq, g, k, ws, xq, us, xd, xc):
@@ -452,10 +474,21 @@ def _group_block_kernel(kind: str):
                 nxt = _at(context, builder, args[1], builder.add(gi, const(AHEAD)), wbase)
                 for line in range(0, 32 * n_loads, 64):
                     prefetch_line(builder, builder.gep(nxt, [_I32(line)]))
-                nxt_scales = builder.add(gi, const(AHEAD)), builder.mul(ki, const(8 * scale_bytes))
+                if super_scales:  # the super-block's 160 or 144 bytes: a line each at s = 0..2
+                    sub = builder.and_(ki, const(7))
+                    line = builder.select(builder.icmp_unsigned("<", sub, const(2)), sub, const(2))
+                    first = builder.mul(builder.lshr(ki, const(3)), const(super_scales))
+                    s_off = builder.add(first, builder.mul(line, const(64)))
+                else:
+                    s_off = builder.mul(ki, const(8 * scale_bytes))
+                nxt_scales = builder.add(gi, const(AHEAD)), s_off
                 prefetch_line(builder, _at(context, builder, args[4], *nxt_scales))
             xs = _Broadcasts(context, builder, args[5], rows, builder.mul(ki, const(QK)))
             sums = sums_of(builder, loads, xs)  # m x <8 x i32>, exact
+            if kind in ("q4_K", "q6_K"):
+                scale = _q4k_scale if kind == "q4_K" else _q6k_scale
+                out = scale(context, builder, args, ki, gi, rows, sums, acc)
+                return context.make_tuple(builder, sig.return_type, out)
             scale_ptr = _at(context, builder, args[4], gi, builder.mul(ki, const(8 * scale_bytes)))
             if kind == "mxfp4":
                 dw = _e8m0_half_lanes(builder, scale_ptr)  # exact
@@ -473,7 +506,8 @@ def _group_block_kernel(kind: str):
                     # q4_0: sum (q - 8) xq = sum q xq - 8 sum xq (xc holds 8 sum xq);
                     # mxfp4 on AVX2: sum (v + 12) xq - 12 sum xq;
                     # q8_0 with VNNI: sum (q + 128) xq - 128 sum xq
-                    corr = _load(builder, _at(context, builder, args[8], rows[u], k4), _I32)
+                    k8 = builder.mul(ki, const(8))  # xc[u, 2k]: 8 sum xq
+                    corr = _load(builder, _at(context, builder, args[8], rows[u], k8), _I32)
                     if kind == "mxfp4":
                         corr = builder.add(corr, builder.ashr(corr, _I32(1)))  # 12 sum xq
                     elif kind == "q8_0":
@@ -490,9 +524,121 @@ def _group_block_kernel(kind: str):
     return block
 
 
+def _q4k_scale(context, builder, args, ki, gi, rows, sums, acc):
+    """Step 3 for q4_K's sub-block k (`_q4k_doc`): from the sums of q xq (q unsigned, 0..15),
+    per activation row u: a = fma((d sc) dx, t, a), then a = fma((-(dmin m)) dx, s, a) with
+    s = sum xq of the block; d sc and dmin m are exact in float32 (11 by 6 bits)."""
+    ws, xd, xc = args[4], args[7], args[8]
+
+    def const(v):
+        return ir.Constant(ki.type, v)
+
+    base = builder.mul(builder.lshr(ki, const(3)), const(160))  # the super-block's scales
+    sub8 = builder.mul(builder.and_(ki, const(7)), const(8))
+
+    def u8_lanes(offset):
+        ptr = _at(context, builder, ws, gi, builder.add(base, offset))
+        return builder.uitofp(_load(builder, ptr, ir.VectorType(_I8, LANES)), _V8F)
+
+    d = _f16_lanes(builder, _at(context, builder, ws, gi, base))
+    dmin = _f16_lanes(builder, _at(context, builder, ws, gi, builder.add(base, const(16))))
+    ds = builder.fmul(d, u8_lanes(builder.add(sub8, const(32))))  # exact
+    dm = builder.fmul(dmin, u8_lanes(builder.add(sub8, const(96))))  # exact
+    k4, k8 = builder.mul(ki, const(4)), builder.mul(ki, const(8))
+    out = []
+    for u, row in enumerate(rows):
+        dx = _splat(builder, _load(builder, _at(context, builder, xd, row, k4), ir.FloatType()))
+        total = builder.ashr(_load(builder, _at(context, builder, xc, row, k8), _I32), _I32(3))
+        a = _call(builder, "llvm.fma.v8f32", _V8F, builder.fmul(ds, dx),
+                  builder.sitofp(sums[u], _V8F), acc[u])  # fmt: skip
+        minus = builder.fmul(builder.fneg(dm), dx)  # (a nan dx stays +nan: one nan sign)
+        s = builder.sitofp(_splat_i32(builder, total), _V8F)  # exact: |s| <= 32 * 127
+        out.append(_call(builder, "llvm.fma.v8f32", _V8F, minus, s, a))
+    return out
+
+
+def _q6_sums(builder, loads, xs):
+    """q6_K's block sums for each activation row u: (sum q xq over columns 0..15, over 16..31),
+    q the unsigned 6-bit codes 0..63 (the -32 is taken off in `_q6k_scale`).  loads 0..3 hold
+    the low nibbles as q4_0's do, loads 4 and 5 the high bit pairs (`layout._Q6_HIGH_ORDER`):
+    load 4 + j's bit pairs 0-1 and 2-3 go with code load 2j's low and high nibbles, pairs 4-5
+    and 6-7 with load 2j + 1's.  AVX2: two vpmaddubsw results (each at most 2 * 63 * 127) add
+    up exactly in 16 bits, not four, so each half takes two vpmaddwd."""
+
+    def c(v):
+        return ir.Constant(_V32I8, [v] * 32)
+
+    first, second = [], []
+    for j, w in enumerate(loads[:4]):
+        h = loads[4 + j // 2]
+        shift = 4 * (j % 2)  # bit pairs 0-1/2-3 or 4-5/6-7 of the high load
+        # ((h >> shift) & 3) << 4 and ((h >> (shift + 2)) & 3) << 4, as one shift and a mask
+        hi_lo = builder.and_(builder.shl(h, c(4)) if shift == 0 else h, c(0x30))
+        hi_hi = builder.and_(builder.shl(h, c(2)) if shift == 0 else builder.lshr(h, c(2)), c(0x30))
+        first.append((builder.or_(builder.and_(w, c(15)), hi_lo), 4 * j))
+        second.append((builder.or_(builder.lshr(w, c(4)), hi_hi), 16 + 4 * j))
+    out_first, out_second = [], []
+    for u in range(xs.m):
+        for parts, out in ((first, out_first), (second, out_second)):
+            if ISA == "vnni":
+                out.append(_dpbusd_all(builder, parts, xs, u))
+            elif ISA == "avx2":
+                ones, pairs = ir.Constant(_V16I16, [1] * 16), []
+                for a, b in (parts[:2], parts[2:]):
+                    h16 = builder.add(
+                        _madd_avx2(builder, a[0], xs(u, a[1]), signed=False),
+                        _madd_avx2(builder, b[0], xs(u, b[1]), signed=False),
+                    )
+                    pairs.append(_call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, h16, ones))
+                out.append(builder.add(*pairs))
+            else:
+                out.append(_add_all(builder, [_dot_generic(builder, w, xs(u, col), False)
+                                              for w, col in parts]))  # fmt: skip
+    return out_first, out_second
+
+
+def _q6k_scale(context, builder, args, ki, gi, rows, sums, acc):
+    """Step 3 for q6_K's block k: its scales cover 16 columns each, so per activation row u
+    a = fma((d sc_2s) dx, t1 - 32 s1, a) then a = fma((d sc_2s+1) dx, t2 - 32 s2, a), with
+    t1, t2 the halves' sums of q xq (`_q6_sums`) and s1, s2 their sums of xq (`xc`); d sc is
+    exact in float32 (11 by 8 bits), t - 32 s an exact integer."""
+    ws, xd, xc = args[4], args[7], args[8]
+    firsts, seconds = sums
+
+    def const(v):
+        return ir.Constant(ki.type, v)
+
+    base = builder.mul(builder.lshr(ki, const(3)), const(144))  # the super-block's scales
+    sub16 = builder.mul(builder.and_(ki, const(7)), const(16))  # sc[2s] of the eight rows
+
+    def i8_lanes(offset):
+        ptr = _at(context, builder, ws, gi, builder.add(base, offset))
+        return builder.sitofp(_load(builder, ptr, ir.VectorType(_I8, LANES)), _V8F)
+
+    d = _f16_lanes(builder, _at(context, builder, ws, gi, base))
+    d1 = builder.fmul(d, i8_lanes(builder.add(sub16, const(16))))  # exact
+    d2 = builder.fmul(d, i8_lanes(builder.add(sub16, const(24))))
+    k4, k8 = builder.mul(ki, const(4)), builder.mul(ki, const(8))
+    out = []
+    for u, row in enumerate(rows):
+        dx = _splat(builder, _load(builder, _at(context, builder, xd, row, k4), ir.FloatType()))
+        total = builder.ashr(_load(builder, _at(context, builder, xc, row, k8), _I32), _I32(3))
+        s1 = _load(builder, _at(context, builder, xc, row, builder.add(k8, const(4))), _I32)
+        s2 = builder.sub(total, s1)
+        a = acc[u]
+        for t, dh, s in ((firsts[u], d1, s1), (seconds[u], d2, s2)):
+            t = builder.sub(t, _splat_i32(builder, builder.shl(s, _I32(5))))  # sum (q - 32) xq
+            a = _call(builder, "llvm.fma.v8f32", _V8F, builder.fmul(dh, dx),
+                      builder.sitofp(t, _V8F), a)  # fmt: skip
+        out.append(a)
+    return out
+
+
 _q4_group_block = _group_block_kernel("q4_0")
 _q8_group_block = _group_block_kernel("q8_0")
 _mx_group_block = _group_block_kernel("mxfp4")
+_q4k_group_block = _group_block_kernel("q4_K")
+_q6k_group_block = _group_block_kernel("q6_K")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,6 +655,10 @@ def _group_x1(fmt, wq, ws, g, xq, xd, xc, u, nb):
             (a,) = _q4_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_MXFP4:
             (a,) = _mx_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q4_K:
+            (a,) = _q4k_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q6_K:
+            (a,) = _q6k_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
         else:
             (a,) = _q8_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
     return a
@@ -524,6 +674,10 @@ def _group_x2(fmt, wq, ws, g, xq, xd, xc, u, nb):
             a, b = _q4_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_MXFP4:
             a, b = _mx_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q4_K:
+            a, b = _q4k_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q6_K:
+            a, b = _q6k_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
         else:
             a, b = _q8_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
     return a, b
@@ -540,6 +694,10 @@ def _group_x4(fmt, wq, ws, g, xq, xd, xc, u, nb):
             a, b, c, d = _q4_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_MXFP4:
             a, b, c, d = _mx_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q4_K:
+            a, b, c, d = _q4k_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q6_K:
+            a, b, c, d = _q6k_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
         else:
             a, b, c, d = _q8_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
     return a, b, c, d

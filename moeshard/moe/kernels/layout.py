@@ -1,6 +1,7 @@
 """Weight formats and their byte layout on disk and for the kernels (`quant` computes on it).
 
-Formats: ``f32``, ``bf16``, ``q8_0``, ``q4_0``, ``mxfp4``.  `quantize` / `dequantize` produce
+Formats: ``f32``, ``bf16``, ``q8_0``, ``q4_0``, ``mxfp4``, and ggml's ``q4_K`` and ``q6_K``
+kept from GGUF files.  `quantize` / `dequantize` produce
 and read ggml's byte order and delegate to ``gguf.quants`` so they are bit-identical to it by
 construction.  `pack` writes the *kernel layout*, which is also the on-disk layout; it holds
 exactly the same bits as ggml (`unpack_to_ggml` proves it) but arranged for the kernels:
@@ -25,6 +26,11 @@ matrix is zero-padded to a multiple of 64 bytes):
   power-of-two scale per 32), the format published checkpoints such as Kimi K3 ship their
   experts in; its bytes are kept as published, only reordered.
 
+* ``q4_K`` and ``q6_K`` (ggml's K-quants, only from GGUF files: gguf-py cannot make them):
+  per 32-column block the codes as q4_0's 16 bytes (q6_K: their low nibbles, then 8 bytes of
+  high bit pairs, `_Q6_HIGH_ORDER`), interleaved by eight rows likewise; the scales per row
+  group and 256-column super-block (`_q4k_group_scales`, `_q6k_group_scales`).
+
 Expert record (`pack_expert`): gate [inter, hidden], up [inter, hidden], down [hidden, inter],
 each a matrix in the layout above, back to back (each starts at a multiple of 64 bytes).
 """
@@ -36,8 +42,12 @@ from gguf import GGMLQuantizationType, quants
 
 from moeshard.moe.kernels import dots
 
-FORMATS = ("f32", "bf16", "q8_0", "q4_0", "mxfp4")
+FORMATS = ("f32", "bf16", "q8_0", "q4_0", "mxfp4")  # `quantize` makes these from floats
 BLOCK_FORMATS = ("q8_0", "q4_0", "mxfp4")  # 32-column blocks, a scale each
+# ggml's K-quants, kept as a GGUF file holds them (`pack_ggml`); gguf-py cannot make them
+GGML_FORMATS = ("q4_K", "q6_K")
+ALL_FORMATS = FORMATS + GGML_FORMATS
+QK_K = 256  # weights per K-quant super-block
 
 _QTYPE = {
     "f32": GGMLQuantizationType.F32,
@@ -45,6 +55,8 @@ _QTYPE = {
     "q8_0": GGMLQuantizationType.Q8_0,
     "q4_0": GGMLQuantizationType.Q4_0,
     "mxfp4": GGMLQuantizationType.MXFP4,
+    "q4_K": GGMLQuantizationType.Q4_K,
+    "q6_K": GGMLQuantizationType.Q6_K,
 }
 _FMT_CODE = {
     "f32": dots.FMT_F32,
@@ -52,6 +64,8 @@ _FMT_CODE = {
     "q8_0": dots.FMT_Q8_0,
     "q4_0": dots.FMT_Q4_0,
     "mxfp4": dots.FMT_MXFP4,
+    "q4_K": dots.FMT_Q4_K,
+    "q6_K": dots.FMT_Q6_K,
 }
 QK = dots.QK
 ALIGN = 64
@@ -60,7 +74,7 @@ _F32 = np.dtype(np.float32)
 
 def _check_fmt(fmt: str) -> None:
     if fmt not in _QTYPE:
-        raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
+        raise ValueError(f"unknown weight format {fmt!r}; expected one of {ALL_FORMATS}")
 
 
 def _check_dims(fmt: str, rows: int, cols: int) -> None:
@@ -69,6 +83,8 @@ def _check_dims(fmt: str, rows: int, cols: int) -> None:
         raise ValueError(f"matrix shape must be positive, got ({rows}, {cols})")
     if fmt in BLOCK_FORMATS and cols % QK:
         raise ValueError(f"{fmt} needs cols to be a multiple of {QK}, got cols={cols}")
+    if fmt in GGML_FORMATS and cols % QK_K:
+        raise ValueError(f"{fmt} needs cols to be a multiple of {QK_K}, got cols={cols}")
 
 
 def _check_matrix(w: np.ndarray, fmt: str) -> np.ndarray:
@@ -84,8 +100,15 @@ def _pad(n: int) -> int:
 
 
 ROW_GROUP = dots.ROW_GROUP  # q4_0/q8_0 rows interleaved together
-_QUANT_BYTES = {"q8_0": 32, "q4_0": 16, "mxfp4": 16}  # ggml's code bytes per block
+# code bytes per 32 columns and row (q6_K: 16 of low nibbles, 8 of high 2-bit parts)
+_QUANT_BYTES = {"q8_0": 32, "q4_0": 16, "mxfp4": 16, "q4_K": 16, "q6_K": 24}
 _SCALE_BYTES = {"q8_0": 2, "q4_0": 2, "mxfp4": 1}  # the block scale before them: f16 / E8M0
+# q4_K's scales per row and super-block in the kernel layout: d, dmin (float16) and the eight
+# sub-blocks' 6-bit scales and mins, a byte each (ggml packs those 16 into 12 bytes)
+Q4K_SCALE_BYTES = 20
+# q6_K's per row and super-block: d (float16) and sixteen int8 scales, one per 16 columns
+Q6K_SCALE_BYTES = 18
+_SUPER_SCALE_BYTES = {"q4_K": Q4K_SCALE_BYTES, "q6_K": Q6K_SCALE_BYTES}
 
 
 def _groups(rows: int) -> int:
@@ -103,7 +126,10 @@ def _sections(fmt: str, rows: int, cols: int) -> tuple[int, int, int]:
     """(payload bytes, scale section offset, scale bytes) of one packed matrix."""
     if fmt in _QUANT_BYTES:
         payload = _groups(rows) * _view_row_bytes(fmt, cols)
-        scales = _groups(rows) * (cols // QK) * ROW_GROUP * _SCALE_BYTES[fmt]
+        if fmt in _SUPER_SCALE_BYTES:
+            scales = _groups(rows) * (cols // QK_K) * ROW_GROUP * _SUPER_SCALE_BYTES[fmt]
+        else:
+            scales = _groups(rows) * (cols // QK) * ROW_GROUP * _SCALE_BYTES[fmt]
     else:
         payload, scales = rows * _view_row_bytes(fmt, cols), 0
     return payload, _pad(payload), scales
@@ -123,6 +149,8 @@ def packed_nbytes(fmt: str, rows: int, cols: int) -> int:
 def quantize(w: np.ndarray, fmt: str) -> np.ndarray:
     """float32 [rows, cols] -> uint8 ggml bytes [rows, row_bytes], identical to gguf's."""
     w = _check_matrix(w, fmt)
+    if fmt in GGML_FORMATS:  # gguf-py has no quantiser for them; llama-quantize makes them
+        raise ValueError(f"{fmt} is kept from GGUF files only; it cannot be made from floats")
     q = quants.quantize(w, _QTYPE[fmt])
     return np.ascontiguousarray(q).view(np.uint8).reshape(w.shape[0], -1)  # [rows, row_bytes]
 
@@ -144,6 +172,8 @@ def dequantize(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> np.ndarray:
 def _ggml_row_bytes(fmt: str, cols: int) -> int:
     if fmt in BLOCK_FORMATS:
         return cols // QK * (_SCALE_BYTES[fmt] + _QUANT_BYTES[fmt])
+    if fmt in GGML_FORMATS:
+        return cols // QK_K * quants.GGML_QUANT_SIZES[_QTYPE[fmt]][1]
     return {"f32": 4 * cols, "bf16": 2 * cols}[fmt]
 
 
@@ -193,6 +223,17 @@ def _ggml_to_packed(g: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray
     if fmt in ("f32", "bf16"):
         out[:payload] = g.reshape(-1)
         return out
+    if fmt == "q4_K":
+        codes, scales = _q4k_split(g.reshape(rows, cols // QK_K, -1))
+        out[:payload] = _interleave(codes, rows, 4).reshape(-1)
+        out[s_off : s_off + s_bytes] = _q4k_group_scales(scales, rows).reshape(-1)
+        return out
+    if fmt == "q6_K":
+        low, high, scales = _q6k_split(g.reshape(rows, cols // QK_K, -1))
+        both = np.concatenate([low, high], axis=2)  # [rows, nb, 24]
+        out[:payload] = _interleave(both, rows, 4).reshape(-1)
+        out[s_off : s_off + s_bytes] = _q6k_group_scales(scales, rows).reshape(-1)
+        return out
     nb, sb = cols // QK, _SCALE_BYTES[fmt]
     blocks = g.reshape(rows, nb, sb + _QUANT_BYTES[fmt])  # [rows, nb, block bytes]
     out[:payload] = _interleave(blocks[:, :, sb:], rows, 4).reshape(-1)
@@ -206,9 +247,168 @@ def unpack_to_ggml(data: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarr
     if fmt in ("f32", "bf16"):
         return wq.copy()
     nb = cols // QK
+    if fmt == "q4_K":
+        codes = _deinterleave(wq, rows, nb, 4)  # [rows, nb, 16]
+        return _q4k_join(codes, _q4k_row_scales(ws.view(np.uint8), rows, nb // 8))
+    if fmt == "q6_K":
+        both = _deinterleave(wq, rows, nb, 4)  # [rows, nb, 24]
+        scales = _q6k_row_scales(ws.view(np.uint8), rows, nb // 8)
+        return _q6k_join(both[:, :, :16], both[:, :, 16:], scales)
     qs = _deinterleave(wq, rows, nb, 4)  # [rows, nb, 16 or 32]
     d = _deinterleave(ws.view(np.uint8), rows, nb, _SCALE_BYTES[fmt])  # [rows, nb, 2 or 1]
     return np.concatenate([d, qs], axis=2).reshape(rows, -1)  # [rows, row_bytes]
+
+
+# ---------------------------------------------------------------------------------------------
+# q4_K: ggml's block (per 256 columns: d, dmin float16, 12 bytes of 6-bit scales and mins,
+# 128 bytes of codes whose 32-byte chunk j holds sub-block 2j in its low nibbles and 2j + 1
+# in its high ones) <-> per 32-column sub-block q4_0's 16 code bytes, and per row and
+# super-block d, dmin, sc[8], m[8]; value = d * sc[s] * q - dmin * m[s], as gguf's
+# dequantisation computes it.
+
+
+def _q4k_split(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml q4_K blocks uint8 [rows, nsup, 144] -> (codes [rows, nsup * 8, 16] in q4_0's
+    nibble order, scales [rows, nsup, 20]: d, dmin bytes then sc[8], m[8])."""
+    rows, nsup, _ = blocks.shape
+    qs = blocks[:, :, 16:].reshape(rows, nsup, 4, 1, 32)  # [rows, nsup, chunk, 1, 32]
+    q = (qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15  # [.., chunk, half, 32]
+    q = q.reshape(rows, nsup * 8, 32)  # [rows, sub-blocks, 32]: codes in column order
+    codes = q[:, :, :16] | (q[:, :, 16:] << 4)  # [rows, nb, 16]
+    sc, m = _q4k_unpack_scales(blocks[:, :, 4:16])  # [rows, nsup, 8] each
+    return codes, np.concatenate([blocks[:, :, :4], sc, m], axis=2)
+
+
+def _q4k_join(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Inverse of `_q4k_split` -> ggml bytes [rows, nsup * 144]."""
+    rows, nb, _ = codes.shape
+    q = np.concatenate([codes & 15, codes >> 4], axis=2)  # [rows, nb, 32]
+    q = q.reshape(rows, nb // 8, 4, 2, 32)  # [rows, nsup, chunk, half, 32]
+    qs = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [rows, nsup, 4, 32]
+    packed = _q4k_pack_scales(scales[:, :, 4:12], scales[:, :, 12:20])  # [rows, nsup, 12]
+    blocks = np.concatenate([scales[:, :, :4], packed, qs.reshape(rows, nb // 8, 128)], axis=2)
+    return blocks.reshape(rows, -1)
+
+
+def _q4k_unpack_scales(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's 12 bytes [..., 12] -> the 6-bit scales and mins [..., 8] each (ggml's
+    get_scale_min_k4): bytes 0-3 and 4-7 hold sc[0..3] and m[0..3] in their low 6 bits and
+    the top 2 bits of sc[4..7] and m[4..7] above; bytes 8-11 their low 4 bits."""
+    lo, mid, top = p[..., 0:4], p[..., 4:8], p[..., 8:12]
+    sc = np.concatenate([lo & 63, (top & 15) | ((lo >> 6) << 4)], axis=-1)
+    m = np.concatenate([mid & 63, (top >> 4) | ((mid >> 6) << 4)], axis=-1)
+    return sc, m
+
+
+def _q4k_pack_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Inverse of `_q4k_unpack_scales`."""
+    lo = (sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6)
+    mid = (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6)
+    top = (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)
+    return np.concatenate([lo, mid, top], axis=-1).astype(np.uint8)
+
+
+def _q4k_group_scales(scales: np.ndarray, rows: int) -> np.ndarray:
+    """Per-row scales [rows, nsup, 20] -> per row group and super-block [groups, nsup, 160]:
+    d of the eight rows (float16 x 8), dmin x 8, then sc[s] of the eight rows for s = 0..7,
+    then m[s] likewise, so each is one 16- or 8-byte load of the eight rows' values."""
+    _, nsup, _ = scales.shape
+    padded = np.zeros((_groups(rows) * ROW_GROUP, nsup, Q4K_SCALE_BYTES), dtype=np.uint8)
+    padded[:rows] = scales
+    g = padded.reshape(-1, ROW_GROUP, nsup, Q4K_SCALE_BYTES).transpose(0, 2, 1, 3)
+    d = g[..., 0:2].reshape(-1, nsup, 16)  # [groups, nsup, 8 rows x 2 bytes]
+    dmin = g[..., 2:4].reshape(-1, nsup, 16)
+    sc = g[..., 4:12].transpose(0, 1, 3, 2).reshape(-1, nsup, 64)  # [groups, nsup, s x rows]
+    m = g[..., 12:20].transpose(0, 1, 3, 2).reshape(-1, nsup, 64)
+    return np.concatenate([d, dmin, sc, m], axis=2)  # [groups, nsup, 160]
+
+
+def _q4k_row_scales(section: np.ndarray, rows: int, nsup: int) -> np.ndarray:
+    """Inverse of `_q4k_group_scales` -> [rows, nsup, 20]."""
+    g = section.reshape(-1, nsup, 160)
+    d = g[..., 0:16].reshape(-1, nsup, ROW_GROUP, 2)
+    dmin = g[..., 16:32].reshape(-1, nsup, ROW_GROUP, 2)
+    sc = g[..., 32:96].reshape(-1, nsup, 8, ROW_GROUP).transpose(0, 1, 3, 2)
+    m = g[..., 96:160].reshape(-1, nsup, 8, ROW_GROUP).transpose(0, 1, 3, 2)
+    per_row = np.concatenate([d, dmin, sc, m], axis=3)  # [groups, nsup, 8, 20]
+    return per_row.transpose(0, 2, 1, 3).reshape(-1, nsup, Q4K_SCALE_BYTES)[:rows]
+
+
+# ---------------------------------------------------------------------------------------------
+# q6_K: ggml's block (per 256 columns: ql[128] low nibbles, qh[64] high 2-bit parts, sixteen
+# int8 scales, d float16; value = d * sc[j // 16] * (q - 32), q = low | high << 4, 0..63)
+# <-> per 32-column block: the low nibbles as q4_0's 16 bytes, and 8 bytes of high parts
+# where byte 4j + i holds those of columns 8j + i, 8j + 16 + i, 8j + 4 + i, 8j + 20 + i in
+# its bit pairs 0-1, 2-3, 4-5, 6-7: so 32-byte load j of the high parts (eight rows' bytes
+# 4j..4j + 3) lines up with code loads 2j and 2j + 1 (`idots._q6_codes`).
+
+
+def _q6k_codes(blocks: np.ndarray) -> np.ndarray:
+    """ggml q6_K blocks [rows, nsup, 210] -> the 6-bit codes [rows, nsup * 256], 0..63."""
+    rows, nsup, _ = blocks.shape
+    ql = blocks[:, :, :128].reshape(rows, nsup, 2, 1, 64)  # [.., half, 1, 64]
+    low = (ql >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15  # [.., half, 2, 64]
+    qh = blocks[:, :, 128:192].reshape(rows, nsup, 2, 1, 32)
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 3  # [.., half, 4, 32]
+    return (low.reshape(rows, -1) | (high.reshape(rows, -1) << 4)).astype(np.uint8)
+
+
+_Q6_HIGH_ORDER = np.array([[8 * j + i, 8 * j + 16 + i, 8 * j + 4 + i, 8 * j + 20 + i]
+                           for j in range(2) for i in range(4)])  # fmt: skip  # [8 bytes, 4]
+
+
+def _q6k_split(blocks: np.ndarray):
+    """ggml q6_K blocks [rows, nsup, 210] -> (low [rows, nb, 16] in q4_0's nibble order,
+    high [rows, nb, 8] (`_Q6_HIGH_ORDER`), scales [rows, nsup, 18]: d's bytes then sc[16])."""
+    rows, nsup, _ = blocks.shape
+    q = _q6k_codes(blocks).reshape(rows, nsup * 8, 32)  # [rows, nb, 32]
+    lo, hi = q & 15, q >> 4
+    low = lo[:, :, :16] | (lo[:, :, 16:] << 4)
+    parts = hi[:, :, _Q6_HIGH_ORDER]  # [rows, nb, 8, 4]
+    high = parts[..., 0] | (parts[..., 1] << 2) | (parts[..., 2] << 4) | (parts[..., 3] << 6)
+    scales = np.concatenate([blocks[:, :, 208:210], blocks[:, :, 192:208]], axis=2)
+    return low, high.astype(np.uint8), scales
+
+
+def _q6k_join(low: np.ndarray, high: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Inverse of `_q6k_split` -> ggml bytes [rows, nsup * 210]."""
+    rows, nb, _ = low.shape
+    q = np.zeros((rows, nb, 32), dtype=np.uint8)
+    q[:, :, :16], q[:, :, 16:] = low & 15, low >> 4
+    for pair in range(4):
+        q[:, :, _Q6_HIGH_ORDER[:, pair]] |= ((high >> (2 * pair)) & 3) << 4
+    q = q.reshape(rows, nb // 8, 256)  # [rows, nsup, 256]
+    lo, hi = q & 15, q >> 4
+    lo = lo.reshape(rows, nb // 8, 2, 2, 64)  # [.., half, nibble, 64]
+    ql = lo[:, :, :, 0] | (lo[:, :, :, 1] << 4)  # [.., half, 64]
+    hi = hi.reshape(rows, nb // 8, 2, 4, 32)  # [.., half, pair, 32]
+    qh = hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)
+    blocks = np.concatenate(
+        [ql.reshape(rows, -1, 128), qh.reshape(rows, -1, 64), scales[:, :, 2:], scales[:, :, :2]],
+        axis=2,
+    )
+    return blocks.reshape(rows, -1)
+
+
+def _q6k_group_scales(scales: np.ndarray, rows: int) -> np.ndarray:
+    """Per-row [rows, nsup, 18] -> per row group and super-block [groups, nsup, 144]: d of the
+    eight rows (float16 x 8), then sc[j] of the eight rows for j = 0..15 (int8 x 8 each)."""
+    _, nsup, _ = scales.shape
+    padded = np.zeros((_groups(rows) * ROW_GROUP, nsup, Q6K_SCALE_BYTES), dtype=np.uint8)
+    padded[:rows] = scales
+    g = padded.reshape(-1, ROW_GROUP, nsup, Q6K_SCALE_BYTES).transpose(0, 2, 1, 3)
+    d = g[..., 0:2].reshape(-1, nsup, 16)  # [groups, nsup, 8 rows x 2 bytes]
+    sc = g[..., 2:18].transpose(0, 1, 3, 2).reshape(-1, nsup, 128)  # [groups, nsup, j x rows]
+    return np.concatenate([d, sc], axis=2)
+
+
+def _q6k_row_scales(section: np.ndarray, rows: int, nsup: int) -> np.ndarray:
+    """Inverse of `_q6k_group_scales` -> [rows, nsup, 18]."""
+    g = section.reshape(-1, nsup, 144)
+    d = g[..., 0:16].reshape(-1, nsup, ROW_GROUP, 2)
+    sc = g[..., 16:144].reshape(-1, nsup, 16, ROW_GROUP).transpose(0, 1, 3, 2)
+    per_row = np.concatenate([d, sc], axis=3)  # [groups, nsup, 8, 18]
+    return per_row.transpose(0, 2, 1, 3).reshape(-1, nsup, Q6K_SCALE_BYTES)[:rows]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -237,9 +437,9 @@ def _views(data: np.ndarray, fmt: str, rows: int, cols: int) -> tuple[np.ndarray
     if s_off < 0:
         wq = data[: rows * row_bytes].reshape(rows, row_bytes)  # [rows, row_bytes]
         return wq, np.empty((rows, 0), dtype=np.uint16)
-    groups, nb = _groups(rows), cols // QK
+    groups = _groups(rows)
     wq = data[: groups * row_bytes].reshape(groups, row_bytes)  # [groups, nb * 8 * 16 or 32]
-    s_bytes = groups * nb * ROW_GROUP * _SCALE_BYTES[fmt]
+    _, _, s_bytes = _sections(fmt, rows, cols)
     ws = data[s_off : s_off + s_bytes].view(np.uint16).reshape(groups, -1)
     return wq, ws  # ws: [groups, nb * 8] (q4_0, q8_0) or [groups, nb * 4] (mxfp4)
 

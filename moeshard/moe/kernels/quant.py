@@ -19,9 +19,12 @@ from moeshard.moe.kernels import activations, dots, entry, fixedmath
 from moeshard.moe.kernels.layout import (  # noqa: F401  (pack, dequantize, ...: re-exported)  # noqa: F401  (re-exported)
     _FMT_CODE,
     ALIGN,
+    ALL_FORMATS,
     BLOCK_FORMATS,
     FORMATS,
+    GGML_FORMATS,
     QK,
+    QK_K,
     ROW_GROUP,
     _check_buffer,
     _check_matrix,
@@ -332,29 +335,88 @@ class PackedGroup:
         ]
 
 
+# ---------------------------------------------------------------------------------------------
+# expert formats
+#
+# An expert record's format is one weight format for its three matrices ("q4_0"), or gate and
+# up in one and down in another ("q4_K/q6_K": a GGUF file's mix, kept as it is).  A model's
+# expert format spec is one record format for every layer, or one per layer of the model,
+# comma-separated ("-" for a layer without experts): llama-quantize's Q4_K_M gives some
+# layers' down projections Q6_K and others Q4_K.  Every record of a model is one size, the
+# largest of its layers' (a smaller layer's records end in zeros), so stores, nodes, audits
+# and proofs of possession see one record size as before.
+
+
+@functools.lru_cache(maxsize=256)
+def expert_format_entries(spec: str) -> tuple[str, ...]:
+    """The record formats of an expert format spec, validated: one, or one per layer."""
+    entries = tuple(spec.split(","))
+    for one in entries:
+        if one == "-" and len(entries) > 1:
+            continue
+        parts = one.split("/")
+        if len(parts) > 2 or not all(p in ALL_FORMATS for p in parts):
+            raise ValueError(
+                f"expert format {spec!r}: {one!r} is not a weight format or a gate-up/down "
+                f"pair of them ({', '.join(ALL_FORMATS)})"
+            )
+    return entries
+
+
+def record_format(spec: str, layer: int) -> str:
+    """Layer `layer`'s record format under an expert format spec."""
+    entries = expert_format_entries(spec)
+    if len(entries) == 1:
+        return entries[0]
+    if not 0 <= layer < len(entries) or entries[layer] == "-":
+        raise ValueError(f"expert format {spec!r} has no experts for layer {layer}")
+    return entries[layer]
+
+
+def record_matrix_formats(fmt: str) -> tuple[str, str, str]:
+    """A record format's (gate, up, down) weight formats."""
+    parts = expert_format_entries(fmt)[0].split("/")
+    return parts[0], parts[0], parts[-1]
+
+
+def matrix_formats(spec: str) -> set[str]:
+    """Every weight format an expert format spec uses."""
+    return {f for e in expert_format_entries(spec) if e != "-" for f in e.split("/")}
+
+
 def expert_record_nbytes(fmt: str, hidden: int, inter: int) -> int:
-    """Bytes of one packed expert record: gate, up [inter, hidden] then down [hidden, inter]."""
-    return 2 * packed_nbytes(fmt, inter, hidden) + packed_nbytes(fmt, hidden, inter)
+    """Bytes of one packed expert record: gate, up [inter, hidden] then down [hidden, inter]
+    (the largest layer's, for a spec with one format per layer)."""
+    sizes = [_expert_layout(e, hidden, inter)[0] for e in expert_format_entries(fmt) if e != "-"]
+    return max(sizes)
 
 
 def pack_expert(gate: np.ndarray, up: np.ndarray, down: np.ndarray, fmt: str) -> np.ndarray:
     """gate, up float32 [inter, hidden], down [hidden, inter] -> uint8 [expert_record_nbytes]."""
-    gate, up, down = (_check_matrix(m, fmt) for m in (gate, up, down))
+    fg, fu, fd = record_matrix_formats(fmt)
+    gate, up, down = (_check_matrix(m, f) for m, f in ((gate, fg), (up, fu), (down, fd)))
     inter, hidden = gate.shape
     if up.shape != (inter, hidden) or down.shape != (hidden, inter):
         raise ValueError(
             f"expert shapes disagree: gate {gate.shape}, up {up.shape}, down {down.shape}; "
             f"want gate/up [inter, hidden] and down [hidden, inter]"
         )
-    return np.concatenate([pack(gate, fmt), pack(up, fmt), pack(down, fmt)])
+    return np.concatenate([pack(gate, fg), pack(up, fu), pack(down, fd)])
 
 
 @functools.lru_cache(maxsize=1024)
 def _expert_layout(fmt: str, hidden: int, inter: int) -> tuple[int, tuple[int, ...]]:
-    """(record bytes, kernel layout tuple) for one expert, validated."""
-    n_gu, rb_gu, s_gu = _matrix_layout(fmt, inter, hidden)
-    n_d, rb_d, s_d = _matrix_layout(fmt, hidden, inter)
+    """(record bytes, kernel layout tuple) for one expert of record format fmt, validated."""
+    gu, _, d = record_matrix_formats(fmt)
+    n_gu, rb_gu, s_gu = _matrix_layout(gu, inter, hidden)
+    n_d, rb_d, s_d = _matrix_layout(d, hidden, inter)
     return 2 * n_gu + n_d, (n_gu, rb_gu, s_gu, rb_d, s_d)
+
+
+def _record_code(fmt: str) -> int:
+    """The expert kernels' format code of a record format: gate-up's code + 16 x down's."""
+    gu, _, d = record_matrix_formats(fmt)
+    return _FMT_CODE[gu] + 16 * _FMT_CODE[d]
 
 
 def expert_ffn(
@@ -367,7 +429,8 @@ def expert_ffn(
     nbytes, layout = _expert_layout(fmt, hidden, inter)
     _check_buffer(record, nbytes, f"{fmt} expert record (hidden={hidden}, inter={inter})")
     x = _check_x(x, hidden)
-    args = (_FMT_CODE[fmt], _int8(), _readonly(record), hidden, inter, layout, dots.F16_LUT, x)
+    args = (_record_code(fmt), _int8(), _readonly(record), hidden, inter, layout, dots.F16_LUT)
+    args += (x,)
     return _run(entry.expert_ffn_kernel, inter * hidden, *args, _glu(glu))
 
 
@@ -386,8 +449,8 @@ def experts_ffn_b1(
     x = _check_x(x, hidden)
     if x.shape[0] != offsets.shape[0]:
         raise ValueError(f"x has {x.shape[0]} rows for {offsets.shape[0]} experts")
-    args = (_FMT_CODE[fmt], _int8(), _readonly(arena), _readonly(offsets), nbytes, hidden, inter)
-    args += (layout,)
+    args = (_record_code(fmt), _int8(), _readonly(arena), _readonly(offsets), nbytes, hidden)
+    args += (inter, layout)
     n_weights = offsets.size * inter * hidden
     return _run(entry.experts_b1_kernel, n_weights, *args, dots.F16_LUT, x, _glu(glu))
 
@@ -410,8 +473,8 @@ def experts_ffn_rows(
         raise ValueError("starts must run from 0 to the rows of x, one more than the experts")
     if (np.diff(starts) < 0).any():
         raise ValueError("starts must not decrease")
-    args = (_FMT_CODE[fmt], _int8(), _readonly(arena), _readonly(offsets), nbytes, hidden, inter)
-    args += (layout, dots.F16_LUT, x, _readonly(starts), _glu(glu))
+    args = (_record_code(fmt), _int8(), _readonly(arena), _readonly(offsets), nbytes, hidden)
+    args += (inter, layout, dots.F16_LUT, x, _readonly(starts), _glu(glu))
     return _run(entry.experts_rows_kernel, x.shape[0] * inter * hidden, *args)
 
 
@@ -436,7 +499,7 @@ def _experts_constants(fmt: str, hidden: int, inter: int, glu: Glu) -> tuple:
     """(format code, record bytes, layout, glu tuple) of an expert shape: worked out once, not
     on every decode call."""
     nbytes, layout = _expert_layout(fmt, hidden, inter)
-    return _FMT_CODE[fmt], nbytes, layout, _glu(glu)
+    return _record_code(fmt), nbytes, layout, _glu(glu)
 
 
 def experts_ffn_b1_sum(
@@ -556,9 +619,10 @@ def warmup() -> float:
 
 def kernel_activations(x: np.ndarray, fmt: str) -> np.ndarray:
     """The activations the kernels of `fmt` multiply, as float64 [b, cols]: x itself, or for
-    q4_0/q8_0 with 8-bit activations (`use_activations`) the codes times their block scales."""
+    q4_0/q8_0 with 8-bit activations (`use_activations`) the codes times their block scales
+    (q4_K always: it has only the integer kernels)."""
     x = np.ascontiguousarray(x, dtype=np.float32)  # [b, cols]
-    if fmt not in BLOCK_FORMATS or not _int8():
+    if fmt not in GGML_FORMATS and (fmt not in BLOCK_FORMATS or not _int8()):
         return x.astype(np.float64)
     xq, xd, xc = activations.activation_buffers(x.shape[0], x.shape[1])
     activations.quantize_activations(x, xq, xd, xc)
@@ -578,8 +642,10 @@ def expert_ffn_reference(
 ) -> np.ndarray:
     """Float64 twin of `expert_ffn`; the [b, inter] activation is rounded to float32 between
     the two halves exactly like the kernel does."""
-    n_gu = packed_nbytes(fmt, inter, hidden)
-    g = matmul_reference(record[:n_gu], fmt, inter, hidden, x)  # [b, inter]
-    u = matmul_reference(record[n_gu : 2 * n_gu], fmt, inter, hidden, x)  # [b, inter]
+    gu, _, d = record_matrix_formats(fmt)
+    n_gu, n_d = packed_nbytes(gu, inter, hidden), packed_nbytes(d, hidden, inter)
+    g = matmul_reference(record[:n_gu], gu, inter, hidden, x)  # [b, inter]
+    u = matmul_reference(record[n_gu : 2 * n_gu], gu, inter, hidden, x)  # [b, inter]
     h = glu_reference(g, u, glu).astype(np.float32)  # [b, inter]
-    return matmul_reference(record[2 * n_gu :], fmt, hidden, inter, h)  # [b, hidden]
+    down = record[2 * n_gu : 2 * n_gu + n_d]
+    return matmul_reference(down, d, hidden, inter, h)  # [b, hidden]

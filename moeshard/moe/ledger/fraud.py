@@ -165,7 +165,8 @@ def check(path: str | Path, model) -> Verdict:
     arena, offsets = _records(proof, model, request.layer, ids[0], where)
     expected = recompute_partial_sum(
         lambda experts: [(arena, {e: offsets[e] for e in experts})],
-        shards.fmt, shards.hidden, shards.inter, shards.glu, hidden, ids, weights,
+        shards.record_format(request.layer), shards.hidden, shards.inter, shards.glu, hidden,
+        ids, weights,
     )  # fmt: skip  # [1, H] float64
     want = codec.decode(codec.encode(expected, out_dtype), "row", (out_dtype,))  # [1, H]
     differ = np.nonzero(want.view(np.uint8).reshape(-1) != got.view(np.uint8).reshape(-1))[0]

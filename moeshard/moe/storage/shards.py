@@ -177,7 +177,8 @@ class ShardFile:
 class ShardSet:
     """The expert shard files of one directory, checked to agree: every record by key.
 
-    fmt, hidden, inter: the experts' format and shape (all files must match them).
+    fmt, hidden, inter: the experts' format (`quant.record_format`: one for every record, or
+    one per layer) and shape (all files must match them).
     """
 
     def __init__(
@@ -190,7 +191,10 @@ class ShardSet:
         glu: quant.Glu = quant.SWIGLU,
     ):
         self.fmt, self.hidden, self.inter, self.glu = fmt, hidden, inter, glu
-        self.record_nbytes = quant.expert_record_nbytes(fmt, hidden, inter)
+        try:
+            self.record_nbytes = quant.expert_record_nbytes(fmt, hidden, inter)
+        except ValueError as exc:
+            raise StoreError(f"the model's experts: {exc}") from None
         self.files = [ShardFile(p, model_id) for p in paths]
         self.locations: dict[Key, tuple[ShardFile, RecordLocation]] = {}
         for shard in self.files:
@@ -201,6 +205,11 @@ class ShardSet:
                 )
             for key, loc in shard.records.items():
                 self.locations.setdefault(key, (shard, loc))
+
+    def record_format(self, layer: int) -> str:
+        """The format of layer `layer`'s records (`quant.record_format`): fmt itself, or
+        for a GGUF file's mix its entry for the layer, e.g. "q4_K/q6_K"."""
+        return quant.record_format(self.fmt, layer)
 
     def location(self, layer: int, expert: int) -> RecordLocation:
         """Where record (layer, expert) is, or a StoreError saying no shard holds it."""

@@ -1,0 +1,240 @@
+"""ggml's K-quants kept as GGUF files hold them (issue 39): q4_K and q6_K.
+
+gguf-py cannot make K-quant blocks, so these tests build random valid ones (every byte
+pattern of the codes and 6-bit scales is a valid block; d and dmin finite float16) and check:
+the layout keeps every bit (`unpack_to_ggml` gives the file's bytes back), its reading of the
+scales is gguf's (`gguf.quants.dequantize`), and the kernels equal, bit for bit, a numpy
+emulation of the arithmetic `moeshard.moe.kernels.idots` documents for q4_K, in any batch, on
+any number of threads and in either activation mode.
+"""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants
+
+from moeshard.moe.kernels import layout, quant
+from tests.test_kernel_determinism import (
+    BATCHES,
+    activations,
+    check_rows_independent,
+    fma32,
+    quantize_x,
+    run,  # noqa: F401  (a fixture)
+    same_bits,
+)
+
+# (rows, cols): one super-block; rows not a multiple of 8; several super-blocks
+SHAPES = [(1, 256), (5, 512), (19, 768), (40, 2048)]
+
+
+def random_blocks(fmt: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    return (random_q4k if fmt == "q4_K" else random_q6k)(rows, cols, seed)
+
+
+def random_q6k(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Valid ggml q6_K bytes [rows, cols // 256 * 210]: random codes and int8 scales, d
+    float16 over four decades (one row's zero)."""
+    rng = np.random.default_rng(seed)
+    nsup = cols // 256
+    blocks = rng.integers(0, 256, (rows, nsup, 210), dtype=np.uint8)  # [rows, nsup, 210]
+    d = (10.0 ** rng.uniform(-4, 0, (rows, nsup, 1))).astype(np.float16)
+    d[rows // 2] = 0.0
+    blocks[:, :, 208:210] = d.view(np.uint8).reshape(rows, nsup, 2)
+    return blocks.reshape(rows, -1)
+
+
+def random_q4k(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Valid ggml q4_K bytes [rows, cols // 256 * 144]: random codes and 6-bit scales and
+    mins, d and dmin float16 over four decades (one row's d zero, one block's dmin zero)."""
+    rng = np.random.default_rng(seed)
+    nsup = cols // 256
+    blocks = rng.integers(0, 256, (rows, nsup, 144), dtype=np.uint8)  # [rows, nsup, 144]
+    mags = 10.0 ** rng.uniform(-4, 0, (rows, nsup, 2))
+    d = (mags * rng.choice([1.0, -1.0], (rows, nsup, 2))).astype(np.float16)  # d, dmin
+    d[rows // 2, :, 0] = 0.0
+    d[-1, 0, 1] = 0.0
+    blocks[:, :, :4] = d.view(np.uint8).reshape(rows, nsup, 4)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("fmt", quant.GGML_FORMATS)
+def test_the_layout_keeps_every_bit_of_the_file(fmt):
+    for rows, cols in SHAPES:
+        ggml = random_blocks(fmt, rows, cols, seed=rows)
+        packed = quant.pack_ggml(ggml, fmt, rows, cols)
+        assert packed.size == quant.packed_nbytes(fmt, rows, cols)
+        assert packed.size % 64 == 0
+        assert np.array_equal(quant.unpack_to_ggml(packed, fmt, rows, cols), ggml)
+
+
+def q4k_parts(packed: np.ndarray, rows: int, cols: int):
+    """(q int [rows, cols] 0..15, d*sc float32 [rows, nb], dmin*m float32 [rows, nb]) read
+    from the file's bytes by ggml's block description (not by moeshard's layout code)."""
+    raw = quant.unpack_to_ggml(packed, "q4_K", rows, cols).reshape(rows, cols // 256, 144)
+    d = raw[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, nsup]
+    dmin = raw[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    s = raw[:, :, 4:16].astype(np.int64)  # ggml's get_scale_min_k4, written out per index
+    sc, m = np.zeros((rows, cols // 256, 8)), np.zeros((rows, cols // 256, 8))
+    for j in range(8):
+        if j < 4:
+            sc[..., j], m[..., j] = s[..., j] & 63, s[..., j + 4] & 63
+        else:
+            sc[..., j] = (s[..., j + 4] & 0xF) | ((s[..., j - 4] >> 6) << 4)
+            m[..., j] = (s[..., j + 4] >> 4) | ((s[..., j] >> 6) << 4)
+    qs = raw[:, :, 16:].reshape(rows, cols // 256, 4, 32)  # chunk j: sub-blocks 2j, 2j + 1
+    q = np.stack([qs & 15, qs >> 4], axis=3).reshape(rows, cols).astype(np.int64)
+    ds = (d[..., None] * sc.astype(np.float32)).reshape(rows, -1).astype(np.float32)
+    dm = (dmin[..., None] * m.astype(np.float32)).reshape(rows, -1).astype(np.float32)
+    return q, ds, dm
+
+
+def test_gguf_dequantises_the_blocks_as_read_here():
+    for rows, cols in SHAPES:
+        packed = quant.pack_ggml(random_q4k(rows, cols, seed=cols), "q4_K", rows, cols)
+        q, ds, dm = q4k_parts(packed, rows, cols)
+        ggml = quant.unpack_to_ggml(packed, "q4_K", rows, cols)
+        want = quants.dequantize(ggml, GGMLQuantizationType.Q4_K).reshape(rows, cols)
+        mine = ds.repeat(32, axis=1) * q.astype(np.float32) - dm.repeat(32, axis=1)
+        assert same_bits(mine.astype(np.float32), np.asarray(want, dtype=np.float32))
+        assert same_bits(quant.dequantize(ggml, "q4_K", (rows, cols)), mine.astype(np.float32))
+
+
+def q6k_parts(packed: np.ndarray, rows: int, cols: int):
+    """(q int [rows, cols] 0..63, d*sc float32 [rows, cols // 16]) from the file's bytes by
+    ggml's block description: ql's byte 64h + l holds columns 128h + l and 128h + 64 + l in
+    its nibbles, qh's byte 32h + l the high bit pairs of 128h + 32i + l, i = 0..3."""
+    nsup = cols // 256
+    raw = quant.unpack_to_ggml(packed, "q6_K", rows, cols).reshape(rows, nsup, 210)
+    ql, qh = raw[:, :, :128].astype(np.int64), raw[:, :, 128:192].astype(np.int64)
+    q = np.zeros((rows, nsup, 256), dtype=np.int64)
+    for col in range(256):
+        h, l = divmod(col, 128)
+        low = ql[:, :, 64 * h + l % 64] >> (4 * (l // 64)) & 15
+        high = qh[:, :, 32 * h + l % 32] >> (2 * (l // 32)) & 3
+        q[:, :, col] = low | high << 4
+    d = raw[:, :, 208:210].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, nsup]
+    sc = raw[:, :, 192:208].view(np.int8).astype(np.float32)  # [rows, nsup, 16]
+    return q.reshape(rows, cols), (d[..., None] * sc).reshape(rows, -1)
+
+
+def test_gguf_dequantises_q6k_as_read_here():
+    for rows, cols in SHAPES:
+        packed = quant.pack_ggml(random_q6k(rows, cols, seed=cols), "q6_K", rows, cols)
+        q, ds = q6k_parts(packed, rows, cols)
+        ggml = quant.unpack_to_ggml(packed, "q6_K", rows, cols)
+        want = quants.dequantize(ggml, GGMLQuantizationType.Q6_K).reshape(rows, cols)
+        mine = ds.repeat(16, axis=1) * (q - 32).astype(np.float32)
+        assert same_bits(mine.astype(np.float32), np.asarray(want, dtype=np.float32))
+
+
+def q6k_emulation(q, ds, x: np.ndarray) -> np.ndarray:
+    """The q6_K integer path in numpy: per 16 columns j (two per 32-column block k, whose
+    activation scale dx_k they share), t = sum (q - 32) xq exactly, a = fma(ds_j dx_k, t, a),
+    j in order."""
+    xq, dx = quantize_x(x)
+    acc = np.zeros((x.shape[0], q.shape[0]), dtype=np.float32)  # [b, rows]
+    for j in range(x.shape[1] // 16):
+        cs = slice(16 * j, 16 * j + 16)
+        t = (xq[:, None, cs] * (q[None, :, cs] - 32)).sum(axis=-1).astype(np.float32)
+        with np.errstate(invalid="ignore"):
+            acc = fma32(ds[None, :, j] * dx[:, None, j // 2], t, acc)
+    return acc
+
+
+def emulate(fmt: str, packed: np.ndarray, rows: int, cols: int, x: np.ndarray) -> np.ndarray:
+    if fmt == "q4_K":
+        return q4k_emulation(*q4k_parts(packed, rows, cols), x)
+    return q6k_emulation(*q6k_parts(packed, rows, cols), x)
+
+
+def q4k_emulation(q, ds, dm, x: np.ndarray) -> np.ndarray:
+    """The q4_K integer path in numpy: per 32-column block k, t = sum q xq and s = sum xq
+    exactly; a = fma(ds_k dx_k, t, a) then a = fma((-dm_k) dx_k, s, a), k in order."""
+    xq, dx = quantize_x(x)
+    acc = np.zeros((x.shape[0], q.shape[0]), dtype=np.float32)  # [b, rows]
+    for k in range(x.shape[1] // 32):
+        cs = slice(32 * k, 32 * k + 32)
+        t = (xq[:, None, cs] * q[None, :, cs]).sum(axis=-1).astype(np.float32)  # [b, rows]
+        s = xq[:, cs].sum(axis=-1).astype(np.float32)[:, None]  # [b, 1]
+        with np.errstate(invalid="ignore"):
+            acc = fma32(ds[None, :, k] * dx[:, None, k], t, acc)
+            acc = fma32((-dm[None, :, k]) * dx[:, None, k], s, acc)
+    return acc
+
+
+@pytest.mark.parametrize("fmt", quant.GGML_FORMATS)
+@pytest.mark.parametrize("mode", quant.ACTIVATIONS)
+def test_matmul_equals_numpy_emulation(fmt, mode, run):  # noqa: F811
+    """Either activation mode: the K-quants have only the integer kernels."""
+    quant.use_activations(mode)
+    try:
+        for rows, cols in SHAPES:
+            packed = quant.pack_ggml(random_blocks(fmt, rows, cols, rows * cols), fmt, rows, cols)
+            for b in (1, 2, 3, 4, 17):
+                x = activations(b, cols, seed=b)
+                if b == 3:
+                    x[1, 40] = np.nan  # poisons its row only
+                want = emulate(fmt, packed, rows, cols, x)
+                for n_threads in (0, 2):
+                    got = run(n_threads, quant.matmul, packed, fmt, rows, cols, x)
+                    assert same_bits(got, want), (rows, cols, b, n_threads)
+    finally:
+        quant.use_activations("q8")
+
+
+@pytest.mark.parametrize("fmt", quant.GGML_FORMATS)
+@pytest.mark.parametrize("n_threads", (0, 2))
+def test_rows_do_not_depend_on_the_batch(fmt, n_threads, run):  # noqa: F811
+    rows, cols = 19, 768
+    packed = quant.pack_ggml(random_blocks(fmt, rows, cols, seed=3), fmt, rows, cols)
+    x = activations(max(BATCHES) + 3, cols, seed=4)  # [36, cols]
+    singles = np.concatenate(
+        [run(0, quant.matmul, packed, fmt, rows, cols, x[i : i + 1]) for i in range(len(x))]
+    )
+
+    def call(xb):
+        return run(n_threads, quant.matmul, packed, fmt, rows, cols, xb)
+
+    check_rows_independent(call, singles, x, n_threads)
+
+
+def expert_record(fmt: str, hidden: int, inter: int, seed: int) -> np.ndarray:
+    mats = [(inter, hidden), (inter, hidden), (hidden, inter)]  # gate, up, down
+    return np.concatenate(
+        [
+            quant.pack_ggml(random_blocks(fmt, r, c, seed + i), fmt, r, c)
+            for i, (r, c) in enumerate(mats)
+        ]
+    )
+
+
+@pytest.mark.parametrize("fmt", quant.GGML_FORMATS)
+def test_experts_equal_their_reference_and_each_other(fmt):
+    """The expert FFN on a K-quant record: its float64 twin, and the batch-1 and per-rows
+    kernels give each row the bits `expert_ffn` gives it."""
+    hidden, inter = 512, 256
+    recs = [expert_record(fmt, hidden, inter, seed) for seed in (1, 5)]
+    assert recs[0].size == quant.expert_record_nbytes(fmt, hidden, inter)
+    x = activations(6, hidden, seed=9) * np.float32(0.05)  # [6, hidden]
+    y = quant.expert_ffn(recs[0], fmt, hidden, inter, x)  # [6, hidden]
+    ref = quant.expert_ffn_reference(recs[0], fmt, hidden, inter, x)
+    assert np.abs(y - ref).max() <= 1e-4 * np.abs(ref).max()
+    arena = np.concatenate(recs)
+    offsets = np.array([0, recs[0].size])
+    b1 = quant.experts_ffn_b1(arena, offsets, fmt, hidden, inter, x[:2])
+    for e in range(2):
+        one = quant.expert_ffn(recs[e], fmt, hidden, inter, x[e : e + 1])
+        assert same_bits(b1[e : e + 1], one)
+    rows = quant.experts_ffn_rows(arena, offsets, fmt, hidden, inter, x, [0, 4, 6])
+    assert same_bits(rows[:4], y[:4])
+    assert same_bits(rows[4:], quant.expert_ffn(recs[1], fmt, hidden, inter, x[4:]))
+
+
+def test_q4k_refuses_what_it_cannot_be():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quant.pack_ggml(np.zeros((8, 144), np.uint8), "q4_K", 8, 128)
+    with pytest.raises(ValueError, match="cannot be made from floats"):
+        quant.pack(np.zeros((8, 256), np.float32), "q4_K")
+    with pytest.raises(ValueError, match="ggml bytes"):
+        quant.pack_ggml(np.zeros((8, 143), np.uint8), "q4_K", 8, 256)
+    assert "q4_K" in layout.ALL_FORMATS and "q4_K" not in quant.FORMATS
