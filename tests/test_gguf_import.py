@@ -122,14 +122,15 @@ def test_convert_on_the_command_line_takes_a_gguf_and_a_tokenizer(tmp_path, caps
         ("qwen3_moe-q8_0", "q8_0"),
         ("qwen3_moe-q4_0", "q4_0"),
         ("qwen3_moe-mxfp4_moe", "mxfp4"),
-        ("qwen3_moe_wide-q4_k", "q4_K"),
         ("qwen3_moe_wide-q4_k_m", "q4_K,q4_K/q6_K"),
+        ("qwen3_moe_wide-iq4_xs", "iq4_xs"),
+        ("qwen3_moe_wide-iq4_nl", "iq4_nl"),
     ],
 )
 def test_quantized_experts_are_kept_bit_for_bit(tmp_path, source, fmt):
-    """llama-quantize's Q8_0, Q4_0, MXFP4, Q4_K and Q4_K_M experts (the K-quants: of a model
-    256 wide; Q4_K_M gives its second layer's down projections Q6_K, the first's Q4_K)
-    become records of those formats by default, every block the file's own (reordered only),
+    """llama-quantize's Q8_0, Q4_0, MXFP4, Q4_K_M, IQ4_XS and IQ4_NL experts (the last three:
+    of a model 256 wide; Q4_K_M gives its second layer's down projections Q6_K, the first's
+    Q4_K) become records of those formats by default, every block the file's own (reordered only),
     and the model runs within 8-bit activations' error of the same file decoded to f32."""
     from gguf import GGUFReader
 

@@ -83,16 +83,23 @@ def int_rows_all() -> dict[str, np.ndarray]:
 
 
 def k_quants() -> dict[str, np.ndarray]:
-    """`idots.int_rows` on random valid q4_K and q6_K blocks (gguf-py cannot make them):
-    random code and scale bytes, float16 d (and dmin) over four decades."""
+    """`idots.int_rows` on random valid blocks of the formats gguf-py cannot make (q4_K,
+    q5_K, q6_K, iq4_nl, iq4_xs): random code and scale bytes, float16 d (and dmin) over four
+    decades."""
     results = {}
-    for fmt, block, d_at in (("q4_K", 144, (0, 4)), ("q6_K", 210, (208, 210))):
+    for fmt, per, block, d_at in (
+        ("q4_K", 256, 144, (0, 4)),
+        ("q5_K", 256, 176, (0, 4)),
+        ("q6_K", 256, 210, (208, 210)),
+        ("iq4_nl", 32, 18, (0, 2)),
+        ("iq4_xs", 256, 136, (0, 2)),
+    ):
         rows, cols = 13, 512
         rng = np.random.default_rng(block)
-        raw = rng.integers(0, 256, (rows, cols // 256, block), dtype=np.uint8)
+        raw = rng.integers(0, 256, (rows, cols // per, block), dtype=np.uint8)
         n = (d_at[1] - d_at[0]) // 2
-        d = (10.0 ** rng.uniform(-4, 0, (rows, cols // 256, n))).astype(np.float16)
-        raw[:, :, d_at[0] : d_at[1]] = d.view(np.uint8).reshape(rows, cols // 256, 2 * n)
+        d = (10.0 ** rng.uniform(-4, 0, (rows, cols // per, n))).astype(np.float16)
+        raw[:, :, d_at[0] : d_at[1]] = d.view(np.uint8).reshape(rows, cols // per, 2 * n)
         data = layout._readonly(quant.pack_ggml(raw.reshape(rows, -1), fmt, rows, cols))
         _, row_bytes, scale_off = layout._matrix_layout(fmt, rows, cols)
         wq, ws = _matrix_views(quant._FMT_CODE[fmt], data, rows, cols, row_bytes, scale_off)

@@ -1,4 +1,4 @@
-"""ggml's K-quants kept as GGUF files hold them (issue 39): q4_K and q6_K.
+"""ggml's formats kept as GGUF files hold them (issue 39): q4_K, q5_K, q6_K, iq4_nl, iq4_xs.
 
 gguf-py cannot make K-quant blocks, so these tests build random valid ones (every byte
 pattern of the codes and 6-bit scales is a valid block; d and dmin finite float16) and check:
@@ -28,7 +28,38 @@ SHAPES = [(1, 256), (5, 512), (19, 768), (40, 2048)]
 
 
 def random_blocks(fmt: str, rows: int, cols: int, seed: int) -> np.ndarray:
-    return (random_q4k if fmt == "q4_K" else random_q6k)(rows, cols, seed)
+    make = {"q4_K": random_q4k, "q5_K": random_q5k, "q6_K": random_q6k, "iq4_nl": random_iq4nl}
+    return make.get(fmt, random_iq4xs)(rows, cols, seed)
+
+
+def random_q5k(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Valid ggml q5_K bytes: q4_K's d, dmin and scales (`random_q4k`), random top bits."""
+    rng = np.random.default_rng(seed + 1)
+    q4 = random_q4k(rows, cols, seed).reshape(rows, cols // 256, 144)
+    qh = rng.integers(0, 256, (rows, cols // 256, 32), dtype=np.uint8)
+    return np.concatenate([q4[:, :, :16], qh, q4[:, :, 16:]], axis=2).reshape(rows, -1)
+
+
+def random_iq4nl(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Valid ggml iq4_nl bytes [rows, cols // 32 * 18]: float16 d over four decades (one
+    row's zero), random codes."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, cols // 32, 18), dtype=np.uint8)
+    d = (10.0 ** rng.uniform(-4, 0, (rows, cols // 32, 1))).astype(np.float16)
+    d[rows // 2] = 0.0
+    blocks[:, :, 0:2] = d.view(np.uint8).reshape(rows, cols // 32, 2)
+    return blocks.reshape(rows, -1)
+
+
+def random_iq4xs(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Valid ggml iq4_xs bytes [rows, cols // 256 * 136]: float16 d over four decades (one
+    row's zero), random 6-bit scales and codes."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, cols // 256, 136), dtype=np.uint8)
+    d = (10.0 ** rng.uniform(-4, 0, (rows, cols // 256, 1))).astype(np.float16)
+    d[rows // 2] = 0.0
+    blocks[:, :, 0:2] = d.view(np.uint8).reshape(rows, cols // 256, 2)
+    return blocks.reshape(rows, -1)
 
 
 def random_q6k(rows: int, cols: int, seed: int) -> np.ndarray:
@@ -88,6 +119,27 @@ def q4k_parts(packed: np.ndarray, rows: int, cols: int):
     return q, ds, dm
 
 
+def q5k_parts(packed: np.ndarray, rows: int, cols: int):
+    """q4k_parts of q5_K: its scales and low nibbles are q4_K's, the top bit of column
+    32i + l is bit i of qh[l]."""
+    raw = quant.unpack_to_ggml(packed, "q5_K", rows, cols).reshape(rows, cols // 256, 176)
+    as_q4 = np.concatenate([raw[:, :, :16], raw[:, :, 48:]], axis=2).reshape(rows, -1)
+    q, ds, dm = q4k_parts(quant.pack_ggml(as_q4, "q4_K", rows, cols), rows, cols)
+    qh = raw[:, :, 16:48].astype(np.int64)  # [rows, nsup, 32]
+    top = np.stack([(qh >> i) & 1 for i in range(8)], axis=2).reshape(rows, cols)
+    return q | top << 4, ds, dm
+
+
+def test_gguf_dequantises_q5k_as_read_here():
+    for rows, cols in SHAPES:
+        packed = quant.pack_ggml(random_q5k(rows, cols, seed=cols), "q5_K", rows, cols)
+        q, ds, dm = q5k_parts(packed, rows, cols)
+        ggml = quant.unpack_to_ggml(packed, "q5_K", rows, cols)
+        want = quants.dequantize(ggml, GGMLQuantizationType.Q5_K).reshape(rows, cols)
+        mine = ds.repeat(32, axis=1) * q.astype(np.float32) - dm.repeat(32, axis=1)
+        assert same_bits(mine.astype(np.float32), np.asarray(want, dtype=np.float32))
+
+
 def test_gguf_dequantises_the_blocks_as_read_here():
     for rows, cols in SHAPES:
         packed = quant.pack_ggml(random_q4k(rows, cols, seed=cols), "q4_K", rows, cols)
@@ -141,10 +193,65 @@ def q6k_emulation(q, ds, x: np.ndarray) -> np.ndarray:
     return acc
 
 
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
+
+
+def iq4_parts(packed: np.ndarray, fmt: str, rows: int, cols: int):
+    """(v int [rows, cols], the IQ4_VALUES of the codes; scale float32 [rows, cols // 32]) from
+    the file's bytes by ggml's block description: iq4_nl's is q4_0's with d; iq4_xs per 256
+    columns d, scales_h, scales_l[4] and sub-block s's codes in bytes 16s.. of the rest, its
+    scale d * (ls - 32), ls = low nibble s % 2 of scales_l[s // 2] | bit pair s of scales_h."""
+    raw = quant.unpack_to_ggml(packed, fmt, rows, cols)
+    if fmt == "iq4_nl":
+        blocks = raw.reshape(rows, cols // 32, 18)
+        scale = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blocks[:, :, 2:]
+    else:
+        blocks = raw.reshape(rows, cols // 256, 136)
+        d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        high = blocks[:, :, 2:4].copy().view(np.uint16)[..., 0].astype(np.int64)
+        low = blocks[:, :, 4:8].astype(np.int64)
+        s = np.arange(8)
+        ls = ((low[..., s // 2] >> (4 * (s % 2))) & 15) | (((high[..., None] >> (2 * s)) & 3) << 4)
+        scale = (d[..., None] * (ls - 32).astype(np.float32)).reshape(rows, -1)
+        qs = blocks[:, :, 8:].reshape(rows, -1, 16)
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(rows, cols)
+    return IQ4_VALUES[q], scale.astype(np.float32)
+
+
+def test_gguf_dequantises_iq4_as_read_here():
+    for fmt in ("iq4_nl", "iq4_xs"):
+        for rows, cols in SHAPES:
+            packed = quant.pack_ggml(random_blocks(fmt, rows, cols, cols), fmt, rows, cols)
+            v, scale = iq4_parts(packed, fmt, rows, cols)
+            ggml = quant.unpack_to_ggml(packed, fmt, rows, cols)
+            qtype = GGMLQuantizationType.IQ4_NL if fmt == "iq4_nl" else GGMLQuantizationType.IQ4_XS
+            want = quants.dequantize(ggml, qtype).reshape(rows, cols)
+            mine = scale.repeat(32, axis=1) * v.astype(np.float32)
+            assert same_bits(mine.astype(np.float32), np.asarray(want, dtype=np.float32)), fmt
+
+
+def iq4_emulation(v, scale, x: np.ndarray) -> np.ndarray:
+    """The iq4 integer path in numpy: per 32-column block k, t = sum v xq exactly, then
+    a = fma(scale_k dx_k, t, a), k in order."""
+    xq, dx = quantize_x(x)
+    acc = np.zeros((x.shape[0], v.shape[0]), dtype=np.float32)  # [b, rows]
+    for k in range(x.shape[1] // 32):
+        cs = slice(32 * k, 32 * k + 32)
+        t = (xq[:, None, cs] * v[None, :, cs]).sum(axis=-1).astype(np.float32)  # [b, rows]
+        with np.errstate(invalid="ignore"):
+            acc = fma32(scale[None, :, k] * dx[:, None, k], t, acc)
+    return acc
+
+
 def emulate(fmt: str, packed: np.ndarray, rows: int, cols: int, x: np.ndarray) -> np.ndarray:
     if fmt == "q4_K":
         return q4k_emulation(*q4k_parts(packed, rows, cols), x)
-    return q6k_emulation(*q6k_parts(packed, rows, cols), x)
+    if fmt == "q5_K":
+        return q4k_emulation(*q5k_parts(packed, rows, cols), x)
+    if fmt == "q6_K":
+        return q6k_emulation(*q6k_parts(packed, rows, cols), x)
+    return iq4_emulation(*iq4_parts(packed, fmt, rows, cols), x)
 
 
 def q4k_emulation(q, ds, dm, x: np.ndarray) -> np.ndarray:

@@ -37,7 +37,7 @@ def _convert_arguments(p) -> None:
         help=f"weight format of the experts (default: mxfp4 for a checkpoint that publishes "
         f"its experts in MXFP4, their bits kept, and a GGUF file's own type where it is one of "
         f"these, a mix per layer kept too; else {DEFAULT_EXPERT_FORMAT}). "
-        f"{' and '.join(KEPT_ONLY_FORMATS)}: only a GGUF file's own blocks",
+        f"{', '.join(KEPT_ONLY_FORMATS)}: only a GGUF file's own blocks",
     )
     p.add_argument(
         "--trunk",

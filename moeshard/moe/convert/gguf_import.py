@@ -385,7 +385,10 @@ KEPT_TYPES = {
     "Q4_0": "q4_0",
     "MXFP4": "mxfp4",
     "Q4_K": "q4_K",
+    "Q5_K": "q5_K",
     "Q6_K": "q6_K",
+    "IQ4_NL": "iq4_nl",
+    "IQ4_XS": "iq4_xs",
 }
 
 

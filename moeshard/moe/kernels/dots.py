@@ -76,6 +76,13 @@ FMT_Q4_0 = 3
 FMT_MXFP4 = 4
 FMT_Q4_K = 5  # K-quants: integer kernels only (`idots`), 8-bit activations in either mode
 FMT_Q6_K = 6
+FMT_IQ4_NL = 7
+FMT_IQ4_XS = 8
+FMT_Q5_K = 9
+# IQ4_NL and IQ4_XS: the int8 value of each 4-bit code (ggml's kvalues_iq4nl)
+IQ4_VALUES = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8
+)
 
 QK = 32  # weights per quantisation block
 LANES = 8  # float32 partial sums per (activation row, weight row) pair

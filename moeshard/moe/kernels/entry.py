@@ -45,8 +45,10 @@ from moeshard.moe.kernels.activations import activation_buffers, quantize_activa
 from moeshard.moe.kernels.dots import (
     FMT_BF16,
     FMT_F32,
+    FMT_IQ4_XS,
     FMT_MXFP4,
     FMT_Q4_K,
+    FMT_Q5_K,
     FMT_Q6_K,
     QK,
     ROW_GROUP,
@@ -93,10 +95,12 @@ def _matrix_views(fmt, data, rows, cols, row_bytes, scale_off):
     groups, nb = (rows + ROW_GROUP - 1) // ROW_GROUP, cols // QK
     wq = data[: groups * row_bytes].reshape((groups, row_bytes))
     per_group = nb * ROW_GROUP if fmt != FMT_MXFP4 else nb * ROW_GROUP // 2  # uint16 each
-    if fmt == FMT_Q4_K:  # 160 bytes per super-block of 8 blocks (`layout._q4k_group_scales`)
+    if fmt == FMT_Q4_K or fmt == FMT_Q5_K:  # 160 bytes per super-block (`_q4k_group_scales`)
         per_group = nb // 8 * 80
     elif fmt == FMT_Q6_K:  # 144 bytes per super-block (`layout._q6k_group_scales`)
         per_group = nb // 8 * 72
+    elif fmt == FMT_IQ4_XS:  # 80 bytes per super-block (`layout._iq4xs_group_scales`)
+        per_group = nb // 8 * 40
     ws = data[scale_off : scale_off + groups * per_group * 2].view(np.uint16)
     return wq, ws.reshape((groups, per_group))
 

@@ -86,10 +86,14 @@ from numba.extending import intrinsic
 from moeshard.moe.kernels.build import target_features
 from moeshard.moe.kernels.dots import (
     F32X8,
+    FMT_IQ4_NL,
+    FMT_IQ4_XS,
     FMT_MXFP4,
     FMT_Q4_0,
     FMT_Q4_K,
+    FMT_Q5_K,
     FMT_Q6_K,
+    IQ4_VALUES,
     LANES,
     MXFP4_VALUES,
     QK,
@@ -432,16 +436,20 @@ def _group_block_kernel(kind: str):
     holds the activation codes, rows `us` (an m-tuple), xd float32 [b, nb] their block
     scales and xc int32 [b, nb] 8 * their block sums (q4_0, and mxfp4 on AVX2); a is the m lane
     accumulators, lane r of a[u] for (activation row us[u], weight row 8g + r)."""
-    n_loads = {"q8_0": 8, "q6_K": 6}.get(kind, 4)  # 32-byte loads per block of a row group
+    n_loads = {"q8_0": 8, "q6_K": 6, "q5_K": 5}.get(kind, 4)  # 32-byte loads per block, group
     sums_of = {
         "q4_0": _q4_sums,
         "q8_0": _q8_sums,
         "mxfp4": _mx_sums,
         "q4_K": _q4_sums,
         "q6_K": _q6_sums,
+        "q5_K": _q5_sums,
+        "iq4_nl": _iq4_sums,
+        "iq4_xs": _iq4_sums,
     }[kind]
     scale_bytes = 1 if kind == "mxfp4" else 2
-    super_scales = {"q4_K": 160, "q6_K": 144}.get(kind, 0)  # bytes per super-block and group
+    # bytes per super-block and group of the formats with 256-column super-blocks
+    super_scales = {"q4_K": 160, "q5_K": 160, "q6_K": 144, "iq4_xs": 80}.get(kind, 0)
 
     @intrinsic
     def block(typingctx, a, wq, g, k, ws, xq, us, xd, xc):
@@ -485,8 +493,13 @@ def _group_block_kernel(kind: str):
                 prefetch_line(builder, _at(context, builder, args[4], *nxt_scales))
             xs = _Broadcasts(context, builder, args[5], rows, builder.mul(ki, const(QK)))
             sums = sums_of(builder, loads, xs)  # m x <8 x i32>, exact
-            if kind in ("q4_K", "q6_K"):
-                scale = _q4k_scale if kind == "q4_K" else _q6k_scale
+            if kind in ("q4_K", "q5_K", "q6_K", "iq4_xs"):
+                scale = {
+                    "q4_K": _q4k_scale,
+                    "q5_K": _q4k_scale,  # (the same scales and arithmetic, q up to 31)
+                    "q6_K": _q6k_scale,
+                    "iq4_xs": _iq4xs_scale,
+                }[kind]
                 out = scale(context, builder, args, ki, gi, rows, sums, acc)
                 return context.make_tuple(builder, sig.return_type, out)
             scale_ptr = _at(context, builder, args[4], gi, builder.mul(ki, const(8 * scale_bytes)))
@@ -501,16 +514,17 @@ def _group_block_kernel(kind: str):
                 if (
                     kind == "q4_0"
                     or (kind == "mxfp4" and UNSIGNED_CODES)
-                    or (kind == "q8_0" and Q8_OFFSET)
+                    or (kind in ("q8_0", "iq4_nl") and Q8_OFFSET)
                 ):
                     # q4_0: sum (q - 8) xq = sum q xq - 8 sum xq (xc holds 8 sum xq);
                     # mxfp4 on AVX2: sum (v + 12) xq - 12 sum xq;
-                    # q8_0 with VNNI: sum (q + 128) xq - 128 sum xq
+                    # q8_0 with VNNI: sum (q + 128) xq - 128 sum xq; iq4_nl with VNNI:
+                    # sum (v + 128) xq - 128 sum xq
                     k8 = builder.mul(ki, const(8))  # xc[u, 2k]: 8 sum xq
                     corr = _load(builder, _at(context, builder, args[8], rows[u], k8), _I32)
                     if kind == "mxfp4":
                         corr = builder.add(corr, builder.ashr(corr, _I32(1)))  # 12 sum xq
-                    elif kind == "q8_0":
+                    elif kind in ("q8_0", "iq4_nl"):
                         corr = builder.shl(corr, _I32(4))  # 128 sum xq
                     t = builder.sub(t, _splat_i32(builder, corr))
                 dx = _load(builder, _at(context, builder, args[7], rows[u], k4), ir.FloatType())
@@ -557,6 +571,41 @@ def _q4k_scale(context, builder, args, ki, gi, rows, sums, acc):
     return out
 
 
+def _q5_sums(builder, loads, xs):
+    """q5_K's block sums of q xq per activation row, q = low | top << 4 (0..31): loads 0..3
+    hold the low nibbles as q4_0's codes, load 4 the top bits (`layout._q5k_split`): bit c
+    for load c's low nibbles, bit 4 + c for its high ones.  AVX2: four vpmaddubsw results
+    (each at most 2 * 31 * 127) add up exactly in 16 bits, then one vpmaddwd per four."""
+
+    def c(v):
+        return ir.Constant(_V32I8, [v] * 32)
+
+    top = loads[4]
+    parts = []
+    for j, w in enumerate(loads[:4]):
+        to_lo = builder.shl(top, c(4 - j))  # bit j -> bit 4
+        to_hi = builder.lshr(top, c(j)) if j else top  # bit 4 + j -> bit 4
+        parts.append((builder.or_(builder.and_(w, c(15)), builder.and_(to_lo, c(16))), 4 * j))
+        parts.append((builder.or_(builder.lshr(w, c(4)), builder.and_(to_hi, c(16))), 16 + 4 * j))
+    if ISA == "vnni":
+        return [_dpbusd_all(builder, parts, xs, u) for u in range(xs.m)]
+    out = []
+    for u in range(xs.m):
+        if ISA == "avx2":
+            ones, fours = ir.Constant(_V16I16, [1] * 16), []
+            for four in (parts[:4], parts[4:]):
+                h16 = None
+                for w, col in four:
+                    p = _madd_avx2(builder, w, xs(u, col), signed=False)  # <16 x i16>
+                    h16 = p if h16 is None else builder.add(h16, p)
+                fours.append(_call(builder, "llvm.x86.avx2.pmadd.wd", _V8I32, h16, ones))
+            out.append(builder.add(*fours))
+        else:
+            out.append(_add_all(builder, [_dot_generic(builder, w, xs(u, col), False)
+                                          for w, col in parts]))  # fmt: skip
+    return out
+
+
 def _q6_sums(builder, loads, xs):
     """q6_K's block sums for each activation row u: (sum q xq over columns 0..15, over 16..31),
     q the unsigned 6-bit codes 0..63 (the -32 is taken off in `_q6k_scale`).  loads 0..3 hold
@@ -595,6 +644,74 @@ def _q6_sums(builder, loads, xs):
                 out.append(_add_all(builder, [_dot_generic(builder, w, xs(u, col), False)
                                               for w, col in parts]))  # fmt: skip
     return out_first, out_second
+
+
+_IQ4_TABLE = ir.Constant(_V32I8, [int(v) for v in IQ4_VALUES] * 2)
+_IQ4_TABLE_UNSIGNED = ir.Constant(_V32I8, [int(v) + 128 for v in IQ4_VALUES] * 2)
+
+
+def _iq4_values(builder, codes):
+    """4-bit codes (<32 x i8>, 0..15) -> their IQ4_VALUES, int8 (portable: a select chain)."""
+    out = ir.Constant(_V32I8, [int(IQ4_VALUES[0])] * 32)
+    for q in range(1, 16):
+        hit = builder.icmp_unsigned("==", codes, ir.Constant(_V32I8, [q] * 32))
+        out = builder.select(hit, ir.Constant(_V32I8, [int(IQ4_VALUES[q])] * 32), out)
+    return out
+
+
+def _iq4_sums(builder, loads, xs):
+    """iq4_nl's and iq4_xs's block sums of v xq, v = IQ4_VALUES[q] (-127..113), q in q4_0's
+    nibble order.  VNNI: looked up (vpshufb, shared by every activation row) as v + 128,
+    unsigned, and 128 sum xq comes off in the caller; AVX2: the signed values with the sign
+    moved onto the activations (vpmaddubsw would saturate 2 * 241 * 127), as q8_0's codes;
+    elsewhere the signed values."""
+    parts = []
+    for c, w in enumerate(loads):
+        lo = builder.and_(w, ir.Constant(_V32I8, [15] * 32))
+        hi = builder.lshr(w, ir.Constant(_V32I8, [4] * 32))
+        parts += [(lo, 4 * c), (hi, 16 + 4 * c)]
+
+    def looked_up(table):
+        return [(_call(builder, "llvm.x86.avx2.pshuf.b", _V32I8, table, w), c) for w, c in parts]
+
+    if ISA == "vnni":
+        vals = looked_up(_IQ4_TABLE_UNSIGNED)
+        return [_dpbusd_all(builder, vals, xs, u) for u in range(xs.m)]
+    if ISA == "avx2":
+        vals = looked_up(_IQ4_TABLE)
+    else:
+        vals = [(_iq4_values(builder, w), col) for w, col in parts]
+    return [
+        _add_all(builder, [_DOT(builder, w, xs(u, col), True) for w, col in vals])
+        for u in range(xs.m)
+    ]
+
+
+def _iq4xs_scale(context, builder, args, ki, gi, rows, sums, acc):
+    """Step 3 for iq4_xs's sub-block k: a = fma((d (ls - 32)) dx, t, a), t the exact sum of
+    v xq (less 128 sum xq where `_iq4_sums` took v + 128); d (ls - 32) is exact in float32."""
+    ws, xd, xc = args[4], args[7], args[8]
+
+    def const(v):
+        return ir.Constant(ki.type, v)
+
+    base = builder.mul(builder.lshr(ki, const(3)), const(80))  # the super-block's scales
+    sub8 = builder.mul(builder.and_(ki, const(7)), const(8))
+    d = _f16_lanes(builder, _at(context, builder, ws, gi, base))
+    ls_ptr = _at(context, builder, ws, gi, builder.add(base, builder.add(sub8, const(16))))
+    ls = builder.sitofp(_load(builder, ls_ptr, ir.VectorType(_I8, LANES)), _V8F)
+    dl = builder.fmul(d, ls)  # exact
+    k4, k8 = builder.mul(ki, const(4)), builder.mul(ki, const(8))
+    out = []
+    for u, row in enumerate(rows):
+        dx = _splat(builder, _load(builder, _at(context, builder, xd, row, k4), ir.FloatType()))
+        t = sums[u]
+        if ISA == "vnni":
+            corr = _load(builder, _at(context, builder, xc, row, k8), _I32)  # 8 sum xq
+            t = builder.sub(t, _splat_i32(builder, builder.shl(corr, _I32(4))))
+        out.append(_call(builder, "llvm.fma.v8f32", _V8F, builder.fmul(dl, dx),
+                         builder.sitofp(t, _V8F), acc[u]))  # fmt: skip
+    return out
 
 
 def _q6k_scale(context, builder, args, ki, gi, rows, sums, acc):
@@ -639,6 +756,9 @@ _q8_group_block = _group_block_kernel("q8_0")
 _mx_group_block = _group_block_kernel("mxfp4")
 _q4k_group_block = _group_block_kernel("q4_K")
 _q6k_group_block = _group_block_kernel("q6_K")
+_q5k_group_block = _group_block_kernel("q5_K")
+_iq4nl_group_block = _group_block_kernel("iq4_nl")
+_iq4xs_group_block = _group_block_kernel("iq4_xs")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -659,6 +779,12 @@ def _group_x1(fmt, wq, ws, g, xq, xd, xc, u, nb):
             (a,) = _q4k_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_Q6_K:
             (a,) = _q6k_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q5_K:
+            (a,) = _q5k_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_IQ4_NL:
+            (a,) = _iq4nl_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_IQ4_XS:
+            (a,) = _iq4xs_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
         else:
             (a,) = _q8_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
     return a
@@ -678,6 +804,12 @@ def _group_x2(fmt, wq, ws, g, xq, xd, xc, u, nb):
             a, b = _q4k_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_Q6_K:
             a, b = _q6k_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q5_K:
+            a, b = _q5k_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_IQ4_NL:
+            a, b = _iq4nl_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_IQ4_XS:
+            a, b = _iq4xs_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
         else:
             a, b = _q8_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
     return a, b
@@ -698,6 +830,12 @@ def _group_x4(fmt, wq, ws, g, xq, xd, xc, u, nb):
             a, b, c, d = _q4k_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_Q6_K:
             a, b, c, d = _q6k_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q5_K:
+            a, b, c, d = _q5k_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_IQ4_NL:
+            a, b, c, d = _iq4nl_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_IQ4_XS:
+            a, b, c, d = _iq4xs_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
         else:
             a, b, c, d = _q8_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
     return a, b, c, d

@@ -45,7 +45,7 @@ from moeshard.moe.kernels import dots
 FORMATS = ("f32", "bf16", "q8_0", "q4_0", "mxfp4")  # `quantize` makes these from floats
 BLOCK_FORMATS = ("q8_0", "q4_0", "mxfp4")  # 32-column blocks, a scale each
 # ggml's K-quants, kept as a GGUF file holds them (`pack_ggml`); gguf-py cannot make them
-GGML_FORMATS = ("q4_K", "q6_K")
+GGML_FORMATS = ("q4_K", "q5_K", "q6_K", "iq4_nl", "iq4_xs")
 ALL_FORMATS = FORMATS + GGML_FORMATS
 QK_K = 256  # weights per K-quant super-block
 
@@ -57,6 +57,9 @@ _QTYPE = {
     "mxfp4": GGMLQuantizationType.MXFP4,
     "q4_K": GGMLQuantizationType.Q4_K,
     "q6_K": GGMLQuantizationType.Q6_K,
+    "q5_K": GGMLQuantizationType.Q5_K,
+    "iq4_nl": GGMLQuantizationType.IQ4_NL,
+    "iq4_xs": GGMLQuantizationType.IQ4_XS,
 }
 _FMT_CODE = {
     "f32": dots.FMT_F32,
@@ -66,6 +69,9 @@ _FMT_CODE = {
     "mxfp4": dots.FMT_MXFP4,
     "q4_K": dots.FMT_Q4_K,
     "q6_K": dots.FMT_Q6_K,
+    "q5_K": dots.FMT_Q5_K,
+    "iq4_nl": dots.FMT_IQ4_NL,
+    "iq4_xs": dots.FMT_IQ4_XS,
 }
 QK = dots.QK
 ALIGN = 64
@@ -83,8 +89,10 @@ def _check_dims(fmt: str, rows: int, cols: int) -> None:
         raise ValueError(f"matrix shape must be positive, got ({rows}, {cols})")
     if fmt in BLOCK_FORMATS and cols % QK:
         raise ValueError(f"{fmt} needs cols to be a multiple of {QK}, got cols={cols}")
-    if fmt in GGML_FORMATS and cols % QK_K:
-        raise ValueError(f"{fmt} needs cols to be a multiple of {QK_K}, got cols={cols}")
+    if fmt in GGML_FORMATS and cols % _ggml_block(fmt):
+        raise ValueError(
+            f"{fmt} needs cols to be a multiple of {_ggml_block(fmt)}, got cols={cols}"
+        )
 
 
 def _check_matrix(w: np.ndarray, fmt: str) -> np.ndarray:
@@ -101,14 +109,30 @@ def _pad(n: int) -> int:
 
 ROW_GROUP = dots.ROW_GROUP  # q4_0/q8_0 rows interleaved together
 # code bytes per 32 columns and row (q6_K: 16 of low nibbles, 8 of high 2-bit parts)
-_QUANT_BYTES = {"q8_0": 32, "q4_0": 16, "mxfp4": 16, "q4_K": 16, "q6_K": 24}
-_SCALE_BYTES = {"q8_0": 2, "q4_0": 2, "mxfp4": 1}  # the block scale before them: f16 / E8M0
+_QUANT_BYTES = {
+    "q8_0": 32, "q4_0": 16, "mxfp4": 16, "q4_K": 16, "q5_K": 20, "q6_K": 24, "iq4_nl": 16,
+    "iq4_xs": 16,
+}  # fmt: skip
+# the 32-column block's scale before its codes in ggml (f16, E8M0), where it has one
+_SCALE_BYTES = {"q8_0": 2, "q4_0": 2, "mxfp4": 1, "iq4_nl": 2}
 # q4_K's scales per row and super-block in the kernel layout: d, dmin (float16) and the eight
 # sub-blocks' 6-bit scales and mins, a byte each (ggml packs those 16 into 12 bytes)
 Q4K_SCALE_BYTES = 20
 # q6_K's per row and super-block: d (float16) and sixteen int8 scales, one per 16 columns
 Q6K_SCALE_BYTES = 18
-_SUPER_SCALE_BYTES = {"q4_K": Q4K_SCALE_BYTES, "q6_K": Q6K_SCALE_BYTES}
+# iq4_xs's per row and super-block: d (float16) and its eight 6-bit scales less 32, an int8 each
+IQ4XS_SCALE_BYTES = 10
+_SUPER_SCALE_BYTES = {
+    "q4_K": Q4K_SCALE_BYTES,
+    "q5_K": Q4K_SCALE_BYTES,  # (q5_K's scales are q4_K's)
+    "q6_K": Q6K_SCALE_BYTES,
+    "iq4_xs": IQ4XS_SCALE_BYTES,
+}
+
+
+def _ggml_block(fmt: str) -> int:
+    """Columns per ggml block of a kept-only format: 256 (K-quants, iq4_xs) or 32 (iq4_nl)."""
+    return quants.GGML_QUANT_SIZES[_QTYPE[fmt]][0]
 
 
 def _groups(rows: int) -> int:
@@ -173,7 +197,7 @@ def _ggml_row_bytes(fmt: str, cols: int) -> int:
     if fmt in BLOCK_FORMATS:
         return cols // QK * (_SCALE_BYTES[fmt] + _QUANT_BYTES[fmt])
     if fmt in GGML_FORMATS:
-        return cols // QK_K * quants.GGML_QUANT_SIZES[_QTYPE[fmt]][1]
+        return cols // _ggml_block(fmt) * quants.GGML_QUANT_SIZES[_QTYPE[fmt]][1]
     return {"f32": 4 * cols, "bf16": 2 * cols}[fmt]
 
 
@@ -228,6 +252,17 @@ def _ggml_to_packed(g: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray
         out[:payload] = _interleave(codes, rows, 4).reshape(-1)
         out[s_off : s_off + s_bytes] = _q4k_group_scales(scales, rows).reshape(-1)
         return out
+    if fmt == "q5_K":
+        low, high, scales = _q5k_split(g.reshape(rows, cols // QK_K, -1))
+        both = np.concatenate([low, high], axis=2)  # [rows, nb, 20]
+        out[:payload] = _interleave(both, rows, 4).reshape(-1)
+        out[s_off : s_off + s_bytes] = _q4k_group_scales(scales, rows).reshape(-1)
+        return out
+    if fmt == "iq4_xs":
+        codes, scales = _iq4xs_split(g.reshape(rows, cols // QK_K, -1))
+        out[:payload] = _interleave(codes, rows, 4).reshape(-1)
+        out[s_off : s_off + s_bytes] = _iq4xs_group_scales(scales, rows).reshape(-1)
+        return out
     if fmt == "q6_K":
         low, high, scales = _q6k_split(g.reshape(rows, cols // QK_K, -1))
         both = np.concatenate([low, high], axis=2)  # [rows, nb, 24]
@@ -250,6 +285,13 @@ def unpack_to_ggml(data: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarr
     if fmt == "q4_K":
         codes = _deinterleave(wq, rows, nb, 4)  # [rows, nb, 16]
         return _q4k_join(codes, _q4k_row_scales(ws.view(np.uint8), rows, nb // 8))
+    if fmt == "q5_K":
+        both = _deinterleave(wq, rows, nb, 4)  # [rows, nb, 20]
+        scales = _q4k_row_scales(ws.view(np.uint8), rows, nb // 8)
+        return _q5k_join(both[:, :, :16], both[:, :, 16:], scales)
+    if fmt == "iq4_xs":
+        codes = _deinterleave(wq, rows, nb, 4)  # [rows, nb, 16]
+        return _iq4xs_join(codes, _iq4xs_row_scales(ws.view(np.uint8), rows, nb // 8))
     if fmt == "q6_K":
         both = _deinterleave(wq, rows, nb, 4)  # [rows, nb, 24]
         scales = _q6k_row_scales(ws.view(np.uint8), rows, nb // 8)
@@ -335,6 +377,51 @@ def _q4k_row_scales(section: np.ndarray, rows: int, nsup: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
+# q5_K: q4_K's block (d, dmin, the same 12 scale bytes, the same low nibbles) with qh[32]
+# between the scales and the codes, bit i of qh[l] the top bit of column 32i + l; value =
+# d sc_s q - dmin m_s, q = low | high << 4, 0..31.  Kernel layout: q4_K's, with 4 bytes of top
+# bits per row after each 32-column block's codes, bit c of byte i for column 4c + i and bit
+# 4 + c for column 16 + 4c + i, so one 32-byte load of the eight rows' lines up with the
+# block's four code loads (`idots._q5_sums`).
+
+
+def _q5k_split(blocks: np.ndarray):
+    """ggml q5_K blocks [rows, nsup, 176] -> (low [rows, nb, 16] in q4_0's nibble order, high
+    [rows, nb, 4], scales [rows, nsup, 20] as q4_K's)."""
+    rows, nsup, _ = blocks.shape
+    qs = blocks[:, :, 48:].reshape(rows, nsup, 4, 1, 32)
+    lo = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15).reshape(rows, -1, 32)
+    qh = blocks[:, :, 16:48].reshape(rows, nsup, 1, 32)  # [rows, nsup, 1, 32]
+    hi = ((qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1).reshape(rows, -1, 32)
+    low = lo[:, :, :16] | (lo[:, :, 16:] << 4)  # [rows, nb, 16]
+    cols = hi.reshape(rows, -1, 2, 4, 4)  # [rows, nb, half, c, i]: column 16 half + 4c + i
+    high = np.zeros((rows, nsup * 8, 4), dtype=np.uint8)
+    for half in range(2):
+        for c in range(4):
+            high |= cols[:, :, half, c, :] << (4 * half + c)
+    sc, m = _q4k_unpack_scales(blocks[:, :, 4:16])
+    return low, high, np.concatenate([blocks[:, :, :4], sc, m], axis=2)
+
+
+def _q5k_join(low: np.ndarray, high: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Inverse of `_q5k_split` -> ggml bytes [rows, nsup * 176]."""
+    rows, nb, _ = low.shape
+    hi = np.zeros((rows, nb, 2, 4, 4), dtype=np.uint8)
+    for half in range(2):
+        for c in range(4):
+            hi[:, :, half, c, :] = (high >> (4 * half + c)) & 1
+    hi = hi.reshape(rows, nb // 8, 8, 32)  # [rows, nsup, sub-block i, l]
+    qh = np.zeros((rows, nb // 8, 32), dtype=np.uint8)
+    for i in range(8):
+        qh |= hi[:, :, i, :] << i
+    lo = np.concatenate([low & 15, low >> 4], axis=2).reshape(rows, nb // 8, 4, 2, 32)
+    qs = lo[:, :, :, 0] | (lo[:, :, :, 1] << 4)  # [rows, nsup, 4, 32]
+    packed = _q4k_pack_scales(scales[:, :, 4:12], scales[:, :, 12:20])
+    blocks = np.concatenate([scales[:, :, :4], packed, qh, qs.reshape(rows, -1, 128)], axis=2)
+    return blocks.reshape(rows, -1)
+
+
+# ---------------------------------------------------------------------------------------------
 # q6_K: ggml's block (per 256 columns: ql[128] low nibbles, qh[64] high 2-bit parts, sixteen
 # int8 scales, d float16; value = d * sc[j // 16] * (q - 32), q = low | high << 4, 0..63)
 # <-> per 32-column block: the low nibbles as q4_0's 16 bytes, and 8 bytes of high parts
@@ -409,6 +496,64 @@ def _q6k_row_scales(section: np.ndarray, rows: int, nsup: int) -> np.ndarray:
     sc = g[..., 16:144].reshape(-1, nsup, 16, ROW_GROUP).transpose(0, 1, 3, 2)
     per_row = np.concatenate([d, sc], axis=3)  # [groups, nsup, 8, 18]
     return per_row.transpose(0, 2, 1, 3).reshape(-1, nsup, Q6K_SCALE_BYTES)[:rows]
+
+
+# ---------------------------------------------------------------------------------------------
+# iq4_nl: ggml's 32-column block is q4_0's (float16 d, 16 bytes of codes in q4_0's nibble
+# order), value = d * IQ4_VALUES[q]: the q4_0 layout holds it as it is.  iq4_xs: per 256
+# columns d (float16), scales_h (uint16: bit pair s is the top of sub-block s's scale),
+# scales_l[4] (nibble s % 2 of byte s // 2: its low four bits), then sub-block s's codes in
+# bytes 16s..16s + 15 in q4_0's order; value = d * (ls_s - 32) * IQ4_VALUES[q].
+
+
+def _iq4xs_split(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml iq4_xs blocks [rows, nsup, 136] -> (codes [rows, nsup * 8, 16], scales [rows,
+    nsup, 10]: d's bytes, then ls_s - 32 as int8 for s = 0..7)."""
+    rows, nsup, _ = blocks.shape
+    codes = blocks[:, :, 8:].reshape(rows, nsup * 8, 16)
+    high = blocks[:, :, 2:4].copy().view(np.uint16)  # [rows, nsup, 1]
+    low = blocks[:, :, 4:8]  # [rows, nsup, 4]
+    s = np.arange(8)
+    ls = ((low[:, :, s // 2] >> (4 * (s % 2))) & 15) | (((high >> (2 * s)) & 3) << 4)
+    shifted = (ls.astype(np.int16) - 32).astype(np.int8).view(np.uint8)  # [rows, nsup, 8]
+    return codes, np.concatenate([blocks[:, :, :2], shifted], axis=2)
+
+
+def _iq4xs_join(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Inverse of `_iq4xs_split` -> ggml bytes [rows, nsup * 136]."""
+    rows, nb, _ = codes.shape
+    ls = (scales[:, :, 2:].view(np.int8).astype(np.int16) + 32).astype(np.uint16)  # [.., 8]
+    high = np.zeros(ls.shape[:2], dtype=np.uint16)
+    for s in range(8):
+        high |= (ls[:, :, s] >> 4) << (2 * s)
+    low = (ls[:, :, 0::2] & 15) | ((ls[:, :, 1::2] & 15) << 4)  # [rows, nsup, 4]
+    blocks = np.concatenate(
+        [scales[:, :, :2], high[..., None].view(np.uint8), low.astype(np.uint8),
+         codes.reshape(rows, nb // 8, 128)],
+        axis=2,
+    )  # fmt: skip
+    return blocks.reshape(rows, -1)
+
+
+def _iq4xs_group_scales(scales: np.ndarray, rows: int) -> np.ndarray:
+    """Per-row [rows, nsup, 10] -> per row group and super-block [groups, nsup, 80]: d of the
+    eight rows (float16 x 8), then ls_s - 32 of the eight rows for s = 0..7 (int8 x 8)."""
+    _, nsup, _ = scales.shape
+    padded = np.zeros((_groups(rows) * ROW_GROUP, nsup, IQ4XS_SCALE_BYTES), dtype=np.uint8)
+    padded[:rows] = scales
+    g = padded.reshape(-1, ROW_GROUP, nsup, IQ4XS_SCALE_BYTES).transpose(0, 2, 1, 3)
+    d = g[..., 0:2].reshape(-1, nsup, 16)
+    ls = g[..., 2:10].transpose(0, 1, 3, 2).reshape(-1, nsup, 64)  # [groups, nsup, s x rows]
+    return np.concatenate([d, ls], axis=2)
+
+
+def _iq4xs_row_scales(section: np.ndarray, rows: int, nsup: int) -> np.ndarray:
+    """Inverse of `_iq4xs_group_scales` -> [rows, nsup, 10]."""
+    g = section.reshape(-1, nsup, 80)
+    d = g[..., 0:16].reshape(-1, nsup, ROW_GROUP, 2)
+    ls = g[..., 16:80].reshape(-1, nsup, 8, ROW_GROUP).transpose(0, 1, 3, 2)
+    per_row = np.concatenate([d, ls], axis=3)  # [groups, nsup, 8, 10]
+    return per_row.transpose(0, 2, 1, 3).reshape(-1, nsup, IQ4XS_SCALE_BYTES)[:rows]
 
 
 @functools.lru_cache(maxsize=4096)
