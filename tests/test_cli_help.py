@@ -89,7 +89,8 @@ def test_convert_help_shows_the_formats_defaults(capsys):
     out = _help(capsys, "convert")
     assert "weight format of the experts (default: mxfp4 for a checkpoint that publishes" in out
     assert "a GGUF file's own type where it is one of these, a mix per layer kept too;" in out
-    assert f"else {DEFAULT_EXPERT_FORMAT}). q4_K, q5_K, q6_K, iq4_nl, iq4_xs: only a GGUF" in out
+    assert f"else {DEFAULT_EXPERT_FORMAT}). q4_K, q5_K, q6_K, iq4_nl, iq4_xs, q4_1," in out
+    assert "q5_0, q5_1: only a GGUF file's own blocks" in out
     assert f"(everything but the experts; default: {DEFAULT_TRUNK_FORMAT}, or a GGUF" in out
 
 

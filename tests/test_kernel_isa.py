@@ -83,9 +83,9 @@ def int_rows_all() -> dict[str, np.ndarray]:
 
 
 def k_quants() -> dict[str, np.ndarray]:
-    """`idots.int_rows` on random valid blocks of the formats gguf-py cannot make (q4_K,
-    q5_K, q6_K, iq4_nl, iq4_xs): random code and scale bytes, float16 d (and dmin) over four
-    decades."""
+    """`idots.int_rows` on random valid blocks of the formats kept from GGUF files (q4_K,
+    q5_K, q6_K, iq4_nl, iq4_xs, q4_1, q5_0, q5_1): random code and scale bytes, float16 d
+    (and dmin or m) over four decades."""
     results = {}
     for fmt, per, block, d_at in (
         ("q4_K", 256, 144, (0, 4)),
@@ -93,6 +93,9 @@ def k_quants() -> dict[str, np.ndarray]:
         ("q6_K", 256, 210, (208, 210)),
         ("iq4_nl", 32, 18, (0, 2)),
         ("iq4_xs", 256, 136, (0, 2)),
+        ("q4_1", 32, 20, (0, 4)),
+        ("q5_0", 32, 22, (0, 2)),
+        ("q5_1", 32, 24, (0, 4)),
     ):
         rows, cols = 13, 512
         rng = np.random.default_rng(block)

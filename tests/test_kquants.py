@@ -1,4 +1,5 @@
-"""ggml's formats kept as GGUF files hold them (issue 39): q4_K, q5_K, q6_K, iq4_nl, iq4_xs.
+"""ggml's formats kept as GGUF files hold them (issue 39): q4_K, q5_K, q6_K, iq4_nl, iq4_xs,
+and the older q4_1, q5_0 and q5_1.
 
 gguf-py cannot make K-quant blocks, so these tests build random valid ones (every byte
 pattern of the codes and 6-bit scales is a valid block; d and dmin finite float16) and check:
@@ -27,9 +28,72 @@ from tests.test_kernel_determinism import (
 SHAPES = [(1, 256), (5, 512), (19, 768), (40, 2048)]
 
 
+LEGACY = {
+    "q4_1": GGMLQuantizationType.Q4_1,
+    "q5_0": GGMLQuantizationType.Q5_0,
+    "q5_1": GGMLQuantizationType.Q5_1,
+}
+
+
 def random_blocks(fmt: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    if fmt in LEGACY:  # gguf-py quantises these: Gaussian rows over four decades, one zero
+        rng = np.random.default_rng(seed)
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        w *= (10.0 ** rng.uniform(-4, 0, (rows, 1))).astype(np.float32)
+        w[rows // 2] = 0.0
+        return np.asarray(quants.quantize(w, LEGACY[fmt])).view(np.uint8).reshape(rows, -1)
     make = {"q4_K": random_q4k, "q5_K": random_q5k, "q6_K": random_q6k, "iq4_nl": random_iq4nl}
     return make.get(fmt, random_iq4xs)(rows, cols, seed)
+
+
+def legacy_parts(packed: np.ndarray, fmt: str, rows: int, cols: int):
+    """(q int [rows, cols]: 0..15, or 0..31 with the top bit of column j bit j of qh; d, m
+    float32 [rows, cols // 32], m 0 for q5_0) from the file's bytes by ggml's block layout."""
+    nb = cols // 32
+    raw = quant.unpack_to_ggml(packed, fmt, rows, cols).reshape(rows, nb, -1)
+    d = raw[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = np.zeros_like(d)
+    if fmt != "q5_0":
+        m = raw[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = raw[:, :, -16:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=2).astype(np.int64)  # [rows, nb, 32]
+    if fmt != "q4_1":
+        at = 2 if fmt == "q5_0" else 4
+        qh = raw[:, :, at : at + 4].copy().view("<u4")[..., 0].astype(np.int64)  # [rows, nb]
+        q |= ((qh[..., None] >> np.arange(32)) & 1) << 4
+    return q.reshape(rows, cols), d, m
+
+
+def legacy_emulation(fmt: str, q, d, m, x: np.ndarray) -> np.ndarray:
+    """Per block k: t = sum q xq, s = sum xq exactly; q5_0 a = fma(d dx, t - 16 s, a); q4_1
+    and q5_1 a = fma(d dx, t, a) then a = fma(m dx, s, a)."""
+    xq, dx = quantize_x(x)
+    acc = np.zeros((x.shape[0], q.shape[0]), dtype=np.float32)  # [b, rows]
+    for k in range(x.shape[1] // 32):
+        cs = slice(32 * k, 32 * k + 32)
+        t = (xq[:, None, cs] * q[None, :, cs]).sum(axis=-1)  # [b, rows] int
+        s = xq[:, cs].sum(axis=-1)[:, None]  # [b, 1]
+        with np.errstate(invalid="ignore"):
+            if fmt == "q5_0":
+                acc = fma32(d[None, :, k] * dx[:, None, k], (t - 16 * s).astype(np.float32), acc)
+            else:
+                acc = fma32(d[None, :, k] * dx[:, None, k], t.astype(np.float32), acc)
+                acc = fma32(m[None, :, k] * dx[:, None, k], s.astype(np.float32), acc)
+    return acc
+
+
+def test_gguf_dequantises_the_older_formats_as_read_here():
+    for fmt, qtype in LEGACY.items():
+        for rows, cols in SHAPES:
+            packed = quant.pack_ggml(random_blocks(fmt, rows, cols, cols), fmt, rows, cols)
+            q, d, m = legacy_parts(packed, fmt, rows, cols)
+            ggml = quant.unpack_to_ggml(packed, fmt, rows, cols)
+            want = quants.dequantize(ggml, qtype).reshape(rows, cols)
+            qf = (q - 16 if fmt == "q5_0" else q).astype(np.float32)
+            mine = d.repeat(32, axis=1) * qf
+            if fmt != "q5_0":  # (adding q5_0's zero m would turn its -0s into 0s)
+                mine = mine + m.repeat(32, axis=1)
+            assert same_bits(mine.astype(np.float32), np.asarray(want, dtype=np.float32)), fmt
 
 
 def random_q5k(rows: int, cols: int, seed: int) -> np.ndarray:
@@ -247,6 +311,8 @@ def iq4_emulation(v, scale, x: np.ndarray) -> np.ndarray:
 def emulate(fmt: str, packed: np.ndarray, rows: int, cols: int, x: np.ndarray) -> np.ndarray:
     if fmt == "q4_K":
         return q4k_emulation(*q4k_parts(packed, rows, cols), x)
+    if fmt in LEGACY:
+        return legacy_emulation(fmt, *legacy_parts(packed, fmt, rows, cols), x)
     if fmt == "q5_K":
         return q4k_emulation(*q5k_parts(packed, rows, cols), x)
     if fmt == "q6_K":

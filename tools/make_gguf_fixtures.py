@@ -9,8 +9,9 @@ it (cached under ~/.cache/moeshard); its convert_hf_to_gguf.py runs in the refer
 (`make ref-venv`: torch + transformers, and sentencepiece, which the converter imports for
 a `llama` model even when its tokenizer is BPE). For each fixture: NAME-f32.gguf, every tensor f32,
 and llama-quantize's NAME-q8_0.gguf, NAME-q4_0.gguf, NAME-mxfp4_moe.gguf and NAME-q4_k_m.gguf
-of qwen3_moe's; and qwen3_moe_wide-q4_k_m.gguf / -iq4_xs.gguf / -iq4_nl.gguf of a random
-Qwen3-MoE whose expert widths are multiples of 256 (`WIDE`), so the K-quants are really used.
+of qwen3_moe's; and qwen3_moe_wide-q4_k_m.gguf / -iq4_xs.gguf / -iq4_nl.gguf / -q2_k.gguf of
+a random Qwen3-MoE whose expert widths are multiples of 256 (`WIDE`), so the K-quants are
+really used.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ WIDE = dict(
     max_position_embeddings=4096,
     tie_word_embeddings=False,
 )
-WIDE_QUANTIZED = (("Q4_K_M", []), ("IQ4_XS", []), ("IQ4_NL", []))
+# (Q2_K: a type moeshard has no kernels for, re-packed at import with its cost printed)
+WIDE_QUANTIZED = (("Q4_K_M", []), ("IQ4_XS", []), ("IQ4_NL", []), ("Q2_K", ["--pure"]))
 WIDE_SCRIPT = """
 import json, shutil, sys, torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM

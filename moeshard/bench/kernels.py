@@ -26,7 +26,8 @@ import numpy as np
 from numba import njit, prange
 
 from moeshard.moe.errors import MoeshardError
-from moeshard.moe.kernels import quant
+from moeshard.moe.kernels import idots, quant
+from moeshard.moe.kernels.build import cpu_level
 
 # (label, kind, a, b): expert -> (hidden, inter); matrix -> (rows, cols)
 SHAPES = [
@@ -122,16 +123,34 @@ def _arena(record: np.ndarray, min_copies: int = 2) -> tuple[np.ndarray, list[in
     return raw, offsets
 
 
+# where each kept-only format's float16 scales sit in its ggml block (d, and dmin for q4_K and
+# q5_K); every other byte of a block may be anything
+_F16_SCALES = {
+    "q4_K": (0, 4),
+    "q5_K": (0, 4),
+    "q6_K": (208, 210),
+    "iq4_nl": (0, 2),
+    "iq4_xs": (0, 2),
+}
+
+
 def random_ggml(fmt: str, rows: int, cols: int, rng) -> np.ndarray:
-    """Valid ggml blocks of a K-quant (gguf-py cannot quantise them): random codes and
-    scales, float16 d (and q4_K's dmin) of a trained model's size -> the kernel layout."""
-    block, scales_at = {"q4_K": (144, slice(0, 4)), "q6_K": (210, slice(208, 210))}[fmt]
-    nsup = cols // 256
-    raw = rng.integers(0, 256, (rows, nsup, block), dtype=np.uint8)  # [rows, nsup, block]
-    n = (scales_at.stop - scales_at.start) // 2  # float16 scales per block
-    d = rng.uniform(1e-4, 1e-3, (rows, nsup, n)).astype(np.float16)
-    raw[:, :, scales_at] = d.view(np.uint8).reshape(rows, nsup, 2 * n)
+    """Valid ggml blocks of a format gguf-py cannot quantise to: random codes and scales,
+    float16 d (and dmin) of a trained model's size -> the kernel layout."""
+    block_cols, block_bytes = quant.ggml_block_size(fmt)
+    per_row = cols // block_cols
+    raw = rng.integers(0, 256, (rows, per_row, block_bytes), dtype=np.uint8)
+    lo, hi = _F16_SCALES[fmt]
+    d = rng.uniform(1e-4, 1e-3, (rows, per_row, (hi - lo) // 2)).astype(np.float16)
+    raw[:, :, lo:hi] = d.view(np.uint8).reshape(rows, per_row, hi - lo)
     return quant.pack_ggml(raw.reshape(rows, -1), fmt, rows, cols)
+
+
+def fits(fmt: str, kind: str, a: int, b_: int) -> bool:
+    """Whether a shape's matrices have whole blocks of `fmt` (K-quants: 256 columns)."""
+    cols = (a, b_) if kind == "expert" else (b_,)
+    width = quant.ggml_block_size(fmt)[0] if fmt in quant.GGML_FORMATS else quant.QK
+    return all(c % width == 0 for c in cols) if fmt not in ("f32", "bf16") else True
 
 
 def packed_matrix(fmt: str, rows: int, cols: int, rng) -> np.ndarray:
@@ -253,6 +272,7 @@ def run(args) -> int:
 
     cpu = _cpu_name()
     print(f"cpu: {cpu}; numba threads: {numba.get_num_threads()}; os cpus: {os.cpu_count()}")
+    print(f"kernels: {cpu_level()} level, integer step {idots.ISA}")
     if not args.no_warmup_probe:
         cold, cached = warmup_times()
         print(f"JIT warm-up: cold compile {cold:.1f} s, from cache {cached:.2f} s")
@@ -274,6 +294,9 @@ def run(args) -> int:
     per_weight: dict[tuple[str, str], tuple[float, int]] = {}  # (shape, fmt) -> (s, bytes)
     for label, kind, a, b_ in shapes:
         for fmt in fmts:
+            if not fits(fmt, kind, a, b_):
+                print(f"{label:34} {fmt:5} (no whole {fmt} blocks in its rows)")
+                continue
             res, nbytes = bench_shape(kind, a, b_, fmt, args.samples)
             per_weight[(label, fmt)] = (float(np.median(res[1])), nbytes)
             line = f"{label:34} {fmt:5} {nbytes / 1e6:7.2f}"
@@ -298,6 +321,8 @@ def run(args) -> int:
         if kind != "expert":
             continue
         for fmt in fmts:
+            if not fits(fmt, kind, a, b_):
+                continue
             one, many, nbytes = bench_decode_layer(a, b_, fmt, experts, args.samples)
             t_one, t_many = float(np.median(one)), float(np.median(many))
             print(
@@ -323,6 +348,8 @@ def print_against_q4_0(per_weight, labels, fmts, shapes) -> None:
     for label in labels:
         t0, b0 = per_weight[(label, "q4_0")]
         for fmt in fmts:
+            if (label, fmt) not in per_weight:
+                continue
             t, nbytes = per_weight[(label, fmt)]
             n = weights[label]
             print(

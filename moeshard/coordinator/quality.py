@@ -96,24 +96,25 @@ def gguf_rows(path: Path, target: Path, sequences, ref_logp, activations) -> lis
     experts whose type moeshard has are kept (their kernels run), any other type is decoded
     exactly to f32, as is the trunk; so the row measures the file's weights.  The experts
     column names the file's expert types and the format they ran in."""
-    from moeshard.moe.convert.gguf_import import (
-        KEPT_TYPES,
-        GgufCheckpoint,
-        convert_gguf,
-        gguf_parts,
-    )
+    from moeshard.moe.convert.gguf_import import GgufCheckpoint, convert_gguf, gguf_parts
 
     ckpt = GgufCheckpoint(gguf_parts(path))
     try:
         types = sorted(ckpt.expert_types())
+        fmt = ckpt.kept_expert_format(fallback="f32")
     finally:
         ckpt.close()
-    kept = KEPT_TYPES.get(types[0]) if len(types) == 1 else None
-    fmt = kept or "f32"
     convert_gguf(path, target, fmt, "f32", progress=False)
-    label = f"{'/'.join(types)}>{fmt}"
+    used = sorted(quant.matrix_formats(fmt))
+    label = f"{'/'.join(types)}>{'/'.join(used)}"
     trunk = f"gguf:{path.name}"
-    modes = activations if fmt in QUANTISED else ("-",)
+    # a row per activation mode where the file's formats have both kinds of kernels; one
+    # where one of them has integer kernels only (a GGUF-only format: it takes 8-bit
+    # activations in either mode); none where all are float formats
+    if set(used) & set(quant.GGML_FORMATS):
+        modes = ("q8",)
+    else:
+        modes = activations if set(used) & set(QUANTISED) else ("-",)
     return [_compare(target, sequences, ref_logp, label, trunk, mode) for mode in modes]
 
 

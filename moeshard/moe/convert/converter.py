@@ -401,11 +401,12 @@ def convert(
 def _check_block_dims(config, expert_format: str, src: Path) -> None:
     for fmt in quant.matrix_formats(expert_format):
         if fmt in quant.GGML_FORMATS:
+            block = quant.ggml_block_size(fmt)[0]
             for dim in (config.expert_hidden, config.expert_intermediate):
-                if dim % quant.QK_K:
+                if dim % block:
                     raise ConfigError(
                         f"{src / 'config.json'}: expert width {dim} is not a multiple of "
-                        f"{quant.QK_K}, so experts cannot be {fmt}"
+                        f"{block}, so experts cannot be {fmt}"
                     )
     if expert_format in quant.BLOCK_FORMATS:
         width = "hidden_size" if config.expert_hidden == config.hidden_size else "expert width"
@@ -418,43 +419,46 @@ def _check_block_dims(config, expert_format: str, src: Path) -> None:
 
 
 def _expert_record(gate, up, down, fmt: str, requantized: dict | None = None) -> np.ndarray:
-    """One expert's record: published MXFP4 matrices, or a GGUF file's matrices in a format
-    moeshard has (`gguf_import.GgmlMatrix`), kept bit for bit when fmt is theirs, decoded
-    to float32 for any other format; float32 matrices packed to fmt.  A GGUF file's matrices
-    of another type are counted (and the first few measured) in `requantized` by type."""
+    """One expert's record in record format fmt (`quant.record_format`): published MXFP4
+    matrices, or a GGUF file's matrices in a format moeshard has (`gguf_import.GgmlMatrix`),
+    kept bit for bit where fmt has their format, each other matrix decoded to float32 and
+    packed to its format in fmt. A GGUF file's matrices of another type are counted (and the
+    first few measured) in `requantized` by type."""
     mats = (gate, up, down)
-    wanted = quant.record_matrix_formats(fmt)  # (gate, up, down)
-    pairs = list(zip(mats, wanted, strict=True))
-    if all(_kept_as(m) == f for m, f in pairs):
-        return np.concatenate([quant.pack_ggml(m.ggml_blocks(), f, *m.shape) for m, f in pairs])
-    if set(wanted) & set(KEPT_ONLY_FORMATS):
-        types = "/".join(sorted({getattr(m, "type_name", "float") for m in mats}))
-        raise ConfigError(
-            f"{fmt} experts are kept from a GGUF file's {fmt.upper()} blocks, never made: this "
-            f"expert's matrices are {types}; pick --experts q4_0, q8_0, bf16 or f32"
-        )
-    floats = [m if isinstance(m, np.ndarray) else m.float32() for m in mats]
-    record = quant.pack_expert(*floats, fmt)
-    types = sorted({m.type_name for m in mats if hasattr(m, "type_name")})
-    if requantized is not None and types and any(t.lower() != fmt for t in types):
+    pairs = list(zip(mats, quant.record_matrix_formats(fmt), strict=True))  # gate, up, down
+    parts, made = [], []
+    for m, f in pairs:
+        if _kept_as(m) == f:
+            parts.append(quant.pack_ggml(m.ggml_blocks(), f, *m.shape))
+            continue
+        if f in KEPT_ONLY_FORMATS:
+            raise ConfigError(
+                f"{f} experts are kept from a GGUF file's {f.upper()} blocks, never made: "
+                f"this matrix is {getattr(m, 'type_name', 'float')}; pick --experts q4_0, "
+                f"q8_0, bf16 or f32"
+            )
+        w = m if isinstance(m, np.ndarray) else m.float32()
+        parts.append(quant.pack(w, f))
+        made.append((m, w, parts[-1], f))
+    types = sorted({m.type_name for m, *_ in made if hasattr(m, "type_name")})
+    if requantized is not None and any(t.lower() != f for t in types for *_, f in made):
         source = "/".join(types)  # (a layer may mix types: Q4_K_M's down projections)
-        _measure(requantized.setdefault(source, Requantized(source, fmt)), floats, record, fmt)
-    return record
+        target = "/".join(sorted({f for *_, f in made}))
+        r = requantized.setdefault(source, Requantized(source, target))
+        r.experts += 1
+        if r.measured < MEASURED_EXPERTS:
+            r.measured += 1
+            for _, w, packed, f in made:
+                _measure(r, w, packed, f)
+    return np.concatenate(parts)
 
 
-def _measure(r: Requantized, floats: list[np.ndarray], record: np.ndarray, fmt: str) -> None:
-    r.experts += 1
-    if r.measured >= MEASURED_EXPERTS:
-        return
-    r.measured += 1
-    at = 0
-    for w in floats:
-        n = quant.packed_nbytes(fmt, *w.shape)
-        packed = quant.unpack_to_ggml(record[at : at + n], fmt, *w.shape)
-        back = quant.dequantize(packed, fmt, w.shape).astype(np.float64)  # [rows, cols]
-        r.err2 += float(np.sum((back - w) ** 2))
-        r.norm2 += float(np.sum(w.astype(np.float64) ** 2))
-        at += n
+def _measure(r: Requantized, w: np.ndarray, packed: np.ndarray, fmt: str) -> None:
+    """Add one packed matrix's squared error against its float32 weights w to r."""
+    ggml = quant.unpack_to_ggml(packed, fmt, *w.shape)
+    back = quant.dequantize(ggml, fmt, w.shape).astype(np.float64)  # [rows, cols]
+    r.err2 += float(np.sum((back - w) ** 2))
+    r.norm2 += float(np.sum(w.astype(np.float64) ** 2))
 
 
 def _kept_trunk_tensor(ckpt, name: str, fmt: str, shape) -> np.ndarray | None:

@@ -389,6 +389,9 @@ KEPT_TYPES = {
     "Q6_K": "q6_K",
     "IQ4_NL": "iq4_nl",
     "IQ4_XS": "iq4_xs",
+    "Q4_1": "q4_1",
+    "Q5_0": "q5_0",
+    "Q5_1": "q5_1",
 }
 
 
@@ -563,12 +566,13 @@ class GgufCheckpoint:
         kept = {"F32": "f32", "BF16": "bf16", "Q8_0": "q8_0"}
         return kept.get(next(iter(types))) if len(types) == 1 else None
 
-    def kept_expert_format(self) -> str | None:
+    def kept_expert_format(self, fallback: str | None = None) -> str | None:
         """The experts' format spec that keeps every expert block of the file as it is
         (`quant.record_format`): their one type, "gate-up/down" types where the down
         projections differ, or one entry per layer where layers differ (llama-quantize's
-        Q4_K_M gives some layers' down projections Q6_K); None where a type is not one
-        moeshard has or a layer's gate and up differ."""
+        Q4_K_M gives some layers' down projections Q6_K); where a type is not one moeshard
+        has (or a layer's gate and up differ), None, or with a fallback format that format
+        for those matrices (`quality --gguf`: f32, an exact decode)."""
         stacks, layers = self.arch.expert_stacks, {}
         blocks = 0
         for r in self.readers:
@@ -583,8 +587,11 @@ class GgufCheckpoint:
         for layer, types in layers.items():
             kept = {proj: KEPT_TYPES.get(kind) for proj, kind in types.items()}
             gate, up, down = (kept.get(p) for p in ("gate_proj", "up_proj", "down_proj"))
-            if None in (gate, up, down) or gate != up:
+            if gate != up:
+                gate = up = None
+            if fallback is None and None in (gate, down):
                 return None
+            gate, down = gate or fallback, down or fallback
             per_layer[layer] = gate if down == gate else f"{gate}/{down}"
         used = {f for f in per_layer if f != "-"}
         if not used:

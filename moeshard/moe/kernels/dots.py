@@ -79,6 +79,9 @@ FMT_Q6_K = 6
 FMT_IQ4_NL = 7
 FMT_IQ4_XS = 8
 FMT_Q5_K = 9
+FMT_Q4_1 = 10
+FMT_Q5_0 = 11
+FMT_Q5_1 = 12  # (format codes stay below 16: `entry._halves`)
 # IQ4_NL and IQ4_XS: the int8 value of each 4-bit code (ggml's kvalues_iq4nl)
 IQ4_VALUES = np.array(
     [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8

@@ -47,7 +47,9 @@ from moeshard.moe.kernels.dots import (
     FMT_F32,
     FMT_IQ4_XS,
     FMT_MXFP4,
+    FMT_Q4_1,
     FMT_Q4_K,
+    FMT_Q5_1,
     FMT_Q5_K,
     FMT_Q6_K,
     QK,
@@ -101,6 +103,8 @@ def _matrix_views(fmt, data, rows, cols, row_bytes, scale_off):
         per_group = nb // 8 * 72
     elif fmt == FMT_IQ4_XS:  # 80 bytes per super-block (`layout._iq4xs_group_scales`)
         per_group = nb // 8 * 40
+    elif fmt == FMT_Q4_1 or fmt == FMT_Q5_1:  # d and m of the eight rows per block
+        per_group = nb * ROW_GROUP * 2
     ws = data[scale_off : scale_off + groups * per_group * 2].view(np.uint16)
     return wq, ws.reshape((groups, per_group))
 

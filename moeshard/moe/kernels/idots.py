@@ -90,7 +90,10 @@ from moeshard.moe.kernels.dots import (
     FMT_IQ4_XS,
     FMT_MXFP4,
     FMT_Q4_0,
+    FMT_Q4_1,
     FMT_Q4_K,
+    FMT_Q5_0,
+    FMT_Q5_1,
     FMT_Q5_K,
     FMT_Q6_K,
     IQ4_VALUES,
@@ -436,7 +439,7 @@ def _group_block_kernel(kind: str):
     holds the activation codes, rows `us` (an m-tuple), xd float32 [b, nb] their block
     scales and xc int32 [b, nb] 8 * their block sums (q4_0, and mxfp4 on AVX2); a is the m lane
     accumulators, lane r of a[u] for (activation row us[u], weight row 8g + r)."""
-    n_loads = {"q8_0": 8, "q6_K": 6, "q5_K": 5}.get(kind, 4)  # 32-byte loads per block, group
+    n_loads = {"q8_0": 8, "q6_K": 6, "q5_K": 5, "q5_0": 5, "q5_1": 5}.get(kind, 4)  # per block
     sums_of = {
         "q4_0": _q4_sums,
         "q8_0": _q8_sums,
@@ -446,8 +449,11 @@ def _group_block_kernel(kind: str):
         "q5_K": _q5_sums,
         "iq4_nl": _iq4_sums,
         "iq4_xs": _iq4_sums,
+        "q4_1": _q4_sums,
+        "q5_0": _q5_sums,
+        "q5_1": _q5_sums,
     }[kind]
-    scale_bytes = 1 if kind == "mxfp4" else 2
+    scale_bytes = {"mxfp4": 1, "q4_1": 4, "q5_1": 4}.get(kind, 2)  # per row and block
     # bytes per super-block and group of the formats with 256-column super-blocks
     super_scales = {"q4_K": 160, "q5_K": 160, "q6_K": 144, "iq4_xs": 80}.get(kind, 0)
 
@@ -493,6 +499,9 @@ def _group_block_kernel(kind: str):
                 prefetch_line(builder, _at(context, builder, args[4], *nxt_scales))
             xs = _Broadcasts(context, builder, args[5], rows, builder.mul(ki, const(QK)))
             sums = sums_of(builder, loads, xs)  # m x <8 x i32>, exact
+            if kind in ("q4_1", "q5_0", "q5_1"):
+                out = _legacy_scale(kind, context, builder, args, ki, gi, rows, sums, acc)
+                return context.make_tuple(builder, sig.return_type, out)
             if kind in ("q4_K", "q5_K", "q6_K", "iq4_xs"):
                 scale = {
                     "q4_K": _q4k_scale,
@@ -568,6 +577,40 @@ def _q4k_scale(context, builder, args, ki, gi, rows, sums, acc):
         minus = builder.fmul(builder.fneg(dm), dx)  # (a nan dx stays +nan: one nan sign)
         s = builder.sitofp(_splat_i32(builder, total), _V8F)  # exact: |s| <= 32 * 127
         out.append(_call(builder, "llvm.fma.v8f32", _V8F, minus, s, a))
+    return out
+
+
+def _legacy_scale(kind, context, builder, args, ki, gi, rows, sums, acc):
+    """Step 3 for q4_1, q5_0 and q5_1's block k, from t = sum q xq (q unsigned) and s =
+    sum xq: q5_0 a = fma(d dx, t - 16 s, a); q4_1 and q5_1 a = fma(d dx, t, a) then
+    a = fma(m dx, s, a) (value d q + m)."""
+    ws, xd, xc = args[4], args[7], args[8]
+
+    def const(v):
+        return ir.Constant(ki.type, v)
+
+    per_block = 16 if kind == "q5_0" else 32  # the eight rows' d (and m): float16 each
+    base = builder.mul(ki, const(per_block))
+    d = _f16_lanes(builder, _at(context, builder, ws, gi, base))
+    m = (
+        None
+        if kind == "q5_0"
+        else _f16_lanes(builder, _at(context, builder, ws, gi, builder.add(base, const(16))))
+    )
+    k4, k8 = builder.mul(ki, const(4)), builder.mul(ki, const(8))
+    out = []
+    for u, row in enumerate(rows):
+        dx = _splat(builder, _load(builder, _at(context, builder, xd, row, k4), ir.FloatType()))
+        sum8 = _load(builder, _at(context, builder, xc, row, k8), _I32)  # 8 sum xq
+        t = sums[u]
+        if kind == "q5_0":  # sum (q - 16) xq = t - 16 s = t - 2 (8 s)
+            t = builder.sub(t, _splat_i32(builder, builder.shl(sum8, _I32(1))))
+        a = _call(builder, "llvm.fma.v8f32", _V8F, builder.fmul(d, dx),
+                  builder.sitofp(t, _V8F), acc[u])  # fmt: skip
+        if m is not None:
+            s = builder.sitofp(_splat_i32(builder, builder.ashr(sum8, _I32(3))), _V8F)
+            a = _call(builder, "llvm.fma.v8f32", _V8F, builder.fmul(m, dx), s, a)
+        out.append(a)
     return out
 
 
@@ -757,6 +800,9 @@ _mx_group_block = _group_block_kernel("mxfp4")
 _q4k_group_block = _group_block_kernel("q4_K")
 _q6k_group_block = _group_block_kernel("q6_K")
 _q5k_group_block = _group_block_kernel("q5_K")
+_q41_group_block = _group_block_kernel("q4_1")
+_q50_group_block = _group_block_kernel("q5_0")
+_q51_group_block = _group_block_kernel("q5_1")
 _iq4nl_group_block = _group_block_kernel("iq4_nl")
 _iq4xs_group_block = _group_block_kernel("iq4_xs")
 
@@ -781,6 +827,12 @@ def _group_x1(fmt, wq, ws, g, xq, xd, xc, u, nb):
             (a,) = _q6k_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_Q5_K:
             (a,) = _q5k_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q4_1:
+            (a,) = _q41_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q5_0:
+            (a,) = _q50_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q5_1:
+            (a,) = _q51_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_IQ4_NL:
             (a,) = _iq4nl_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_IQ4_XS:
@@ -806,6 +858,12 @@ def _group_x2(fmt, wq, ws, g, xq, xd, xc, u, nb):
             a, b = _q6k_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_Q5_K:
             a, b = _q5k_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q4_1:
+            a, b = _q41_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q5_0:
+            a, b = _q50_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q5_1:
+            a, b = _q51_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_IQ4_NL:
             a, b = _iq4nl_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_IQ4_XS:
@@ -832,6 +890,12 @@ def _group_x4(fmt, wq, ws, g, xq, xd, xc, u, nb):
             a, b, c, d = _q6k_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_Q5_K:
             a, b, c, d = _q5k_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q4_1:
+            a, b, c, d = _q41_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q5_0:
+            a, b, c, d = _q50_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q5_1:
+            a, b, c, d = _q51_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_IQ4_NL:
             a, b, c, d = _iq4nl_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_IQ4_XS:

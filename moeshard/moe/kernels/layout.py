@@ -44,8 +44,10 @@ from moeshard.moe.kernels import dots
 
 FORMATS = ("f32", "bf16", "q8_0", "q4_0", "mxfp4")  # `quantize` makes these from floats
 BLOCK_FORMATS = ("q8_0", "q4_0", "mxfp4")  # 32-column blocks, a scale each
-# ggml's K-quants, kept as a GGUF file holds them (`pack_ggml`); gguf-py cannot make them
-GGML_FORMATS = ("q4_K", "q5_K", "q6_K", "iq4_nl", "iq4_xs")
+# ggml's K-quants, IQ4 and its older 32-column formats, kept as a GGUF file holds them
+# (`pack_ggml`); integer kernels only
+GGML_FORMATS = ("q4_K", "q5_K", "q6_K", "iq4_nl", "iq4_xs", "q4_1", "q5_0", "q5_1")
+# ggml's 32-column formats with a second scale (q4_1, q5_1: value = d q + m) or a top bit
 ALL_FORMATS = FORMATS + GGML_FORMATS
 QK_K = 256  # weights per K-quant super-block
 
@@ -60,6 +62,9 @@ _QTYPE = {
     "q5_K": GGMLQuantizationType.Q5_K,
     "iq4_nl": GGMLQuantizationType.IQ4_NL,
     "iq4_xs": GGMLQuantizationType.IQ4_XS,
+    "q4_1": GGMLQuantizationType.Q4_1,
+    "q5_0": GGMLQuantizationType.Q5_0,
+    "q5_1": GGMLQuantizationType.Q5_1,
 }
 _FMT_CODE = {
     "f32": dots.FMT_F32,
@@ -72,6 +77,9 @@ _FMT_CODE = {
     "q5_K": dots.FMT_Q5_K,
     "iq4_nl": dots.FMT_IQ4_NL,
     "iq4_xs": dots.FMT_IQ4_XS,
+    "q4_1": dots.FMT_Q4_1,
+    "q5_0": dots.FMT_Q5_0,
+    "q5_1": dots.FMT_Q5_1,
 }
 QK = dots.QK
 ALIGN = 64
@@ -112,9 +120,13 @@ ROW_GROUP = dots.ROW_GROUP  # q4_0/q8_0 rows interleaved together
 _QUANT_BYTES = {
     "q8_0": 32, "q4_0": 16, "mxfp4": 16, "q4_K": 16, "q5_K": 20, "q6_K": 24, "iq4_nl": 16,
     "iq4_xs": 16,
+    "q4_1": 16,
+    "q5_0": 20,
+    "q5_1": 20,
 }  # fmt: skip
 # the 32-column block's scale before its codes in ggml (f16, E8M0), where it has one
-_SCALE_BYTES = {"q8_0": 2, "q4_0": 2, "mxfp4": 1, "iq4_nl": 2}
+_SCALE_BYTES = {"q8_0": 2, "q4_0": 2, "mxfp4": 1, "iq4_nl": 2, "q5_0": 2, "q4_1": 4, "q5_1": 4}
+_LEGACY = {"q4_1", "q5_0", "q5_1"}  # ggml's older 32-column blocks with a min or a top bit
 # q4_K's scales per row and super-block in the kernel layout: d, dmin (float16) and the eight
 # sub-blocks' 6-bit scales and mins, a byte each (ggml packs those 16 into 12 bytes)
 Q4K_SCALE_BYTES = 20
@@ -133,6 +145,12 @@ _SUPER_SCALE_BYTES = {
 def _ggml_block(fmt: str) -> int:
     """Columns per ggml block of a kept-only format: 256 (K-quants, iq4_xs) or 32 (iq4_nl)."""
     return quants.GGML_QUANT_SIZES[_QTYPE[fmt]][0]
+
+
+def ggml_block_size(fmt: str) -> tuple[int, int]:
+    """(columns, bytes) of one ggml block of `fmt` (a GGUF file's row is whole blocks)."""
+    _check_fmt(fmt)
+    return tuple(quants.GGML_QUANT_SIZES[_QTYPE[fmt]])
 
 
 def _groups(rows: int) -> int:
@@ -252,6 +270,11 @@ def _ggml_to_packed(g: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray
         out[:payload] = _interleave(codes, rows, 4).reshape(-1)
         out[s_off : s_off + s_bytes] = _q4k_group_scales(scales, rows).reshape(-1)
         return out
+    if fmt in _LEGACY:
+        codes, scales = _legacy_split(g.reshape(rows, cols // QK, -1), fmt)
+        out[:payload] = _interleave(codes, rows, 4).reshape(-1)
+        out[s_off : s_off + s_bytes] = _interleave(scales, rows, 2).reshape(-1)
+        return out
     if fmt == "q5_K":
         low, high, scales = _q5k_split(g.reshape(rows, cols // QK_K, -1))
         both = np.concatenate([low, high], axis=2)  # [rows, nb, 20]
@@ -285,6 +308,10 @@ def unpack_to_ggml(data: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarr
     if fmt == "q4_K":
         codes = _deinterleave(wq, rows, nb, 4)  # [rows, nb, 16]
         return _q4k_join(codes, _q4k_row_scales(ws.view(np.uint8), rows, nb // 8))
+    if fmt in _LEGACY:
+        codes = _deinterleave(wq, rows, nb, 4)  # [rows, nb, 16 or 20]
+        scales = _deinterleave(ws.view(np.uint8), rows, nb, 2)  # [rows, nb, 2 or 4]
+        return _legacy_join(codes, scales, fmt)
     if fmt == "q5_K":
         both = _deinterleave(wq, rows, nb, 4)  # [rows, nb, 20]
         scales = _q4k_row_scales(ws.view(np.uint8), rows, nb // 8)
@@ -377,6 +404,56 @@ def _q4k_row_scales(section: np.ndarray, rows: int, nsup: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
+# q4_1, q5_0, q5_1: ggml's block is d (float16), for q4_1 and q5_1 m (float16), for q5_0 and
+# q5_1 qh (32 top bits, bit j for column j, little-endian), then q4_0's 16 code bytes; value
+# = d q + m, or d (q - 16) for q5_0.  Kernel layout: the codes as q4_0's, q5's top bits after
+# them as q5_K's (`_q5_top_bytes`), and per block d of the eight rows then m of the eight.
+
+
+def _q5_top_bytes(bits: np.ndarray) -> np.ndarray:
+    """Top bits [rows, nb, 32] (0 or 1, column order) -> [rows, nb, 4]: bit c of byte i for
+    column 4c + i, bit 4 + c for column 16 + 4c + i (`idots._q5_sums`)."""
+    cols = bits.reshape(*bits.shape[:2], 2, 4, 4)  # [rows, nb, half, c, i]
+    out = np.zeros((*bits.shape[:2], 4), dtype=np.uint8)
+    for half in range(2):
+        for c in range(4):
+            out |= cols[:, :, half, c, :] << (4 * half + c)
+    return out
+
+
+def _q5_top_bits(top: np.ndarray) -> np.ndarray:
+    """Inverse of `_q5_top_bytes` -> [rows, nb, 32]."""
+    bits = np.zeros((*top.shape[:2], 2, 4, 4), dtype=np.uint8)
+    for half in range(2):
+        for c in range(4):
+            bits[:, :, half, c, :] = (top >> (4 * half + c)) & 1
+    return bits.reshape(*top.shape[:2], 32)
+
+
+def _legacy_split(blocks: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
+    """ggml q4_1/q5_0/q5_1 blocks [rows, nb, bytes] -> (codes [rows, nb, 16 or 20]: q4_0's
+    code bytes, then q5's top bits; scales [rows, nb, 2 or 4]: d, then m)."""
+    scale = _SCALE_BYTES[fmt]
+    scales, codes = blocks[:, :, :scale], blocks[:, :, -16:]
+    if fmt == "q4_1":
+        return codes, scales
+    qh = blocks[:, :, scale : scale + 4].copy().view("<u4")  # [rows, nb, 1]
+    bits = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [rows, nb, 32]
+    return np.concatenate([codes, _q5_top_bytes(bits)], axis=2), scales
+
+
+def _legacy_join(codes: np.ndarray, scales: np.ndarray, fmt: str) -> np.ndarray:
+    """Inverse of `_legacy_split` -> ggml bytes [rows, nb * bytes]."""
+    rows = codes.shape[0]
+    if fmt == "q4_1":
+        return np.concatenate([scales, codes], axis=2).reshape(rows, -1)
+    bits = _q5_top_bits(codes[:, :, 16:]).astype(np.uint32)  # [rows, nb, 32]
+    qh = (bits << np.arange(32, dtype=np.uint32)).sum(axis=2, dtype=np.uint32)  # [rows, nb]
+    qh_bytes = qh.astype("<u4")[..., None].view(np.uint8)  # [rows, nb, 4]
+    return np.concatenate([scales, qh_bytes, codes[:, :, :16]], axis=2).reshape(rows, -1)
+
+
+# ---------------------------------------------------------------------------------------------
 # q5_K: q4_K's block (d, dmin, the same 12 scale bytes, the same low nibbles) with qh[32]
 # between the scales and the codes, bit i of qh[l] the top bit of column 32i + l; value =
 # d sc_s q - dmin m_s, q = low | high << 4, 0..31.  Kernel layout: q4_K's, with 4 bytes of top
@@ -394,23 +471,14 @@ def _q5k_split(blocks: np.ndarray):
     qh = blocks[:, :, 16:48].reshape(rows, nsup, 1, 32)  # [rows, nsup, 1, 32]
     hi = ((qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1).reshape(rows, -1, 32)
     low = lo[:, :, :16] | (lo[:, :, 16:] << 4)  # [rows, nb, 16]
-    cols = hi.reshape(rows, -1, 2, 4, 4)  # [rows, nb, half, c, i]: column 16 half + 4c + i
-    high = np.zeros((rows, nsup * 8, 4), dtype=np.uint8)
-    for half in range(2):
-        for c in range(4):
-            high |= cols[:, :, half, c, :] << (4 * half + c)
     sc, m = _q4k_unpack_scales(blocks[:, :, 4:16])
-    return low, high, np.concatenate([blocks[:, :, :4], sc, m], axis=2)
+    return low, _q5_top_bytes(hi), np.concatenate([blocks[:, :, :4], sc, m], axis=2)
 
 
 def _q5k_join(low: np.ndarray, high: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """Inverse of `_q5k_split` -> ggml bytes [rows, nsup * 176]."""
     rows, nb, _ = low.shape
-    hi = np.zeros((rows, nb, 2, 4, 4), dtype=np.uint8)
-    for half in range(2):
-        for c in range(4):
-            hi[:, :, half, c, :] = (high >> (4 * half + c)) & 1
-    hi = hi.reshape(rows, nb // 8, 8, 32)  # [rows, nsup, sub-block i, l]
+    hi = _q5_top_bits(high).reshape(rows, nb // 8, 8, 32)  # [rows, nsup, sub-block i, l]
     qh = np.zeros((rows, nb // 8, 32), dtype=np.uint8)
     for i in range(8):
         qh |= hi[:, :, i, :] << i

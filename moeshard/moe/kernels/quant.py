@@ -32,6 +32,7 @@ from moeshard.moe.kernels.layout import (  # noqa: F401  (pack, dequantize, ...:
     _matrix_layout,
     _readonly,
     dequantize,
+    ggml_block_size,
     pack,
     pack_ggml,
     packed_nbytes,
