@@ -411,3 +411,23 @@ def test_q4k_refuses_what_it_cannot_be():
     with pytest.raises(ValueError, match="ggml bytes"):
         quant.pack_ggml(np.zeros((8, 143), np.uint8), "q4_K", 8, 256)
     assert "q4_K" in layout.ALL_FORMATS and "q4_K" not in quant.FORMATS
+
+
+def test_a_record_format_is_checked_against_the_widths_of_its_own_matrices(tmp_path):
+    """Gate and up have expert_hidden columns, down expert_intermediate: a 256-wide model
+    whose experts are 64 wide takes q4_K gate/up with a 32-column down format (llama-quantize's
+    Q4_K_M of the demo model), not the other way round."""
+    from types import SimpleNamespace
+
+    from moeshard.moe.convert.converter import _check_block_dims
+    from moeshard.moe.errors import ConfigError
+
+    config = SimpleNamespace(expert_hidden=256, expert_intermediate=64)
+    _check_block_dims(config, "q4_K/q5_0,q4_K/q8_0", tmp_path)
+    with pytest.raises(ConfigError, match="expert width 64 is not a multiple of 256"):
+        _check_block_dims(config, "q5_0/q4_K", tmp_path)
+    with pytest.raises(ValueError, match="not a weight format"):
+        quant.expert_format_entries("q4_K/q3_K")
+    assert quant.record_format("q4_K,-,q4_K/q6_K", 2) == "q4_K/q6_K"
+    with pytest.raises(ValueError, match="no experts for layer 1"):
+        quant.record_format("q4_K,-,q4_K/q6_K", 1)

@@ -399,15 +399,17 @@ def convert(
 
 
 def _check_block_dims(config, expert_format: str, src: Path) -> None:
-    for fmt in quant.matrix_formats(expert_format):
-        if fmt in quant.GGML_FORMATS:
-            block = quant.ggml_block_size(fmt)[0]
-            for dim in (config.expert_hidden, config.expert_intermediate):
-                if dim % block:
-                    raise ConfigError(
-                        f"{src / 'config.json'}: expert width {dim} is not a multiple of "
-                        f"{block}, so experts cannot be {fmt}"
-                    )
+    for entry in quant.expert_format_entries(expert_format):
+        if entry == "-":
+            continue
+        gate, _, down = quant.record_matrix_formats(entry)
+        # gate and up have expert_hidden columns, down expert_intermediate
+        for fmt, dim in ((gate, config.expert_hidden), (down, config.expert_intermediate)):
+            if fmt in quant.GGML_FORMATS and dim % quant.ggml_block_size(fmt)[0]:
+                raise ConfigError(
+                    f"{src / 'config.json'}: expert width {dim} is not a multiple of "
+                    f"{quant.ggml_block_size(fmt)[0]}, so experts cannot be {fmt}"
+                )
     if expert_format in quant.BLOCK_FORMATS:
         width = "hidden_size" if config.expert_hidden == config.hidden_size else "expert width"
         for dim, what in ((config.expert_hidden, width), (config.expert_intermediate, "moe")):
