@@ -402,9 +402,10 @@ def test_quality_compares_gguf_files_with_the_checkpoint(capsys):
 
 
 def test_a_mix_of_k_quants_runs_the_same_on_nodes_and_under_a_ram_budget(tmp_path):
-    """A Q4_K_M file's experts as they are (q4_K, and q4_K/q6_K records in its second layer,
-    every record one size): the same tokens and logits bits through 3 nodes (2 replicas, the
-    audits on) and streamed under the smallest budget, as in RAM."""
+    """A Q4_K_M file's experts as they are (q4_K, and q4_K/q6_K records in its second layer;
+    the first layer's stored without the padding to the model's record size): the same tokens
+    and logits bits through 3 nodes (2 replicas, the audits on) and streamed under the
+    smallest budget, as in RAM."""
     from helpers import generate_on_nodes
 
     from moeshard.coordinator.runtime import open_streaming
@@ -414,6 +415,11 @@ def test_a_mix_of_k_quants_runs_the_same_on_nodes_and_under_a_ram_budget(tmp_pat
 
     model = tmp_path / "m"
     convert_gguf(GGUF / "qwen3_moe_wide-q4_k_m.gguf", model, progress=False)
+    shards = ModelDir(model).shard_set
+    small, big = shards.location(0, 0).nbytes, shards.location(1, 0).nbytes
+    assert small < big == shards.record_nbytes  # layer 0's q4_K records: no padding stored
+    whole = shards.read(0, 0)  # ... but read as the model's record size, zeros after
+    assert whole.size == shards.record_nbytes and not whole[small:].any()
     prompt = [int(t) for t in reference("qwen3_moe")["prompt_ids"]]
     opts = SamplingOptions(max_tokens=8, keep_logits=True)
     local = generate(open_local(model).transformer, prompt, opts)

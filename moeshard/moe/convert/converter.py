@@ -518,8 +518,13 @@ def _write_files(
                 )
             )
             closing.callback(shards[-1].close)
+        stored = quant.expert_record_nbytes(
+            quant.record_format(expert_format, layer),
+            config.expert_hidden,
+            config.expert_intermediate,
+        )  # (a layer of a smaller format in a mix: fewer bytes, `ShardSet.read`)
         for expert in range(config.n_experts):
-            shards[-1].declare(layer, expert)
+            shards[-1].declare(layer, expert, stored)
 
     if bar:  # the .gguf files' final sizes: headers, packed tensors, records, padding
         bar.begin(trunk.planned_size() + sum(shard.planned_size() for shard in shards))
@@ -555,10 +560,10 @@ def _write_files(
             gate, up, down = expert_shapes(config, plan, ckpt, layer, expert)
             fmt = quant.record_format(expert_format, layer)
             record = _expert_record(gate, up, down, fmt, requantized)
-            if record.size < record_bytes:  # a layer of a smaller format in a mix: zeros after
-                record = np.concatenate([record, np.zeros(record_bytes - record.size, np.uint8)])
             before = shard.file.bytes_written
             crc = shard.write(record)
+            if record.size < record_bytes:  # the whole record is zeros after what is stored
+                record = np.concatenate([record, np.zeros(record_bytes - record.size, np.uint8)])
             roots[(layer, expert)] = merkle.root(record)
             digest.update(f"{layer}.{expert}:{crc};".encode())
             expert_params += gate.size + up.size + down.size

@@ -76,7 +76,7 @@ def _write_packed(src: Path, model: ModelDir, order, trace: Trace, dst: Path) ->
         if missing:
             raise MoeshardError(f"{src}: holds no expert {missing[0][1]} of layer {missing[0][0]}")
         for layer, expert in keys:
-            writer.declare(layer, expert)
+            writer.declare(layer, expert, model.locations[(layer, expert)][1].nbytes)
         writer.begin()
         for layer, expert in keys:
             shard, loc = model.locations[(layer, expert)]

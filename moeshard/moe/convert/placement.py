@@ -96,7 +96,7 @@ def _write_node_files(model: ModelDir, keys, out: Path, closing: ExitStack) -> i
                 )
             )
             closing.callback(writers[-1][0].close)
-        writers[-1][0].declare(*key)
+        writers[-1][0].declare(*key, model.locations[key][1].nbytes)
         writers[-1][1].append(key)
     for writer, mine in writers:
         writer.begin()

@@ -52,12 +52,15 @@ class ShardWriter:
         self.index = ExpertIndex([], [], [], [], [])
         self.model_type = model_type
 
-    def declare(self, layer: int, expert: int) -> None:
-        offset = self.file.declare(record_name(layer, expert), self.record_nbytes)
+    def declare(self, layer: int, expert: int, nbytes: int | None = None) -> None:
+        """The next record: `nbytes` stored (default: the record size; fewer for a layer
+        whose format is smaller than the model's largest, `ShardSet.read`)."""
+        nbytes = self.record_nbytes if nbytes is None else nbytes
+        offset = self.file.declare(record_name(layer, expert), nbytes)
         self.index.layers.append(layer)
         self.index.experts.append(expert)
         self.index.offsets.append(offset)
-        self.index.nbytes.append(self.record_nbytes)
+        self.index.nbytes.append(nbytes)
         self.index.crcs.append(0)
 
     def _set_metadata(self, model_id: str) -> None:
@@ -204,7 +207,21 @@ class ShardSet:
                     f"model needs {fmt} {hidden}x{inter}"
                 )
             for key, loc in shard.records.items():
+                want = self.stored_nbytes(key[0])
+                if loc.nbytes != want:
+                    raise StoreError(
+                        f"{shard.path}: expert {key[1]} of layer {key[0]} has {loc.nbytes} "
+                        f"bytes; its format, {self.record_format(key[0])}, has {want}"
+                    )
                 self.locations.setdefault(key, (shard, loc))
+
+    def stored_nbytes(self, layer: int) -> int:
+        """Bytes a record of layer `layer` takes on disk: its format's size, which for a mix
+        of formats (one per layer) may be less than `record_nbytes`."""
+        try:
+            return quant.expert_record_nbytes(self.record_format(layer), self.hidden, self.inter)
+        except ValueError as exc:
+            raise StoreError(f"the model's experts: {exc}") from None
 
     def record_format(self, layer: int) -> str:
         """The format of layer `layer`'s records (`quant.record_format`): fmt itself, or
@@ -219,9 +236,16 @@ class ShardSet:
         return found[1]
 
     def read(self, layer: int, expert: int, verify: bool = True) -> np.ndarray:
+        """Record (layer, expert), uint8 [record_nbytes]: the stored bytes (checksum-verified
+        unless verify=False), then zeros where its layer's format is smaller than the
+        model's largest. That whole record is what the proofs of possession and the audits'
+        hand-overs cover; the kernels read only the stored part."""
         self.location(layer, expert)
         shard, _ = self.locations[(layer, expert)]
-        return shard.read(layer, expert, verify)
+        data = shard.read(layer, expert, verify)
+        if data.size < self.record_nbytes:
+            data = np.concatenate([data, np.zeros(self.record_nbytes - data.size, np.uint8)])
+        return data
 
     def keys_of_layer(self, layer: int) -> list[int]:
         """The experts of `layer` held here, ascending."""
