@@ -436,3 +436,38 @@ def test_a_mix_of_k_quants_runs_the_same_on_nodes_and_under_a_ram_budget(tmp_pat
         rt.close()
     assert streamed.tokens == local.tokens
     assert all(np.array_equal(a, b) for a, b in zip(streamed.logits, local.logits, strict=True))
+
+
+def test_a_nan_block_scale_is_refused_naming_the_record_and_leaves_nothing(tmp_path, capsys):
+    """A kept block whose float16 scale is nan (a corrupted file): its products would carry a
+    nan whose sign depends on instruction order, so nodes could disagree bit for bit."""
+    from gguf import GGUFReader
+
+    src = tmp_path / "bad.gguf"
+    shutil.copyfile(GGUF / "qwen3_moe_wide-q4_k_m.gguf", src)
+    tensor = next(t for t in GGUFReader(src).tensors if t.name == "blk.1.ffn_up_exps.weight")
+    with open(src, "r+b") as f:  # expert 0's first Q4_K block starts with d (float16)
+        f.seek(int(tensor.data_offset))
+        f.write(np.array([np.nan], dtype=np.float16).tobytes())
+    out = tmp_path / "m"
+    assert main(["convert", str(src), str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "expert 0 of layer 1" in err and "nan or inf scale" in err, err
+    assert not out.exists()
+
+
+def test_a_model_whose_expert_format_misses_a_layer_is_refused_at_open(tmp_path):
+    from moeshard.moe.errors import StoreError
+    from moeshard.moe.kernels import quant
+    from moeshard.moe.model.model_dir import ModelDir
+
+    model = tmp_path / "m"
+    convert_gguf(GGUF / "qwen3_moe_wide-q4_k_m.gguf", model, progress=False)
+    manifest = json.loads((model / "moeshard.json").read_text())
+    for spec, why in (("q4_K,-", "no experts for layer 1"), ("q4_K,q4_K,q4_K", "has 3 layers")):
+        manifest["expert_format"] = spec
+        (model / "moeshard.json").write_text(json.dumps(manifest))
+        with pytest.raises(StoreError, match=why):
+            ModelDir(model)
+    with pytest.raises(ValueError, match="not one record format"):
+        quant.record_matrix_formats("q4_K,q4_K/q6_K")

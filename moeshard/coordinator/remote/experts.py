@@ -496,7 +496,8 @@ def _give_trial(chosen: dict[int, Peer], options: dict[int, list[Peer]], share: 
     vetting is audited, `policy.rate_for`). So with probability `share` per layer call, drawn
     from `random.SystemRandom` (nothing a node sees sets it), one expert of the layer goes to
     a node that holds it and has had fewer than TRIAL_CALLS calls this run. A node gains
-    nothing by being new: at most TRIAL_CALLS such calls per run, each one checked."""
+    little by being new: at most TRIAL_CALLS such calls per run and identity, and a node
+    still in its vetting (a new identity) has every call audited (`policy.rate_for`)."""
     if share <= 0 or _TRIAL_RANDOM.random() >= share:
         return
     trials = [(e, p) for e, cands in options.items() for p in cands if p.calls < TRIAL_CALLS]

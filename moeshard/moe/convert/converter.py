@@ -420,6 +420,10 @@ def _check_block_dims(config, expert_format: str, src: Path) -> None:
                 )
 
 
+class _BadScales(CheckpointError):
+    """A kept matrix's block scales are not finite (`_write_files` names the record)."""
+
+
 def _expert_record(gate, up, down, fmt: str, requantized: dict | None = None) -> np.ndarray:
     """One expert's record in record format fmt (`quant.record_format`): published MXFP4
     matrices, or a GGUF file's matrices in a format moeshard has (`gguf_import.GgmlMatrix`),
@@ -431,7 +435,13 @@ def _expert_record(gate, up, down, fmt: str, requantized: dict | None = None) ->
     parts, made = [], []
     for m, f in pairs:
         if _kept_as(m) == f:
-            parts.append(quant.pack_ggml(m.ggml_blocks(), f, *m.shape))
+            blocks = m.ggml_blocks()
+            if bad := quant.nonfinite_scales(blocks, f, *m.shape):
+                raise _BadScales(
+                    f"{bad} {f} block(s) of a {m.shape[0]}x{m.shape[1]} expert matrix have a "
+                    f"nan or inf scale (a corrupted file?)"
+                )
+            parts.append(quant.pack_ggml(blocks, f, *m.shape))
             continue
         if f in KEPT_ONLY_FORMATS:
             raise ConfigError(
@@ -559,7 +569,12 @@ def _write_files(
         for layer, expert in zip(shard.index.layers, shard.index.experts, strict=True):
             gate, up, down = expert_shapes(config, plan, ckpt, layer, expert)
             fmt = quant.record_format(expert_format, layer)
-            record = _expert_record(gate, up, down, fmt, requantized)
+            try:
+                record = _expert_record(gate, up, down, fmt, requantized)
+            except _BadScales as exc:
+                raise CheckpointError(
+                    f"{origin}: expert {expert} of layer {layer}: {exc}"
+                ) from None
             before = shard.file.bytes_written
             crc = shard.write(record)
             if record.size < record_bytes:  # the whole record is zeros after what is stored

@@ -574,15 +574,18 @@ class GgufCheckpoint:
         has (or a layer's gate and up differ), None, or with a fallback format that format
         for those matrices (`quality --gguf`: f32, an exact decode)."""
         stacks, layers = self.arch.expert_stacks, {}
-        blocks = 0
+        blocks = _int(self.fields, f"{self.arch_name}.block_count", self.directory)
         for r in self.readers:
             for t in r.tensors:
-                m = re.match(r"^blk\.(\d+)\.(.+)$", t.name)
-                if m is None:
+                m = re.match(r"^blk\.(\d{1,9})\.(.+)$", t.name)
+                if m is None or m[2] not in stacks:
                     continue
-                blocks = max(blocks, int(m[1]) + 1)
-                if m[2] in stacks:
-                    layers.setdefault(int(m[1]), {})[stacks[m[2]]] = t.tensor_type.name
+                if int(m[1]) >= blocks:
+                    raise CheckpointError(
+                        f"{self.directory}: {t.name}: the file has {blocks} blocks "
+                        f"({self.arch_name}.block_count)"
+                    )
+                layers.setdefault(int(m[1]), {})[stacks[m[2]]] = t.tensor_type.name
         per_layer = ["-"] * blocks
         for layer, types in layers.items():
             kept = {proj: KEPT_TYPES.get(kind) for proj, kind in types.items()}

@@ -147,6 +147,34 @@ def _ggml_block(fmt: str) -> int:
     return quants.GGML_QUANT_SIZES[_QTYPE[fmt]][0]
 
 
+# where each format's float16 scales sit in its ggml block (d, and dmin or m)
+_F16_SCALE_BYTES = {
+    "q8_0": (0, 2),
+    "q4_0": (0, 2),
+    "iq4_nl": (0, 2),
+    "q5_0": (0, 2),
+    "q4_1": (0, 4),
+    "q5_1": (0, 4),
+    "q4_K": (0, 4),
+    "q5_K": (0, 4),
+    "q6_K": (208, 210),
+    "iq4_xs": (0, 2),
+}
+
+
+def nonfinite_scales(g: np.ndarray, fmt: str, rows: int, cols: int) -> int:
+    """Blocks of ggml bytes [rows, row_bytes] whose float16 scales are nan or inf: 0 in any
+    file a quantiser wrote. A network's nodes must give the same bits for a record, and a nan
+    scale's products carry a nan whose sign the CPU's instruction order decides."""
+    if fmt not in _F16_SCALE_BYTES:
+        return 0
+    lo, hi = _F16_SCALE_BYTES[fmt]
+    width = ggml_block_size(fmt)[1] if fmt in GGML_FORMATS else _ggml_row_bytes(fmt, QK)
+    blocks = np.ascontiguousarray(g, dtype=np.uint8).reshape(-1, width)  # [blocks, bytes]
+    scales = blocks[:, lo:hi].copy().view(np.uint16)  # [blocks, 1 or 2]
+    return int(np.count_nonzero(((scales >> 10) & 0x1F) == 0x1F))
+
+
 def ggml_block_size(fmt: str) -> tuple[int, int]:
     """(columns, bytes) of one ggml block of `fmt` (a GGUF file's row is whole blocks)."""
     _check_fmt(fmt)

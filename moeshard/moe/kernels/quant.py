@@ -33,6 +33,7 @@ from moeshard.moe.kernels.layout import (  # noqa: F401  (pack, dequantize, ...:
     _readonly,
     dequantize,
     ggml_block_size,
+    nonfinite_scales,
     pack,
     pack_ggml,
     packed_nbytes,
@@ -375,8 +376,12 @@ def record_format(spec: str, layer: int) -> str:
 
 
 def record_matrix_formats(fmt: str) -> tuple[str, str, str]:
-    """A record format's (gate, up, down) weight formats."""
-    parts = expert_format_entries(fmt)[0].split("/")
+    """A record format's (gate, up, down) weight formats (one record format: a spec with
+    one per layer is refused, not read as its first layer's)."""
+    entries = expert_format_entries(fmt)
+    if len(entries) != 1 or entries[0] == "-":
+        raise ValueError(f"expert format {fmt!r} is not one record format (record_format)")
+    parts = entries[0].split("/")
     return parts[0], parts[0], parts[-1]
 
 
@@ -389,6 +394,8 @@ def expert_record_nbytes(fmt: str, hidden: int, inter: int) -> int:
     """Bytes of one packed expert record: gate, up [inter, hidden] then down [hidden, inter]
     (the largest layer's, for a spec with one format per layer)."""
     sizes = [_expert_layout(e, hidden, inter)[0] for e in expert_format_entries(fmt) if e != "-"]
+    if not sizes:
+        raise ValueError(f"expert format {fmt!r} has no layer with experts")
     return max(sizes)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import ModuleType
 
 from moeshard.moe.errors import StoreError
+from moeshard.moe.kernels import quant
 from moeshard.moe.model.config import read_json
 from moeshard.moe.model.families import family_for, load_config
 from moeshard.moe.model.trunk import Trunk
@@ -51,6 +52,7 @@ class ModelDir:
         self.config = load_config(self.path)
         self.family: ModuleType = family_for(self.config.model_type, str(self.path))
         self.expert_format: str = self.manifest["expert_format"]
+        self._check_expert_format()
         self.role: str = self.manifest.get("role", ROLE_MODEL)
         if self.role == ROLE_COORDINATOR and self.manifest["expert_files"]:
             raise StoreError(
@@ -150,6 +152,24 @@ class ModelDir:
             else:
                 raise StoreError(f"{self.path}: no possession roots and no records: reconvert")
         return self._roots
+
+    def _check_expert_format(self) -> None:
+        """Every MoE layer has a record format (`quant.record_format`), and a spec with one
+        per layer has one for every layer: refused here, not by a kernel call mid-run."""
+        spec, c = self.expert_format, self.config
+        try:
+            if not isinstance(spec, str):
+                raise ValueError(f"expert format {spec!r} is not a string")
+            entries = quant.expert_format_entries(spec)
+            if len(entries) > 1 and len(entries) != c.num_hidden_layers:
+                raise ValueError(
+                    f"expert format {spec!r} has {len(entries)} layers, the model "
+                    f"{c.num_hidden_layers}"
+                )
+            for layer in c.moe_layers:
+                quant.record_format(spec, layer)
+        except ValueError as exc:
+            raise StoreError(f"{self.path / MANIFEST}: {exc}") from None
 
     def _check_record_size(self, roots: merkle.Roots) -> None:
         """The roots file's record size must be the one the experts' format and geometry
