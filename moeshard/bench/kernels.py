@@ -28,6 +28,7 @@ from numba import njit, prange
 from moeshard.moe.errors import MoeshardError
 from moeshard.moe.kernels import idots, quant
 from moeshard.moe.kernels.build import cpu_level
+from moeshard.moe.kernels.layout import F16_SCALE_BYTES
 
 # (label, kind, a, b): expert -> (hidden, inter); matrix -> (rows, cols)
 SHAPES = [
@@ -123,27 +124,13 @@ def _arena(record: np.ndarray, min_copies: int = 2) -> tuple[np.ndarray, list[in
     return raw, offsets
 
 
-# where each kept-only format's float16 scales sit in its ggml block (d, and dmin for q4_K and
-# q5_K); every other byte of a block may be anything
-_F16_SCALES = {
-    "q4_K": (0, 4),
-    "q5_K": (0, 4),
-    "q6_K": (208, 210),
-    "iq4_nl": (0, 2),
-    "iq4_xs": (0, 2),
-    "q4_1": (0, 4),
-    "q5_0": (0, 2),
-    "q5_1": (0, 4),
-}
-
-
 def random_ggml(fmt: str, rows: int, cols: int, rng) -> np.ndarray:
     """Valid ggml blocks of a format gguf-py cannot quantise to: random codes and scales,
     float16 d (and dmin) of a trained model's size -> the kernel layout."""
     block_cols, block_bytes = quant.ggml_block_size(fmt)
     per_row = cols // block_cols
     raw = rng.integers(0, 256, (rows, per_row, block_bytes), dtype=np.uint8)
-    lo, hi = _F16_SCALES[fmt]
+    lo, hi = F16_SCALE_BYTES[fmt]
     d = rng.uniform(1e-4, 1e-3, (rows, per_row, (hi - lo) // 2)).astype(np.float16)
     raw[:, :, lo:hi] = d.view(np.uint8).reshape(rows, per_row, hi - lo)
     return quant.pack_ggml(raw.reshape(rows, -1), fmt, rows, cols)

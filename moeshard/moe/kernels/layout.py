@@ -147,8 +147,9 @@ def _ggml_block(fmt: str) -> int:
     return quants.GGML_QUANT_SIZES[_QTYPE[fmt]][0]
 
 
-# where each format's float16 scales sit in its ggml block (d, and dmin or m)
-_F16_SCALE_BYTES = {
+# where each format's float16 scales sit in its ggml block (d, and dmin or m); every other
+# byte of a block may be anything (`bench kernels` and the tests make blocks so)
+F16_SCALE_BYTES = {
     "q8_0": (0, 2),
     "q4_0": (0, 2),
     "iq4_nl": (0, 2),
@@ -166,9 +167,9 @@ def nonfinite_scales(g: np.ndarray, fmt: str, rows: int, cols: int) -> int:
     """Blocks of ggml bytes [rows, row_bytes] whose float16 scales are nan or inf: 0 in any
     file a quantiser wrote. A network's nodes must give the same bits for a record, and a nan
     scale's products carry a nan whose sign the CPU's instruction order decides."""
-    if fmt not in _F16_SCALE_BYTES:
+    if fmt not in F16_SCALE_BYTES:
         return 0
-    lo, hi = _F16_SCALE_BYTES[fmt]
+    lo, hi = F16_SCALE_BYTES[fmt]
     width = ggml_block_size(fmt)[1] if fmt in GGML_FORMATS else _ggml_row_bytes(fmt, QK)
     blocks = np.ascontiguousarray(g, dtype=np.uint8).reshape(-1, width)  # [blocks, bytes]
     scales = blocks[:, lo:hi].copy().view(np.uint16)  # [blocks, 1 or 2]
