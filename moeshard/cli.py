@@ -20,12 +20,6 @@ def quiet_interrupt(signum, frame) -> None:
 
 
 _interrupt = {"swallowed": False, "handled": False}
-# Set by the console script (`moeshard.entry`), never by an in-process caller: an interrupted
-# command ends with os._exit, not by unwinding.  A Ctrl-C that cut numba's compile short
-# leaves llvmlite objects whose finalizers crash LLVM when they run (once in five full test
-# runs: "moeshard: interrupted", then a segmentation fault, exit -11); nothing is left to do
-# by then (`with` blocks have run, the line is printed), so the process skips them.
-HARD_EXIT = {"on_interrupt": False}
 
 
 def redeliver_interrupt(unraisable) -> None:
@@ -61,12 +55,6 @@ def _interrupt_main() -> None:
 def _interrupted() -> int:
     _interrupt["handled"] = True
     print("moeshard: interrupted", file=sys.stderr)
-    if HARD_EXIT["on_interrupt"]:
-        import os
-
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_INTERRUPTED)
     return EXIT_INTERRUPTED
 
 

@@ -15,5 +15,4 @@ def main() -> int:
     from moeshard import cli
 
     signal.signal(signal.SIGINT, cli.quiet_interrupt)  # (main() recognises it and hands back)
-    cli.HARD_EXIT["on_interrupt"] = True  # a process of its own: skip finalizers after Ctrl-C
     return cli.main()
