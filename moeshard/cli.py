@@ -52,10 +52,22 @@ def _interrupt_main() -> None:
         _thread.interrupt_main()
 
 
-def _interrupted() -> int:
+def _interrupted(exc: BaseException) -> int:
     _interrupt["handled"] = True
     print("moeshard: interrupted", file=sys.stderr)
+    _never_free(exc)
     return EXIT_INTERRUPTED
+
+
+def _never_free(exc: BaseException) -> None:
+    """Keep an interrupt's traceback, and so every local of the frames it cut short, alive to
+    the process's end. A Ctrl-C inside numba's compile can stop llvmlite between handing a
+    module to LLVM and recording that it did: freeing that Python object then frees LLVM's
+    memory twice, a segmentation fault as `main` returns (make test, about 1 run in 5:
+    "moeshard: interrupted", then exit -11). The process is ending; the leak is its price."""
+    import ctypes
+
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(exc))
 
 
 if __name__ == "__main__":  # `python -m moeshard.cli` (the `moeshard` script: entry.py)
@@ -286,16 +298,16 @@ def main(argv: list[str] | None = None) -> int:
     except MoeshardError as exc:
         print(f"moeshard: error: {exc}", file=sys.stderr)
         return getattr(exc, "exit_code", EXIT_BAD_INPUT)
-    except KeyboardInterrupt:
-        return _interrupted()
+    except KeyboardInterrupt as exc:
+        return _interrupted(exc)
     except Terminated:
         print("moeshard: terminated", file=sys.stderr)
         return EXIT_TERMINATED
     except BrokenPipeError:
         return EXIT_OK
-    except Exception:
+    except Exception as exc:
         if _interrupt["swallowed"]:  # what a swallowed Ctrl-C broke (numba: "no compiled
-            return _interrupted()  # object yet" when it landed in llvmlite's callback)
+            return _interrupted(exc)  # object yet" when it landed in llvmlite's callback)
         raise
 
 
