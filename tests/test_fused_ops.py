@@ -21,6 +21,9 @@ from moeshard.moe.model.layers import (
 RNG = np.random.default_rng(17)
 
 
+NO_SINKS = np.zeros(0, np.float32)  # attention without gpt-oss's sinks
+
+
 def randn(*shape, scale: float = 1.0) -> np.ndarray:
     return (RNG.standard_normal(shape) * scale).astype(np.float32)
 
@@ -89,9 +92,35 @@ def test_attend_cache_matches_attend(t, start, hq, hkv, d, window):
     k[s:] = np.nan  # positions past the queries' must not be read
     v[s:] = np.nan
     out = np.empty((t, hq * d), np.float32)
-    fused.attend_cache(q.reshape(t, hq * d), k, v, start, d**-0.5, window or 0, out)
+    fused.attend_cache(q.reshape(t, hq * d), k, v, start, d**-0.5, window or 0, NO_SINKS, out)
     want = attend(q, k[:s], v[:s], d**-0.5, window).reshape(t, hq * d)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("t,start,window", [(1, 0, 0), (5, 3, 0), (4, 40, 8), (1, 200, 128)])
+def test_attention_sinks_take_their_share_of_the_softmax(t, start, window):
+    """gpt-oss: each head's sink is one more logit in the softmax, with no value (as
+    transformers' eager attention: softmax over [scores, sink], the sink's column dropped)."""
+    hq, hkv, d = 4, 2, 64
+    s = start + t
+    q, k, v = randn(t, hq, d), randn(s, hkv, d), randn(s, hkv, d)
+    sinks = np.array([-1.0, 0.5, 3.0, 8.0], np.float32)  # [Hq]: up to most of the weight
+    out = np.empty((t, hq * d), np.float32)
+    fused.attend_cache(q.reshape(t, hq * d), k, v, start, d**-0.125, window, sinks, out)
+    kk, vv = np.repeat(k, hq // hkv, axis=1), np.repeat(v, hq // hkv, axis=1)  # [S, Hq, D]
+    scores = np.einsum("thd,shd->hts", q, kk).astype(np.float64) * d**-0.125  # [Hq, T, S]
+    pos = start + np.arange(t)[:, None]  # [T, 1]
+    keys = np.arange(s)[None, :]  # [1, S]
+    seen = (keys <= pos) & ((pos - keys < window) if window else True)  # [T, S]
+    scores = np.where(seen, scores, -np.inf)
+    logits = np.concatenate([scores, np.broadcast_to(sinks[:, None, None], (hq, t, 1))], -1)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs = probs[..., :-1] / probs.sum(-1, keepdims=True)  # [Hq, T, S]: the sink dropped
+    want = np.einsum("hts,shd->thd", probs, vv).reshape(t, hq * d)
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-6)
+    plain = np.empty_like(out)
+    fused.attend_cache(q.reshape(t, hq * d), k, v, start, d**-0.125, window, NO_SINKS, plain)
+    assert np.abs(plain - out).max() > 1e-3  # the sinks changed the result
 
 
 @njit
@@ -130,7 +159,7 @@ def test_attend_cache_keeps_the_one_position_order(t, start, d, window):
     hq, hkv, s = 4, 2, start + t
     q, kc, vc = randn(t, hq * d), randn(s, hkv, d), randn(s, hkv, d)
     out, want = np.empty((t, hq * d), np.float32), np.empty((t, hq * d), np.float32)
-    fused.attend_cache(q, kc, vc, start, d**-0.5, window, out)
+    fused.attend_cache(q, kc, vc, start, d**-0.5, window, NO_SINKS, out)
     attend_position_by_position(q, kc, vc, start, d**-0.5, window, want)
     np.testing.assert_array_equal(out, want)
 
@@ -163,7 +192,7 @@ def test_gqa_attention_matches_the_numpy_steps(qk_norm, clip):
     if qk_norm == "none":
         qw = kw = np.zeros(0, np.float32)
     fused.gqa_attention(
-        q, k, v, qw, kw, code, eps, clip, cos, sin, kc, vc, start, d**-0.5, window, out
+        q, k, v, qw, kw, code, eps, clip, cos, sin, kc, vc, start, d**-0.5, window, NO_SINKS, out
     )
     np.testing.assert_array_equal(kc, rkc)  # the new keys and values, and nothing else
     np.testing.assert_array_equal(vc, rvc)

@@ -62,8 +62,9 @@ _PER_EXPERT = re.compile(
 )
 _STACKED = re.compile(
     r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\."
-    r"(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$"
-)
+    r"(gate_up_proj|gate_proj|up_proj|down_proj)(_blocks|_bias)?(?:\.weight)?$"
+)  # (gpt-oss: `*_blocks` with `*_scales` beside them are MXFP4, `*_bias` the biases)
+_BLOCKS, _SCALES = "_blocks", "_scales"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _ALWAYS_F32 = (
@@ -87,6 +88,7 @@ class Plan:
     stacked: dict[tuple[int, str], str] = field(default_factory=dict)  # (L, proj) -> name
     skipped: dict[str, str] = field(default_factory=dict)  # name -> reason
     mxfp4_experts: bool = False  # experts published as compressed-tensors MXFP4 (`mxfp4`)
+    mxfp4_blocks: bool = False  # experts published as gpt-oss's MXFP4 (`*_blocks`, `*_scales`)
 
 
 def quantization_config(raw: dict) -> dict:
@@ -109,6 +111,8 @@ def plan_conversion(config, family, ckpt: Checkpoint, quantization: dict) -> Pla
             continue  # fp8 scales travel with their weight
         if name.endswith(mxfp4.SCALE) and name[: -len(mxfp4.SCALE)] + mxfp4.PACKED in names:
             continue  # MXFP4 scales travel with their codes
+        if name.endswith(_SCALES) and name[: -len(_SCALES)] + _BLOCKS in names:
+            continue  # (gpt-oss's MXFP4 likewise)
         canonical = family.canonical_name(name)
         m = _LAYER.match(canonical)
         if m and int(m.group(1)) >= config.num_hidden_layers:
@@ -120,7 +124,8 @@ def plan_conversion(config, family, ckpt: Checkpoint, quantization: dict) -> Pla
             plan.mxfp4_experts |= name.endswith(mxfp4.PACKED)
             continue
         if (m := _STACKED.match(canonical)) is not None:
-            plan.stacked[(int(m.group(1)), m.group(2))] = name
+            plan.stacked[(int(m.group(1)), m.group(2) + (m.group(3) or ""))] = name
+            plan.mxfp4_blocks |= m.group(3) == _BLOCKS
             continue
         if canonical in wanted:
             plan.trunk[canonical] = name
@@ -131,6 +136,11 @@ def plan_conversion(config, family, ckpt: Checkpoint, quantization: dict) -> Pla
     source = ckpt.directory
     if plan.mxfp4_experts:
         mxfp4.check_scheme(quantization, f"{source / 'config.json'}")
+    if plan.mxfp4_blocks and quantization.get("quant_method") != "mxfp4":
+        raise CheckpointError(
+            f"{source / 'config.json'}: *{_BLOCKS} expert tensors but quantization_config "
+            f"quant_method {quantization.get('quant_method')!r}, not 'mxfp4'"
+        )
     for canonical, shape in wanted.items():
         if canonical not in plan.trunk:
             raise CheckpointError(f"{source}: missing tensor '{canonical}'")
@@ -142,6 +152,7 @@ def plan_conversion(config, family, ckpt: Checkpoint, quantization: dict) -> Pla
     for layer in moe_layers:
         for expert in range(config.n_experts):
             expert_shapes(config, plan, ckpt, layer, expert, check_only=True)
+            expert_biases(config, plan, ckpt, layer, expert)
     return plan
 
 
@@ -190,6 +201,14 @@ def _from_stack(config, plan, ckpt, layer, expert, proj, shape, check_only):
     n = config.n_experts
     fused = proj in ("gate_proj", "up_proj") and (layer, "gate_up_proj") in plan.stacked
     key = (layer, "gate_up_proj") if fused else (layer, proj)
+    if _interleaved(config):
+        blocks = (layer, ("gate_up_proj" if fused or proj != "down_proj" else proj) + _BLOCKS)
+        if blocks in plan.stacked:
+            return _mxfp4_stacked(
+                config, ckpt, plan.stacked[blocks], expert, proj, shape, check_only
+            )
+        fused = proj != "down_proj"
+        key = (layer, "gate_up_proj" if fused else proj)
     name = plan.stacked.get(key)
     if name is None:
         raise CheckpointError(
@@ -206,13 +225,81 @@ def _from_stack(config, plan, ckpt, layer, expert, proj, shape, check_only):
         )
     if check_only:
         return None
+    if _interleaved(config) and got != (n, cols, rows):
+        raise CheckpointError(
+            f"{ckpt.describe(name)}: shape {list(got)}, expected {[n, cols, rows]} "
+            f"([experts, in, out], as gpt-oss stores them)"
+        )
     matrix = _slice_expert(ckpt, name, expert)  # [out, in] or [in, out]
-    if got == (n, cols, rows) and rows != cols:
+    if got == (n, cols, rows) and (rows != cols or _interleaved(config)):
         matrix = matrix.T  # stored [experts, in, out]
     if fused:
-        half = shape[0]
-        matrix = matrix[:half] if proj == "gate_proj" else matrix[half:]
+        matrix = _gate_or_up(config, matrix, proj)
     return np.ascontiguousarray(matrix, dtype=np.float32)
+
+
+def _interleaved(config) -> bool:
+    """gpt-oss's layout: stacked [experts, in, out], gate and up interleaved (`gpt_oss`)."""
+    return getattr(family_for(config.model_type, ""), "EXPERTS_LAYOUT", None) == "gpt_oss"
+
+
+def _gate_or_up(config, rows, proj: str):
+    """The gate or up rows of a fused gate_up [2 inter, ...]: its halves, or (gpt-oss) its
+    even and odd rows."""
+    if _interleaved(config):
+        return rows[0::2] if proj == "gate_proj" else rows[1::2]
+    half = rows.shape[0] // 2
+    return rows[:half] if proj == "gate_proj" else rows[half:]
+
+
+def _mxfp4_stacked(config, ckpt, name: str, expert: int, proj: str, shape, check_only):
+    """One expert's matrix from gpt-oss's MXFP4 `*_blocks` [experts, out, in / 32, 16] and
+    `*_scales` [experts, out, in / 32] (the codes and scales of `mxfp4.PackedMxfp4`, rows in
+    [out, in] order; gate_up's rows interleave gate and up), kept bit for bit."""
+    scale = name[: -len(_BLOCKS)] + _SCALES
+    if scale not in ckpt.where:
+        raise CheckpointError(f"{ckpt.describe(name)}: no {scale} beside it")
+    n, (rows, cols) = config.n_experts, shape
+    rows = 2 * rows if proj != "down_proj" else rows
+    want = (n, rows, cols // mxfp4.QK, mxfp4.QK // 2)
+    if tuple(ckpt.shape(name)) != want or tuple(ckpt.shape(scale)) != want[:3]:
+        raise CheckpointError(
+            f"{ckpt.describe(name)}: shapes {list(ckpt.shape(name))} and "
+            f"{list(ckpt.shape(scale))}, expected {list(want)} and {list(want[:3])}"
+        )
+    if (ckpt.dtype(name), ckpt.dtype(scale)) != ("U8", "U8"):
+        raise CheckpointError(f"{ckpt.describe(name)}: MXFP4 blocks and scales must be U8")
+    if check_only:
+        return None
+    packed = ckpt.where[name].raw(name, expert).reshape(rows, cols // 2)  # [out, in / 2]
+    scales = ckpt.where[scale].raw(scale, expert)  # [out, in / 32]
+    if proj != "down_proj":
+        packed, scales = _gate_or_up(config, packed, proj), _gate_or_up(config, scales, proj)
+    return mxfp4.PackedMxfp4(np.ascontiguousarray(packed), np.ascontiguousarray(scales))
+
+
+def expert_biases(config, plan: Plan, ckpt: Checkpoint, layer: int, expert: int):
+    """(gate [inter], up [inter], down [hidden]) float32 biases of an expert whose family has
+    them (gpt-oss: stacked `gate_up_proj_bias` [experts, 2 inter], `down_proj_bias`
+    [experts, hidden]), else None."""
+    if not config.expert_biases:
+        return None
+    n, h, inter = config.n_experts, config.expert_hidden, config.expert_intermediate
+    parts = {}
+    for proj, width in (("gate_up_proj", 2 * inter), ("down_proj", h)):
+        name = plan.stacked.get((layer, proj + "_bias"))
+        if name is None:
+            raise CheckpointError(
+                f"{ckpt.directory}: missing tensor model.layers.{layer}.mlp.experts.{proj}_bias"
+            )
+        if tuple(ckpt.shape(name)) != (n, width):
+            raise CheckpointError(
+                f"{ckpt.describe(name)}: shape {list(ckpt.shape(name))}, expected {[n, width]}"
+            )
+        parts[proj] = ckpt.where[name].float32(name, expert)  # [width]
+    gate_up = parts["gate_up_proj"]
+    gate, up = _gate_or_up(config, gate_up, "gate_proj"), _gate_or_up(config, gate_up, "up_proj")
+    return tuple(np.ascontiguousarray(b, dtype=np.float32) for b in (gate, up, parts["down_proj"]))
 
 
 def _slice_expert(ckpt: Checkpoint, name: str, expert: int) -> np.ndarray:
@@ -389,7 +476,12 @@ def convert(
         with staged(out, out.parent / f".{out.name}.tmp-convert") as tmp:
             plan = plan_conversion(config, family, ckpt, quantization_config(raw))
             if expert_format is None:
-                expert_format = "mxfp4" if plan.mxfp4_experts else DEFAULT_EXPERT_FORMAT
+                published = plan.mxfp4_experts or plan.mxfp4_blocks
+                expert_format = "mxfp4" if published else DEFAULT_EXPERT_FORMAT
+            if config.expert_biases:  # (gpt-oss) each record carries its expert's biases
+                expert_format = ",".join(
+                    e if e == "-" else e + quant.BIAS for e in expert_format.split(",")
+                )
             _check_block_dims(config, expert_format, src)
             summary = _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, bar, origin)
             summary.seconds = time.perf_counter() - started
@@ -410,7 +502,7 @@ def _check_block_dims(config, expert_format: str, src: Path) -> None:
                     f"{src / 'config.json'}: expert width {dim} is not a multiple of "
                     f"{quant.ggml_block_size(fmt)[0]}, so experts cannot be {fmt}"
                 )
-    if expert_format in quant.BLOCK_FORMATS:
+    if expert_format.removesuffix(quant.BIAS) in quant.BLOCK_FORMATS:
         width = "hidden_size" if config.expert_hidden == config.hidden_size else "expert width"
         for dim, what in ((config.expert_hidden, width), (config.expert_intermediate, "moe")):
             if dim % 32:
@@ -424,12 +516,15 @@ class _BadScales(CheckpointError):
     """A kept matrix's block scales are not finite (`_write_files` names the record)."""
 
 
-def _expert_record(gate, up, down, fmt: str, requantized: dict | None = None) -> np.ndarray:
+def _expert_record(
+    gate, up, down, fmt: str, requantized: dict | None = None, biases=None
+) -> np.ndarray:
     """One expert's record in record format fmt (`quant.record_format`): published MXFP4
     matrices, or a GGUF file's matrices in a format moeshard has (`gguf_import.GgmlMatrix`),
     kept bit for bit where fmt has their format, each other matrix decoded to float32 and
-    packed to its format in fmt. A GGUF file's matrices of another type are counted (and the
-    first few measured) in `requantized` by type."""
+    packed to its format in fmt, then its biases where fmt has them (`quant.BIAS`). A GGUF
+    file's matrices of another type are counted (and the first few measured) in
+    `requantized` by type."""
     mats = (gate, up, down)
     pairs = list(zip(mats, quant.record_matrix_formats(fmt), strict=True))  # gate, up, down
     parts, made = [], []
@@ -462,7 +557,8 @@ def _expert_record(gate, up, down, fmt: str, requantized: dict | None = None) ->
             r.measured += 1
             for _, w, packed, f in made:
                 _measure(r, w, packed, f)
-    return np.concatenate(parts)
+    inter, hidden = gate.shape
+    return quant.with_biases(np.concatenate(parts), fmt, hidden, inter, biases)
 
 
 def _measure(r: Requantized, w: np.ndarray, packed: np.ndarray, fmt: str) -> None:
@@ -568,9 +664,10 @@ def _write_files(
             bar.advance(shard.file.bytes_written)
         for layer, expert in zip(shard.index.layers, shard.index.experts, strict=True):
             gate, up, down = expert_shapes(config, plan, ckpt, layer, expert)
+            biases = expert_biases(config, plan, ckpt, layer, expert)
             fmt = quant.record_format(expert_format, layer)
             try:
-                record = _expert_record(gate, up, down, fmt, requantized)
+                record = _expert_record(gate, up, down, fmt, requantized, biases)
             except _BadScales as exc:
                 raise CheckpointError(
                     f"{origin}: expert {expert} of layer {layer}: {exc}"

@@ -136,7 +136,9 @@ def _item(it, rows):
 def _glu_mul(g, u, glu):
     """The gated unit elementwise, float32 [b, inter] (computed in float64): glu = (kind,
     beta, linear_beta); kind 0 is SwiGLU, silu(g) * u; kind 1 is Kimi K3's SiTU-GLU,
-    [beta tanh(g / beta) sigmoid(g)] * [linear_beta tanh(u / linear_beta)].  exp and tanh are
+    [beta tanh(g / beta) sigmoid(g)] * [linear_beta tanh(u / linear_beta)]; kind 2 is
+    gpt-oss's clamped SwiGLU (beta = alpha, linear_beta = limit), g' = min(g, limit),
+    (clip(u, -limit, limit) + 1) * g' sigmoid(alpha g') (a nan stays nan).  exp and tanh are
     `moeshard.moe.kernels.fixedmath`'s, not libm's: the same bits on every CPU
     (`quant.glu_reference` is the numpy twin)."""
     kind, beta, linear_beta = glu
@@ -147,6 +149,11 @@ def _glu_mul(g, u, glu):
             if kind == 1:
                 gate = beta * fixedmath.tanh(gv / beta) / (1.0 + fixedmath.exp(-gv))
                 h[i, j] = gate * (linear_beta * fixedmath.tanh(uv / linear_beta))
+            elif kind == 2:
+                limit = linear_beta
+                gv = limit if gv > limit else gv
+                uv = limit if uv > limit else (-limit if uv < -limit else uv)
+                h[i, j] = (uv + 1.0) * (gv / (1.0 + fixedmath.exp(-(beta * gv))))
             else:
                 h[i, j] = gv / (1.0 + fixedmath.exp(-gv)) * uv
     return h
@@ -252,12 +259,42 @@ def matmul_group_serial_kernel(fmt, int8, datas, rows, cols, row_bytes, scale_of
 def _expert_views(fmt, record, hidden, inter, layout):
     """The gate, up and down views of an expert record whose format code is fmt (gate-up's
     code + 16 x down's: `quant._record_code`)."""
-    n_gu, rb_gu, s_gu, rb_d, s_d = layout
+    n_gu, rb_gu, s_gu, rb_d, s_d = layout[0], layout[1], layout[2], layout[3], layout[4]
     fu, fd = _halves(fmt)
     gq, gs = _matrix_views(fu, record[:n_gu], inter, hidden, rb_gu, s_gu)
     uq, us = _matrix_views(fu, record[n_gu : 2 * n_gu], inter, hidden, rb_gu, s_gu)
     dq, ds = _matrix_views(fd, record[2 * n_gu :], hidden, inter, rb_d, s_d)
     return gq, gs, uq, us, dq, ds
+
+
+@njit(cache=True, nogil=True)
+def _gate_up_bias(record, layout, g, u):
+    """g, u float32 [b, inter] += the record's gate and up biases, when it has them
+    (layout[5]: their offset, or -1; float32 gate bias [inter], up bias [inter], then the
+    down bias [hidden])."""
+    off = layout[5]
+    if off < 0:
+        return
+    inter = g.shape[1]
+    bias = record[off : off + 8 * inter].view(np.float32)  # [2 * inter]
+    for i in range(g.shape[0]):
+        for j in range(inter):
+            g[i, j] += bias[j]
+            u[i, j] += bias[inter + j]
+
+
+@njit(cache=True, nogil=True)
+def _down_bias(record, layout, inter, y):
+    """y float32 [b, hidden] += the record's down bias, when it has one (`_gate_up_bias`)."""
+    off = layout[5]
+    if off < 0:
+        return
+    hidden = y.shape[1]
+    start = off + 8 * inter
+    bias = record[start : start + 4 * hidden].view(np.float32)  # [hidden]
+    for i in range(y.shape[0]):
+        for j in range(hidden):
+            y[i, j] += bias[j]
 
 
 @njit(cache=True, nogil=True)
@@ -288,12 +325,14 @@ def expert_ffn_kernel(fmt, int8, record, hidden, inter, layout, lut, x, glu):
         else:
             r0, r1 = _item(it - n_items, inter)
             _rows(fu, uq, us, lut, x, act, u, r0, r1)
+    _gate_up_bias(record, layout, g, u)
     h = _glu_mul(g, u, glu)  # [b, inter]
     h_act = _activations(fd, int8, h)
     y = np.empty((b, hidden), dtype=np.float32)  # [b, hidden]
     for it in prange((hidden + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
         r0, r1 = _item(it, hidden)
         _rows(fd, dq, ds, lut, h, h_act, y, r0, r1)
+    _down_bias(record, layout, inter, y)
     return y
 
 
@@ -309,8 +348,10 @@ def _expert_serial(fmt, int8, record, hidden, inter, layout, lut, x, y, glu):
     u = np.empty((n, inter), dtype=np.float32)  # [n, inter]
     _rows(fu, gq, gs, lut, x, act, g, 0, inter)
     _rows(fu, uq, us, lut, x, act, u, 0, inter)
+    _gate_up_bias(record, layout, g, u)
     h = _glu_mul(g, u, glu)  # [n, inter]
     _rows(fd, dq, ds, lut, h, _activations(fd, int8, h), y, 0, hidden)
+    _down_bias(record, layout, inter, y)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -343,9 +384,11 @@ def _expert_b1(fmt, int8, record, hidden, inter, layout, lut, x, act, y, glu):
     u = np.empty((1, inter), dtype=np.float32)  # [1, inter]
     _rows(fu, gq, gs, lut, x, act, g, 0, inter)
     _rows(fu, uq, us, lut, x, act, u, 0, inter)
+    _gate_up_bias(record, layout, g, u)
     h = _glu_mul(g, u, glu)  # [1, inter]
     out = np.empty((1, hidden), dtype=np.float32)  # [1, hidden]
     _rows(fd, dq, ds, lut, h, _activations(fd, int8, h), out, 0, hidden)
+    _down_bias(record, layout, inter, out)
     y[:] = out[0]
 
 

@@ -44,8 +44,10 @@ from moeshard.moe.kernels.layout import (  # noqa: F401  (pack, dequantize, ...:
 
 class Glu(NamedTuple):
     """An expert's gated unit between its up and down halves: kind 0 is SwiGLU,
-    silu(gate) * up (every family but Kimi K3); kind 1 is K3's SiTU-GLU,
-    [beta tanh(gate / beta) sigmoid(gate)] * [linear_beta tanh(up / linear_beta)]."""
+    silu(gate) * up (most families); kind 1 is K3's SiTU-GLU,
+    [beta tanh(gate / beta) sigmoid(gate)] * [linear_beta tanh(up / linear_beta)]; kind 2
+    is gpt-oss's clamped SwiGLU with beta = alpha and linear_beta = limit:
+    g = min(gate, limit), (clip(up, -limit, limit) + 1) * g sigmoid(alpha g)."""
 
     kind: int
     beta: float = 0.0
@@ -62,6 +64,13 @@ def situ(beta: float, linear_beta: float) -> Glu:
     return Glu(1, float(beta), float(linear_beta))
 
 
+def clamped_swiglu(alpha: float, limit: float) -> Glu:
+    """gpt-oss's clamped SwiGLU with the config's swiglu_alpha and swiglu_limit."""
+    if not (alpha > 0 and limit > 0):
+        raise ValueError(f"clamped SwiGLU alpha and limit must be positive, not {alpha}, {limit}")
+    return Glu(2, float(alpha), float(limit))
+
+
 def _glu(glu: Glu) -> tuple[int, float, float]:
     return int(glu.kind), float(glu.beta), float(glu.linear_beta)
 
@@ -74,6 +83,10 @@ def glu_reference(g: np.ndarray, u: np.ndarray, glu: Glu = SWIGLU) -> np.ndarray
     if glu.kind == 1:
         b, lb = glu.beta, glu.linear_beta
         return b * tanh(g / b) / (1.0 + exp(-g)) * (lb * tanh(u / lb))
+    if glu.kind == 2:
+        alpha, limit = glu.beta, glu.linear_beta
+        g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+        return (u + 1.0) * (g / (1.0 + exp(-(alpha * g))))
     return g / (1.0 + exp(-g)) * u
 
 
@@ -349,6 +362,18 @@ class PackedGroup:
 # and proofs of possession see one record size as before.
 
 
+# A record format ending in BIAS ("mxfp4+bias") carries its expert's biases after the down
+# matrix (gpt-oss): float32 gate bias [inter], up bias [inter], down bias [hidden], from an
+# offset rounded up to BIAS_ALIGN; the kernels add them (`entry._gate_up_bias`).
+BIAS = "+bias"
+BIAS_ALIGN = 64
+
+
+def has_bias(fmt: str) -> bool:
+    """Whether the records of a record format (or of every layer of a spec) carry biases."""
+    return all(e.endswith(BIAS) for e in expert_format_entries(fmt) if e != "-")
+
+
 @functools.lru_cache(maxsize=256)
 def expert_format_entries(spec: str) -> tuple[str, ...]:
     """The record formats of an expert format spec, validated: one, or one per layer."""
@@ -356,7 +381,7 @@ def expert_format_entries(spec: str) -> tuple[str, ...]:
     for one in entries:
         if one == "-" and len(entries) > 1:
             continue
-        parts = one.split("/")
+        parts = one.removesuffix(BIAS).split("/")
         if len(parts) > 2 or not all(p in ALL_FORMATS for p in parts):
             raise ValueError(
                 f"expert format {spec!r}: {one!r} is not a weight format or a gate-up/down "
@@ -381,13 +406,14 @@ def record_matrix_formats(fmt: str) -> tuple[str, str, str]:
     entries = expert_format_entries(fmt)
     if len(entries) != 1 or entries[0] == "-":
         raise ValueError(f"expert format {fmt!r} is not one record format (record_format)")
-    parts = entries[0].split("/")
+    parts = entries[0].removesuffix(BIAS).split("/")
     return parts[0], parts[0], parts[-1]
 
 
 def matrix_formats(spec: str) -> set[str]:
     """Every weight format an expert format spec uses."""
-    return {f for e in expert_format_entries(spec) if e != "-" for f in e.split("/")}
+    entries = expert_format_entries(spec)
+    return {f for e in entries if e != "-" for f in e.removesuffix(BIAS).split("/")}
 
 
 def expert_record_nbytes(fmt: str, hidden: int, inter: int) -> int:
@@ -399,8 +425,12 @@ def expert_record_nbytes(fmt: str, hidden: int, inter: int) -> int:
     return max(sizes)
 
 
-def pack_expert(gate: np.ndarray, up: np.ndarray, down: np.ndarray, fmt: str) -> np.ndarray:
-    """gate, up float32 [inter, hidden], down [hidden, inter] -> uint8 [expert_record_nbytes]."""
+def pack_expert(
+    gate: np.ndarray, up: np.ndarray, down: np.ndarray, fmt: str, biases=None
+) -> np.ndarray:
+    """gate, up float32 [inter, hidden], down [hidden, inter] -> uint8 [expert_record_nbytes];
+    a record format with biases (`BIAS`) takes them as biases = (gate [inter], up [inter],
+    down [hidden])."""
     fg, fu, fd = record_matrix_formats(fmt)
     gate, up, down = (_check_matrix(m, f) for m, f in ((gate, fg), (up, fu), (down, fd)))
     inter, hidden = gate.shape
@@ -409,16 +439,42 @@ def pack_expert(gate: np.ndarray, up: np.ndarray, down: np.ndarray, fmt: str) ->
             f"expert shapes disagree: gate {gate.shape}, up {up.shape}, down {down.shape}; "
             f"want gate/up [inter, hidden] and down [hidden, inter]"
         )
-    return np.concatenate([pack(gate, fg), pack(up, fu), pack(down, fd)])
+    matrices = np.concatenate([pack(gate, fg), pack(up, fu), pack(down, fd)])
+    return with_biases(matrices, fmt, hidden, inter, biases)
+
+
+def with_biases(matrices: np.ndarray, fmt: str, hidden: int, inter: int, biases) -> np.ndarray:
+    """A record's packed matrices (uint8) followed by its biases, as record format `fmt` lays
+    them out (biases None for a format without them)."""
+    nbytes, layout = _expert_layout(fmt, hidden, inter)
+    if (biases is not None) != has_bias(fmt):
+        raise ValueError(f"expert format {fmt!r} {'needs' if has_bias(fmt) else 'takes no'} biases")
+    if biases is None:
+        return matrices
+    shapes = ((inter,), (inter,), (hidden,))
+    parts = [np.asarray(b) for b in biases]
+    if [p.shape for p in parts] != list(shapes):
+        raise ValueError(f"expert biases {[p.shape for p in parts]}, want {list(shapes)}")
+    record = np.zeros(nbytes, dtype=np.uint8)  # [record bytes]
+    record[: matrices.size] = matrices
+    tail = np.concatenate([p.astype(np.float32) for p in parts]).view(np.uint8)
+    record[layout[5] :] = tail
+    return record
 
 
 @functools.lru_cache(maxsize=1024)
 def _expert_layout(fmt: str, hidden: int, inter: int) -> tuple[int, tuple[int, ...]]:
-    """(record bytes, kernel layout tuple) for one expert of record format fmt, validated."""
+    """(record bytes, kernel layout tuple) for one expert of record format fmt, validated:
+    layout = (gate/up bytes, their row bytes, their scale offset, down's row bytes, its scale
+    offset, the biases' offset or -1)."""
     gu, _, d = record_matrix_formats(fmt)
     n_gu, rb_gu, s_gu = _matrix_layout(gu, inter, hidden)
     n_d, rb_d, s_d = _matrix_layout(d, hidden, inter)
-    return 2 * n_gu + n_d, (n_gu, rb_gu, s_gu, rb_d, s_d)
+    nbytes = 2 * n_gu + n_d
+    if not has_bias(fmt):
+        return nbytes, (n_gu, rb_gu, s_gu, rb_d, s_d, -1)
+    bias_off = -(-nbytes // BIAS_ALIGN) * BIAS_ALIGN
+    return bias_off + 4 * (2 * inter + hidden), (n_gu, rb_gu, s_gu, rb_d, s_d, bias_off)
 
 
 def _record_code(fmt: str) -> int:
@@ -654,6 +710,20 @@ def expert_ffn_reference(
     n_gu, n_d = packed_nbytes(gu, inter, hidden), packed_nbytes(d, hidden, inter)
     g = matmul_reference(record[:n_gu], gu, inter, hidden, x)  # [b, inter]
     u = matmul_reference(record[n_gu : 2 * n_gu], gu, inter, hidden, x)  # [b, inter]
+    biases = _reference_biases(record, fmt, hidden, inter)
+    if biases is not None:  # added to the float32 products, as the kernel adds them
+        g = (g.astype(np.float32) + biases[0]).astype(np.float64)  # [b, inter]
+        u = (u.astype(np.float32) + biases[1]).astype(np.float64)  # [b, inter]
     h = glu_reference(g, u, glu).astype(np.float32)  # [b, inter]
     down = record[2 * n_gu : 2 * n_gu + n_d]
-    return matmul_reference(down, d, hidden, inter, h)  # [b, hidden]
+    y = matmul_reference(down, d, hidden, inter, h)  # [b, hidden]
+    return y if biases is None else (y.astype(np.float32) + biases[2]).astype(np.float64)
+
+
+def _reference_biases(record: np.ndarray, fmt: str, hidden: int, inter: int):
+    """A record's (gate [inter], up [inter], down [hidden]) float32 biases, or None."""
+    _, layout = _expert_layout(fmt, hidden, inter)
+    if layout[5] < 0:
+        return None
+    tail = record[layout[5] : layout[5] + 4 * (2 * inter + hidden)].view(np.float32)
+    return tail[:inter], tail[inter : 2 * inter], tail[2 * inter :]

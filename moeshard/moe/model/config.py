@@ -105,6 +105,11 @@ class SwigluExperts:
     def expert_hidden(self) -> int:
         return self.hidden_size
 
+    @property
+    def expert_biases(self) -> bool:
+        """Whether the routed experts have biases (gpt-oss's do: `quant.BIAS`)."""
+        return False
+
 
 def decoder_shapes(c, layer_shapes) -> dict[str, tuple[int, ...]]:
     """A decoder's trunk tensors by canonical name: the embedding, the final norm, the head
@@ -192,6 +197,8 @@ FLOAT_FIELDS: dict[str, tuple[float, bool, bool]] = {
     "rope_theta": (1.0, True, False),  # a base wavelength
     "routed_scaling_factor": (0.0, True, False),
     "clip_qkv": (0.0, True, True),  # null: no clipping
+    "swiglu_alpha": (0.0, True, False),  # gpt-oss's clamped SwiGLU
+    "swiglu_limit": (0.0, True, False),
 }
 BOOL_FIELDS = (
     "tie_word_embeddings",

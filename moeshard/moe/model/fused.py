@@ -279,9 +279,10 @@ def _add_scaled4(out, o0, p0, v0, p1, v1, p2, v2, p3, v3, n):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, scores, ot, o0, d, dv):
+def _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, d, dv):
     """One query head (q at qt[a0:a0+d]) against kv head kv of the cache at positions lo..pos
-    -> ot[o0:o0+dv]; scores float32 [> pos] is scratch.
+    -> ot[o0:o0+dv]; scores float32 [> pos] is scratch.  sink > -inf is the head's attention
+    sink (gpt-oss): one more logit in the softmax's denominator, with no value.
 
     Positions go four at a time (`_dots4`, `_add_scaled4`), then one at a time: every score
     and every output element gets the same operations in the same order either way."""
@@ -297,6 +298,10 @@ def _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, scores, ot, o0, d, dv):
         if scores[s] > best:
             best = scores[s]
     total = 0.0
+    if sink > best:
+        best = sink
+    if sink > -np.inf:
+        total += np.exp(sink - best)
     for s in range(lo, pos + 1):
         e = np.exp(scores[s] - best)
         scores[s] = e
@@ -317,13 +322,14 @@ def _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, scores, ot, o0, d, dv):
 
 
 @njit(cache=True, nogil=True)
-def attend_cache(q, kc, vc, start, scaling, window, out):
+def attend_cache(q, kc, vc, start, scaling, window, sinks, out):
     """Causal GQA attention of T queries against the KV cache.
 
     q [T, Hq*D] at absolute positions start..start+T-1; kc [>= start+T, Hkv, D] and vc
     [>= start+T, Hkv, Dv] hold every position up to and including the queries'; out
     [T, Hq*Dv]. Query head h reads kv head h // (Hq / Hkv). The query at position p sees keys
     lo..p, lo = max(0, p - window + 1) when window > 0 (transformers: q - k < window).
+    sinks float32 [Hq] are the heads' attention sinks (gpt-oss), or [0] for none.
 
     The usual head sizes (64, 128) get `_attend_head` compiled for that size: its loops with
     a known trip count ran 2-3x faster than the same loops over a size known only at run time."""
@@ -339,12 +345,13 @@ def attend_cache(q, kc, vc, start, scaling, window, out):
         qt, ot = q[t], out[t]
         for h in range(n_q):
             a0, kv, o0 = h * d, h // group, h * dv
+            sink = sinks[h] if sinks.shape[0] else np.float32(-np.inf)
             if d == 64 and dv == 64:
-                _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, scores, ot, o0, 64, 64)
+                _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, 64, 64)
             elif d == 128 and dv == 128:
-                _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, scores, ot, o0, 128, 128)
+                _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, 128, 128)
             else:
-                _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, scores, ot, o0, d, dv)
+                _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, d, dv)
 
 
 @njit(cache=True, nogil=True)
@@ -357,7 +364,7 @@ def _clip(z, clip):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def attend_cache_parallel(q, kc, vc, start, scaling, window, out):
+def attend_cache_parallel(q, kc, vc, start, scaling, window, sinks, out):
     """`attend_cache` with its (query, head) pairs split across numba's threads (a prefill,
     a long context): each pair gets the same `_attend_head`, so the same bits."""
     t_n = q.shape[0]
@@ -372,24 +379,27 @@ def attend_cache_parallel(q, kc, vc, start, scaling, window, out):
         lo = max(0, pos - window + 1) if window > 0 else 0
         scores = np.empty(pos + 1, dtype=np.float32)  # [S]: this pair's scratch
         a0, kv, o0 = h * d, h // group, h * dv
+        sink = sinks[h] if sinks.shape[0] else np.float32(-np.inf)
+        qt, ot = q[t], out[t]
         if d == 64 and dv == 64:
-            _attend_head(q[t], a0, kc, vc, kv, lo, pos, scale, scores, out[t], o0, 64, 64)
+            _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, 64, 64)
         elif d == 128 and dv == 128:
-            _attend_head(q[t], a0, kc, vc, kv, lo, pos, scale, scores, out[t], o0, 128, 128)
+            _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, 128, 128)
         else:
-            _attend_head(q[t], a0, kc, vc, kv, lo, pos, scale, scores, out[t], o0, d, dv)
+            _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, d, dv)
 
 
 @njit(cache=True, nogil=True)
 def gqa_attention(
-    q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, kc, vc, start, scaling, window, out
-):
+    q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, kc, vc, start, scaling, window, sinks,
+    out,
+):  # fmt: skip
     """Everything between a GQA layer's projections and its o_proj, for T new tokens.
 
     q [T, Hq*D], k and v [T, Hkv*D] (modified in place): `gqa_prepare`, then `attend_cache`
     -> out [T, Hq*D]."""
     gqa_prepare(q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, kc, vc, start)
-    attend_cache(q, kc, vc, start, scaling, window, out)
+    attend_cache(q, kc, vc, start, scaling, window, sinks, out)
 
 
 @njit(cache=True, nogil=True)
@@ -438,6 +448,7 @@ def gqa_attention_many(
     bounds,
     scaling,
     window,
+    sinks,
     out,
 ):
     """`gqa_attention` for several sequences in one call (continuous batching): sequence s
@@ -450,7 +461,7 @@ def gqa_attention_many(
         r0, r1 = bounds[s], bounds[s + 1]
         gqa_attention(
             q[r0:r1], k[r0:r1], v[r0:r1], q_norm, k_norm, qk_norm, eps, clip, cos[r0:r1],
-            sin[r0:r1], kcs[s], vcs[s], starts[s], scaling, window, out[r0:r1],
+            sin[r0:r1], kcs[s], vcs[s], starts[s], scaling, window, sinks, out[r0:r1],
         )  # fmt: skip
 
 
@@ -510,15 +521,16 @@ def warmup() -> float:
     kc, vc = np.zeros((4, n_kv, d), np.float32), np.zeros((4, n_kv, d), np.float32)
     none = np.zeros(0, np.float32)
     gqa_attention(
-        q, k, v, none, none, QK_NORM_NONE, 1e-6, 0.0, cos, sin, kc, vc, 0, 0.5, 0, np.empty_like(q)
-    )
+        q, k, v, none, none, QK_NORM_NONE, 1e-6, 0.0, cos, sin, kc, vc, 0, 0.5, 0, none,
+        np.empty_like(q),
+    )  # fmt: skip
     gqa_prepare(q, k, v, none, none, QK_NORM_NONE, 1e-6, 0.0, cos, sin, kc, vc, 0)
-    attend_cache_parallel(q, kc, vc, 0, 0.5, 0, np.empty_like(q))
+    attend_cache_parallel(q, kc, vc, 0, 0.5, 0, none, np.empty_like(q))
     kcs, vcs = List([kc]), List([vc])
     starts, bounds = np.zeros(1, np.int64), np.array([0, t], np.int64)
     gqa_attention_many(
         q, k, v, none, none, QK_NORM_NONE, 1e-6, 0.0, cos, sin, kcs, vcs, starts, bounds, 0.5, 0,
-        np.empty_like(q),
+        none, np.empty_like(q),
     )  # fmt: skip
     route_softmax_topk(np.zeros((t, 4), np.float32), 2, True)
     from moeshard.moe.model import fused_layer  # (it builds on this module's kernels)

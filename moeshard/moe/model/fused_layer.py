@@ -49,8 +49,24 @@ def attention_route(
     v = flat[nq + nk : nq + nk + rows[2]].reshape((1, rows[2]))  # [1, Hkv*D]
     att = np.empty_like(q)  # [1, Hq*D]
     gqa_attention(
-        q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, kc, vc, start, scaling, window, att
-    )
+        q,
+        k,
+        v,
+        q_norm,
+        k_norm,
+        qk_norm,
+        eps,
+        clip,
+        cos,
+        sin,
+        kc,
+        vc,
+        start,
+        scaling,
+        window,
+        np.empty(0, dtype=np.float32),
+        att,
+    )  # fmt: skip (no attention sinks: a layer with them has biases, so no fused plan)
     fmt, data, rows_o, cols_o, rb, so = o
     mixed = matmul_serial_kernel(fmt, int8, data, rows_o, cols_o, rb, so, lut, att)  # [1, H]
     h2 = np.empty_like(x)  # [1, H]

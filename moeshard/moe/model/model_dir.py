@@ -167,7 +167,12 @@ class ModelDir:
                     f"{c.num_hidden_layers}"
                 )
             for layer in c.moe_layers:
-                quant.record_format(spec, layer)
+                if quant.has_bias(quant.record_format(spec, layer)) != c.expert_biases:
+                    raise ValueError(
+                        f"expert format {spec!r}: the {c.model_type} experts "
+                        f"{'have' if c.expert_biases else 'have no'} biases, so every record "
+                        f"format {'ends' if c.expert_biases else 'does not end'} in {quant.BIAS}"
+                    )
         except ValueError as exc:
             raise StoreError(f"{self.path / MANIFEST}: {exc}") from None
 

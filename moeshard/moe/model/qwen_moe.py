@@ -65,6 +65,18 @@ class Config(SwigluExperts):
     sliding_window: int | None = None  # attention window (mixtral/qwen with use_sliding_window)
     max_position_embeddings: int = 4096
     eos_token_id: tuple[int, ...] = field(default_factory=tuple)
+    # gpt-oss (`moeshard.moe.model.gpt_oss`): a window per layer (0: full attention), each
+    # head's attention sink, biases on o_proj and the router
+    layer_windows: tuple[int, ...] = ()
+    attention_sinks: bool = False
+    o_bias: bool = False
+    router_bias: bool = False
+
+    def window(self, i: int) -> int:
+        """Layer i's attention window (0: the whole context)."""
+        if self.layer_windows:
+            return self.layer_windows[i]
+        return int(self.sliding_window or 0)
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], source: str) -> Config:
@@ -136,6 +148,10 @@ class Config(SwigluExperts):
         shapes[a + "k_proj.weight"] = (kv_out, h)
         shapes[a + "v_proj.weight"] = (kv_out, h)
         shapes[a + "o_proj.weight"] = (h, q_out)
+        if self.o_bias:
+            shapes[a + "o_proj.bias"] = (h,)
+        if self.attention_sinks:
+            shapes[a + "sinks"] = (self.num_attention_heads,)
         if self.qkv_bias:
             shapes[a + "q_proj.bias"] = (q_out,)
             shapes[a + "k_proj.bias"] = (kv_out,)
@@ -149,6 +165,8 @@ class Config(SwigluExperts):
         m = p + "mlp."
         if i in self.moe_layers:
             shapes[m + "gate.weight"] = (self.n_experts, h)
+            if self.router_bias:
+                shapes[m + "gate.bias"] = (self.n_experts,)
             if self.shared_expert_intermediate:
                 s = self.shared_expert_intermediate
                 shapes[m + "shared_expert.gate_proj.weight"] = (s, h)
@@ -192,7 +210,7 @@ class _Layer:
     when a streamed trunk has read the layer again (`Transformer._layer`)."""
 
     __slots__ = (
-        "marker", "input_norm", "post_norm", "qkv", "o", "q_norm", "k_norm",
+        "marker", "input_norm", "post_norm", "qkv", "o", "q_norm", "k_norm", "sinks", "window",
         "moe", "mlp", "shared", "shared_gate", "fused",
     )  # fmt: skip
 
@@ -208,6 +226,8 @@ class _Layer:
         none = np.zeros(0, np.float32)
         self.q_norm = w.vector(a + "q_norm.weight") if c.qk_norm != "none" else none  # [D|Hq*D]
         self.k_norm = w.vector(a + "k_norm.weight") if c.qk_norm != "none" else none
+        self.sinks = w.vector(a + "sinks") if c.attention_sinks else none  # [Hq] or [0]
+        self.window = c.window(i)  # 0: the whole context
         self.moe = i in c.moe_layers
         self.mlp = self.shared = self.shared_gate = self.fused = None
         if self.moe and not c.shared_expert_intermediate:  # a decode row's calls, fused
@@ -248,7 +268,6 @@ class Transformer:
         self._lists: dict[int, tuple] = {}
         self._qk_norm = QK_NORM_CODES[config.qk_norm]
         self._clip = float(config.clip_qkv or 0.0)
-        self._window = int(config.sliding_window or 0)
         fused.warmup()  # the kernels compiled (or loaded from numba's cache) before token one
 
     def new_cache(self, max_len: int) -> KVCache:
@@ -321,7 +340,7 @@ class Transformer:
             x, x if delta is None else delta, delta is not None, ly.input_norm, ly.post_norm,
             self.config.rms_norm_eps, quant._int8(), quant.dots.F16_LUT,
             plan.qkv, ly.q_norm, ly.k_norm, self._qk_norm, self._clip, cos, sin,
-            cache.k[i], cache.v[i], cache.length, self.scaling, self._window,
+            cache.k[i], cache.v[i], cache.length, self.scaling, ly.window,
             plan.o, plan.gate, self.config.top_k, self.config.norm_topk_prob,
         )  # fmt: skip
         return self._routed(i, ly, h, ids, weights, hints)
@@ -332,6 +351,7 @@ class Transformer:
         sequence's k, v to its cache."""
         q, k, v = ly.qkv(h)  # [N, Hq*D], [N, Hkv*D], [N, Hkv*D]
         out = np.empty_like(q)  # [N, Hq*D]
+        window = ly.window
         cos, sin = rope
         args = (ly.q_norm, ly.k_norm, self._qk_norm, self.config.rms_norm_eps, self._clip)
         if len(caches) == 1:
@@ -342,7 +362,7 @@ class Transformer:
             if work < quant.PARALLEL_MIN_WORK:
                 gqa_attention(
                     q, k, v, *args, cos, sin, cache.k[i], cache.v[i], cache.length,
-                    self.scaling, self._window, out,
+                    self.scaling, window, ly.sinks, out,
                 )  # fmt: skip
             else:
                 kc, vc = cache.k[i], cache.v[i]
@@ -350,7 +370,7 @@ class Transformer:
                 heads = q.shape[1] // kc.shape[2]
                 quant.run_parallel(
                     attend_cache_parallel, n * heads, work,
-                    q, kc, vc, cache.length, self.scaling, self._window, out,
+                    q, kc, vc, cache.length, self.scaling, window, ly.sinks, out,
                 )  # fmt: skip
         else:
             kcs, vcs = self._cache_lists(i, caches)
@@ -360,8 +380,8 @@ class Transformer:
             work = int(rows @ (starts + rows)) * q.shape[1] * 2
             quant.run_parallel(
                 gqa_attention_many, len(caches), work,
-                q, k, v, *args, cos, sin, kcs, vcs, starts, bounds, self.scaling, self._window,
-                out,
+                q, k, v, *args, cos, sin, kcs, vcs, starts, bounds, self.scaling, window,
+                ly.sinks, out,
             )  # fmt: skip
         return ly.o(out)  # [N, H]
 

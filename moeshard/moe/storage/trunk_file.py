@@ -30,7 +30,7 @@ LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 ALWAYS_RESIDENT = tuple(
     f".{mlp}.gate.{x}"
     for mlp in ("mlp", "block_sparse_moe")  # (Kimi Linear and K3 name their MoE so)
-    for x in ("weight", "e_score_correction_bias")
+    for x in ("weight", "bias", "e_score_correction_bias")  # (gpt-oss's router has a bias)
 )
 
 
