@@ -62,8 +62,36 @@ def test_a_template_cannot_reach_python(tmp_path):
 
 
 def test_no_template_is_an_error_outside_k3(tmp_path):
-    with pytest.raises(MoeshardError, match="no chat_template"):
+    with pytest.raises(MoeshardError, match="no chat template"):
         chat_prompt(tmp_path, "qwen3_moe", MESSAGES)
+
+
+# Harmony's turn shape (gpt-oss; its release ships the template as chat_template.jinja)
+HARMONY = (
+    "{% for m in messages %}<|start|>{{ m['role'] if m['role'] != 'system' else 'developer' }}"
+    "<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+def test_chat_template_jinja_wins_and_convert_keeps_it(tmp_path):
+    """transformers now saves a template as chat_template.jinja (gpt-oss ships it so): read
+    before tokenizer_config.json's, and copied by `convert`."""
+    from helpers import FIXTURES
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in (FIXTURES / "gpt_oss").iterdir():
+        if f.name not in ("reference.npz", "meta.json", "config.rope_parameters.json"):
+            (src / f.name).symlink_to(f)
+    (src / "chat_template.jinja").write_text(HARMONY)
+    convert(src, tmp_path / "model", progress=False)
+    with_template(tmp_path / "model", CHATML)  # (an older template beside it: not used)
+    got = chat_prompt(tmp_path / "model", "gpt_oss", MESSAGES)
+    assert got == (
+        "<|start|>developer<|message|>Be brief.<|end|><|start|>user<|message|>Hi?<|end|>"
+        "<|start|>assistant"
+    )
 
 
 def test_kimi_k3_turns():

@@ -28,16 +28,28 @@ from moeshard.moe.errors import MoeshardError
 K3_MODEL_TYPES = ("kimi_k3",)
 
 
+TEMPLATE_FILE = "chat_template.jinja"  # where transformers now saves it (gpt-oss ships one)
+
+
 def load_template(model_dir: Path) -> tuple[str | None, dict[str, str]]:
-    """(the chat_template text or None, the special tokens by role) of a model directory."""
+    """(the chat_template text or None, the special tokens by role) of a model directory:
+    `chat_template.jinja` where it has one (as transformers reads it first), else
+    tokenizer_config.json's `chat_template`."""
     path = model_dir / "tokenizer_config.json"
-    if not path.exists():
-        return None, {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MoeshardError(f"{path}: not readable JSON ({exc})") from None
+    config = {}
+    if path.exists():
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise MoeshardError(f"{path}: not readable JSON ({exc})") from None
+        if not isinstance(config, dict):
+            raise MoeshardError(f"{path}: expected a JSON object")
     template = config.get("chat_template")
+    if (model_dir / TEMPLATE_FILE).exists():
+        try:
+            template = (model_dir / TEMPLATE_FILE).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise MoeshardError(f"{model_dir / TEMPLATE_FILE}: not readable ({exc})") from None
     if isinstance(template, list):  # named templates: the default one
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
@@ -117,5 +129,6 @@ def chat_prompt(
     if model_type in K3_MODEL_TYPES:
         return k3_prompt(messages, add_generation_prompt, thinking)
     raise MoeshardError(
-        f"{model_dir / 'tokenizer_config.json'}: no chat_template; give the prompt as plain text"
+        f"{model_dir}: no chat template ({TEMPLATE_FILE}, or chat_template in "
+        "tokenizer_config.json); give the prompt as plain text"
     )

@@ -53,6 +53,7 @@ COPIED_FILES = (
     "generation_config.json",
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",  # (where transformers now saves a chat template: gpt-oss's)
     "tiktoken.model",  # Kimi's tokenizer (`moeshard.coordinator.tokenizer`)
 )
 
