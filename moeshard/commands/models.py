@@ -123,8 +123,10 @@ def _synth_arguments(p) -> None:
         "--preset",
         choices=ALL_PRESETS,
         default="k3-mini",
-        help="geometry (moe/convert/synth.py, synth_k3.py): k3, k3-mini and k3-full are Kimi "
-        "K3 (LatentMoE, MXFP4 experts); k3-shaped and tiny are Qwen3-MoE",
+        help="geometry (moe/convert/synth.py, synth_k3.py, synth_gpt_oss.py): k3, k3-mini and "
+        "k3-full are Kimi K3 (LatentMoE, MXFP4 experts); gpt-oss-20b and gpt-oss-120b are "
+        "OpenAI's (MXFP4 experts with biases; --layers scales them); k3-shaped and tiny are "
+        "Qwen3-MoE",
     )
     p.add_argument(
         "--checkpoint",
@@ -133,7 +135,7 @@ def _synth_arguments(p) -> None:
         "nested config, MXFP4 experts, tiktoken) for `moeshard convert`, not a model directory",
     )
     for flag, what in (
-        ("--layers", "layers"),
+        ("--layers", "layers (gpt-oss presets too)"),
         ("--experts", "routed experts per layer"),
         ("--top-k", "experts per token"),
         ("--hidden", "hidden size"),

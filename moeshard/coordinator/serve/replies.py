@@ -7,6 +7,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING
 
+from moeshard.coordinator.harmony import HarmonyChannels, speaks_harmony, split
 from moeshard.coordinator.tokenizer import IncrementalText
 
 if TYPE_CHECKING:
@@ -127,12 +128,15 @@ class CompletionReply:
 
 
 class ChatReply:
-    """The objects of one `/v1/chat/completions` answer, as `CompletionReply`'s."""
+    """The objects of one `/v1/chat/completions` answer, as `CompletionReply`'s.  A model
+    that answers in harmony (gpt-oss) has its analysis channel in `reasoning_content` and its
+    other channels in `content`, the markers taken out (`moeshard.coordinator.harmony`)."""
 
     def __init__(self, state: ServerState):
         self.state = state
         self.id, self.created = new_id("chatcmpl"), int(time.time())
         self.first = True  # the first chunk names the role
+        self.channels = HarmonyChannels() if speaks_harmony(state.model_type) else None
 
     def _object(self, kind: str, choices: list, **more) -> dict:
         return {"id": self.id, "object": kind, "created": self.created,
@@ -140,6 +144,14 @@ class ChatReply:
 
     def chunk(self, delta: str, finish: str | None, event) -> dict:
         d = {"content": delta}
+        if self.channels is not None:
+            reasoning, content = self.channels.feed(delta)
+            if finish is not None:
+                more_reasoning, more_content = self.channels.flush()
+                reasoning, content = reasoning + more_reasoning, content + more_content
+            d = {"content": content}
+            if reasoning:
+                d["reasoning_content"] = reasoning
         if self.first:
             d["role"], self.first = "assistant", False
         choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
@@ -150,8 +162,12 @@ class ChatReply:
     def final(self, text: str | None, finish: str | None, usage: dict, events) -> dict:
         if text is None:  # the usage chunk of a stream
             return self._object("chat.completion.chunk", [], usage=usage)
+        message = {"role": "assistant", "content": text}
+        if self.channels is not None:
+            reasoning, message["content"] = split(text)
+            message["reasoning_content"] = reasoning
         choice = {
-            "index": 0, "message": {"role": "assistant", "content": text},
+            "index": 0, "message": message,
             "finish_reason": finish,
             "logprobs": None if events is None else chat_logprobs(self.state, events),
         }  # fmt: skip

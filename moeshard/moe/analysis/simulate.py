@@ -404,10 +404,31 @@ CONFIGS = [
 ]
 
 
+def gpt_oss_geometry(name: str) -> Geometry:
+    """gpt-oss-20b or -120b as published: MXFP4 expert records with their biases (`mxfp4+bias`,
+    13.3 MB), the rest in bf16 as published (its parameters from the family's trunk tensors)."""
+    from moeshard.moe.kernels import quant
+    from moeshard.moe.model.gpt_oss import Config, published_config
+
+    c = Config.from_hf(published_config(name), name)
+    trunk = sum(math.prod(shape) for shape in c.trunk_shapes().values())
+    record = quant.expert_record_nbytes("mxfp4" + quant.BIAS, c.hidden_size, c.expert_intermediate)
+    routed = len(c.moe_layers) * c.n_experts * (3 * c.hidden_size + 2) * c.expert_intermediate
+    return Geometry(
+        name, len(c.moe_layers), c.n_experts, c.top_k, record, 2 * trunk, float(trunk + routed),
+        float(trunk), row_width=c.hidden_size,
+    )  # fmt: skip
+
+
+NAMED_LATER = ("gpt-oss-20b", "gpt-oss-120b")  # (worked out from the family's config on use)
+
+
 def geometry_of(spec: str) -> Geometry:
-    """A named geometry (k3, k2) or the geometry of a model directory."""
+    """A named geometry (k3, k2, gpt-oss-20b, gpt-oss-120b) or a model directory's."""
     if spec in GEOMETRIES:
         return GEOMETRIES[spec]
+    if spec in NAMED_LATER:
+        return gpt_oss_geometry(spec)
     from moeshard.moe.kernels import quant
     from moeshard.moe.model.model_dir import ModelDir
     from moeshard.moe.storage.io import align_up

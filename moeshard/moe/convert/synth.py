@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moeshard.moe.convert import synth_k3
+from moeshard.moe.convert import synth_gpt_oss, synth_k3
 from moeshard.moe.convert.converter import trunk_format
 from moeshard.moe.convert.outdir import check_output, staged
 from moeshard.moe.errors import MoeshardError
@@ -144,7 +144,7 @@ class RecordMaker:
         return rec
 
 
-ALL_PRESETS = sorted([*PRESETS, *synth_k3.K3_PRESETS])
+ALL_PRESETS = sorted([*PRESETS, *synth_k3.K3_PRESETS, *synth_gpt_oss.GPT_OSS_PRESETS])
 
 
 def synth(
@@ -160,15 +160,21 @@ def synth(
     scale a K3 preset (`synth_k3.SCALABLE`)."""
     if preset not in ALL_PRESETS:
         raise MoeshardError(f"unknown preset {preset!r}; choose one of {ALL_PRESETS}")
-    k3 = preset in synth_k3.K3_PRESETS
-    if not k3 and (checkpoint or any(v is not None for v in sizes.values())):
+    k3, gpt_oss = preset in synth_k3.K3_PRESETS, preset in synth_gpt_oss.GPT_OSS_PRESETS
+    given = {k for k, v in sizes.items() if v is not None}
+    if gpt_oss and (checkpoint or given - set(synth_gpt_oss.SCALABLE)):
+        raise MoeshardError(f"{preset!r} takes --layers only (no --checkpoint, no other size)")
+    if not (k3 or gpt_oss) and (checkpoint or given):
         raise MoeshardError(f"--checkpoint and sizes apply to the K3 presets, not {preset!r}")
     what = "checkpoint" if checkpoint else "model"
     out = check_output(out, [], force, what)
     t0 = time.perf_counter()
     model_id = None
     with staged(out, out.with_name(out.name + ".partial")) as tmp, ExitStack() as closing:
-        if not k3:
+        if gpt_oss:
+            p = synth_gpt_oss.preset(preset, sizes.get("layers"))
+            model_id = _write(tmp, Geometry.of_gpt_oss(p, seed), preset, seed, closing)
+        elif not k3:
             model_id = _write(tmp, Geometry.of(PRESETS[preset], seed), preset, seed, closing)
         elif checkpoint:
             synth_k3.write_checkpoint(tmp, synth_k3.preset(preset, **sizes), seed)
@@ -201,6 +207,18 @@ class Geometry:
             records=lambda: (maker.make() for _ in itertools.count()),
             record_nbytes=maker.nbytes,
             experts_fmt=p.experts_fmt,
+        )
+
+    @classmethod
+    def of_gpt_oss(cls, p: synth_gpt_oss.GptOssPreset, seed: int) -> Geometry:
+        fmt = synth_gpt_oss.RECORD_FORMAT
+        return cls(
+            raw=p.config,
+            trunk_fmt=p.trunk_fmt,
+            trunk_value=lambda name, shape, rng: synth_gpt_oss.trunk_value(name, shape, p, rng),
+            records=lambda: synth_gpt_oss.records(p, seed + 1),
+            record_nbytes=quant.expert_record_nbytes(fmt, p.width, p.width),
+            experts_fmt=fmt,
         )
 
     @classmethod

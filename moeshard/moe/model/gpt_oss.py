@@ -37,6 +37,9 @@ LAYER_KINDS = ("sliding_attention", "full_attention")
 # gate and up interleaved by column in gate_up_proj, biases beside the weights
 EXPERTS_LAYOUT = "gpt_oss"
 
+# OpenAI's published models: (layers, routed experts); the rest of their config.json is one
+PUBLISHED = {"gpt-oss-20b": (24, 32), "gpt-oss-120b": (36, 128)}
+
 Transformer = qwen_moe.Transformer
 KVCache = qwen_moe.KVCache
 
@@ -122,3 +125,39 @@ def _layer_windows(raw: dict[str, Any], layers: int, source: str) -> tuple[int, 
 def canonical_name(name: str) -> str:
     """The router is `mlp.router` in gpt-oss checkpoints; the trunk stores it as `mlp.gate`."""
     return name.replace(".mlp.router.", ".mlp.gate.")
+
+
+def published_config(name: str, layers: int | None = None) -> dict:
+    """config.json as OpenAI publishes it for `name` in `PUBLISHED` (hidden and expert width
+    2880, 64 query and 8 key/value heads of 64, vocabulary 201088, a 128 window on every other
+    layer, YaRN x32 from 4096, top-4, MXFP4 experts), with `layers` instead if given."""
+    n_layers, n_experts = PUBLISHED[name]
+    n_layers = layers or n_layers
+    kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+    rope = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 4096}  # fmt: skip
+    return {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "attention_bias": True,
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "head_dim": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": n_layers,
+        "num_local_experts": n_experts,
+        "num_experts_per_tok": 4,
+        "experts_per_token": 4,
+        "layer_types": kinds,
+        "sliding_window": 128,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 150000,
+        "rope_scaling": rope,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "vocab_size": 201088,
+        "eos_token_id": 200002,
+        "quantization_config": {"quant_method": "mxfp4"},
+    }
