@@ -192,6 +192,7 @@ FLOAT_FIELDS: dict[str, tuple[float, bool, bool]] = {
     "rope_theta": (1.0, True, False),  # a base wavelength
     "routed_scaling_factor": (0.0, True, False),
     "clip_qkv": (0.0, True, True),  # null: no clipping
+    "partial_rotary_factor": (0.0, True, False),  # the share of a head rotated (GLM: 0.5)
 }
 BOOL_FIELDS = (
     "tie_word_embeddings",
@@ -201,6 +202,7 @@ BOOL_FIELDS = (
     "attention_bias",
     "rope_interleave",
     "moe_renormalize",
+    "use_qk_norm",
 )
 STR_FIELDS = ("model_type", "scoring_func")
 DICT_FIELDS = (
