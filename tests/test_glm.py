@@ -144,3 +144,29 @@ def test_a_checkpoint_missing_a_glm_tensor_is_refused(tmp_path):
     (src / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="shared_experts.gate_proj.weight"):
         convert(src, tmp_path / "out2", "f32", "f32", progress=False)
+
+
+def test_synth_writes_a_glm_that_runs_and_simulate_sizes_presets_unwritten(tmp_path):
+    """`synth --preset glm-tiny` writes a glm4_moe model directory that generates; the sizes
+    `simulate --geometry glm-4.6` takes without writing (`preset_sizes`) are the ones that
+    writing gives: the trunk's tensor bytes, the records, the parameters."""
+    from moeshard.moe.analysis import simulate
+    from moeshard.moe.convert.synth import preset_sizes, synth
+
+    out = tmp_path / "glm"
+    synth(out, "glm-tiny")
+    model = ModelDir(out)
+    assert model.config.model_type == "glm4_moe" and model.config.moe_layers == (1, 2)
+    raw, fmt, trunk = preset_sizes("glm-tiny")
+    assert trunk == sum(e.nbytes for e in model.trunk_layout().entries.values())
+    written, unwritten = (
+        simulate.geometry_of(str(out)),
+        simulate.config_geometry("t", raw, fmt, trunk),
+    )
+    for field in ("layers", "n_experts", "top_k", "record_bytes", "params", "trunk_params"):
+        assert getattr(written, field) == getattr(unwritten, field), field
+    result = generate(open_local(out).transformer, [1, 2, 3], SamplingOptions(max_tokens=4))
+    assert len(result.tokens) == 4
+    full = simulate.config_geometry("glm-4.6", *preset_sizes("glm-4.6"))
+    assert (full.layers, full.n_experts, full.top_k) == (89, 160, 8)
+    assert 352e9 < full.params < 354e9  # GLM-4.6: 355 G with its MTP layer
