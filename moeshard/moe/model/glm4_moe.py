@@ -69,18 +69,31 @@ def require_flag(raw: dict[str, Any], key: str, source: str) -> bool:
     return value
 
 
-def router_fields(raw: dict[str, Any], n_experts: int, source: str) -> dict[str, Any]:
-    """DeepSeek-V3's router and shared-expert fields, each required (GLM-4.5 and GLM-4.7-Flash
-    publish every one), as `deepseek_v3.Config` names them."""
+def shared_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """The fields both GLM families read alike, each required (GLM-4.5 and GLM-4.7-Flash publish
+    every one), named as their Config dataclasses (and `deepseek_v3.Config`) name them: the
+    decoder's sizes, and DeepSeek-V3's router, experts and shared experts."""
+    n_experts = int(require(raw, "n_routed_experts", source))
     n_group = check_int(require(raw, "n_group", source), "n_group", source, 1, n_experts)
     if n_experts % n_group:
         raise ConfigError(f"{source}: n_routed_experts {n_experts} not divisible by n_group")
     return dict(
+        vocab_size=int(require(raw, "vocab_size", source)),
+        hidden_size=int(require(raw, "hidden_size", source)),
+        num_attention_heads=int(require(raw, "num_attention_heads", source)),
+        rms_norm_eps=float(require(raw, "rms_norm_eps", source)),
+        tie_word_embeddings=require_flag(raw, "tie_word_embeddings", source),
+        max_position_embeddings=int(require(raw, "max_position_embeddings", source)),
+        eos_token_id=tuple(token_ids(raw.get("eos_token_id"), "eos_token_id", source)),
+        n_experts=n_experts,
+        top_k=int(require(raw, "num_experts_per_tok", source)),
+        expert_intermediate=int(require(raw, "moe_intermediate_size", source)),
+        dense_intermediate=int(require(raw, "intermediate_size", source)),
+        n_shared_experts=int(require(raw, "n_shared_experts", source)),
         n_group=n_group,
         topk_group=check_int(require(raw, "topk_group", source), "topk_group", source, 1, n_group),
         norm_topk_prob=require_flag(raw, "norm_topk_prob", source),
         routed_scaling_factor=float(require(raw, "routed_scaling_factor", source)),
-        n_shared_experts=int(require(raw, "n_shared_experts", source)),
     )
 
 
@@ -127,33 +140,21 @@ class Config(SwigluExperts):
         head_dim = check_int(require(raw, "head_dim", source), "head_dim", source, 2, 1 << 20)
         factor = rotary_factor(raw, source)
         require_rope_theta(raw, source)
-        n_experts = int(require(raw, "n_routed_experts", source))
         dense = int(require(raw, "first_k_dense_replace", source))
         check_int(dense, "first_k_dense_replace", source, 0, layers)
         return cls(
             model_type=model_type,
-            vocab_size=int(require(raw, "vocab_size", source)),
-            hidden_size=int(require(raw, "hidden_size", source)),
             num_hidden_layers=layers,
-            num_attention_heads=int(require(raw, "num_attention_heads", source)),
             num_key_value_heads=check_int(
                 require(raw, "num_key_value_heads", source), "num_key_value_heads", source, 1, 4096
             ),
             head_dim=head_dim,
-            rms_norm_eps=float(require(raw, "rms_norm_eps", source)),
-            tie_word_embeddings=require_flag(raw, "tie_word_embeddings", source),
             rope=parse_rope(raw, int(head_dim * factor), source),
             partial_rotary_factor=factor,
             qkv_bias=require_flag(raw, "attention_bias", source),
             qk_norm="head" if require_flag(raw, "use_qk_norm", source) else "none",
-            n_experts=n_experts,
-            top_k=int(require(raw, "num_experts_per_tok", source)),
-            expert_intermediate=int(require(raw, "moe_intermediate_size", source)),
-            dense_intermediate=int(require(raw, "intermediate_size", source)),
-            **router_fields(raw, n_experts, source),
             first_k_dense_replace=dense,
-            max_position_embeddings=int(require(raw, "max_position_embeddings", source)),
-            eos_token_id=tuple(token_ids(raw.get("eos_token_id"), "eos_token_id", source)),
+            **shared_fields(raw, source),
         )
 
     def trunk_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -26,8 +26,8 @@ from typing import Any
 
 from moeshard.moe.errors import ConfigError
 from moeshard.moe.model import deepseek_v3
-from moeshard.moe.model.config import check_float, check_int, parse_rope, require, token_ids
-from moeshard.moe.model.glm4_moe import require_flag, require_rope_theta, router_fields
+from moeshard.moe.model.config import check_float, check_int, parse_rope, require
+from moeshard.moe.model.glm4_moe import require_flag, require_rope_theta, shared_fields
 
 MODEL_TYPES = ("glm4_moe_lite",)
 LAYER_TYPES = ("dense", "sparse")
@@ -88,33 +88,21 @@ class Config(deepseek_v3.Config):
             raise ConfigError(f"{source}: missing required field 'q_lora_rank' (null: none)")
         q_lora = raw["q_lora_rank"]
         rope_dim = int(require(raw, "qk_rope_head_dim", source))
-        n_experts = int(require(raw, "n_routed_experts", source))
         interleave = raw.get("rope_interleave", True)  # absent from the released file
         return cls(
             model_type=model_type,
-            vocab_size=int(require(raw, "vocab_size", source)),
-            hidden_size=int(require(raw, "hidden_size", source)),
             num_hidden_layers=layers,
-            num_attention_heads=int(require(raw, "num_attention_heads", source)),
             q_lora_rank=int(q_lora) if q_lora else None,
             kv_lora_rank=int(require(raw, "kv_lora_rank", source)),
             qk_nope_head_dim=int(require(raw, "qk_nope_head_dim", source)),
             qk_rope_head_dim=rope_dim,
             v_head_dim=int(require(raw, "v_head_dim", source)),
             rope_interleave=bool(interleave),
-            rms_norm_eps=float(require(raw, "rms_norm_eps", source)),
-            tie_word_embeddings=require_flag(raw, "tie_word_embeddings", source),
             rope=parse_rope(raw, rope_dim, source),
             attention_bias=require_flag(raw, "attention_bias", source),
-            n_experts=n_experts,
-            top_k=int(require(raw, "num_experts_per_tok", source)),
-            expert_intermediate=int(require(raw, "moe_intermediate_size", source)),
-            dense_intermediate=int(require(raw, "intermediate_size", source)),
-            **router_fields(raw, n_experts, source),
             first_k_dense_replace=min(sparse, default=layers),
             sparse_layers=sparse,
-            max_position_embeddings=int(require(raw, "max_position_embeddings", source)),
-            eos_token_id=tuple(token_ids(raw.get("eos_token_id"), "eos_token_id", source)),
+            **shared_fields(raw, source),
         )
 
 
