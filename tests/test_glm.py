@@ -26,7 +26,7 @@ CONTEXT = 64
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_convert_skips_the_mtp_layer_and_says_so(name, converted):
-    model = converted(name, experts="bf16", trunk="bf16")
+    model = converted(name, experts="q4_0", trunk="bf16")
     manifest = json.loads((model / "moeshard.json").read_text())
     skipped = manifest["skipped_tensors"]
     mtp = [n for n in skipped if n.startswith("model.layers.3.")]  # the layer after the last
@@ -39,7 +39,7 @@ def test_convert_skips_the_mtp_layer_and_says_so(name, converted):
 def test_two_nodes_and_a_ram_budget_give_the_same_tokens(name, converted, tmp_path):
     """The same tokens and logits bits through two nodes and streaming under the smallest
     budget (the trunk's layers through the ring) and one that caches some records."""
-    model = converted(name, experts="bf16", trunk="bf16")
+    model = converted(name, experts="q4_0", trunk="bf16")
     prompt = [int(t) for t in reference(name)["prompt_ids"]]
     opts = SamplingOptions(max_tokens=8, keep_logits=True)
     local = generate(open_local(model).transformer, prompt, opts)
