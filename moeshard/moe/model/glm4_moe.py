@@ -20,7 +20,7 @@ skipped. Every field the model reads is required: a missing one is a ConfigError
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -28,11 +28,8 @@ import numpy as np
 from moeshard.moe.errors import ConfigError
 from moeshard.moe.model import deepseek_v3, qwen_moe
 from moeshard.moe.model.config import (
-    RopeConfig,
-    SwigluExperts,
     check_float,
     check_int,
-    decoder_shapes,
     parse_rope,
     require,
     token_ids,
@@ -97,39 +94,18 @@ def shared_fields(raw: dict[str, Any], source: str) -> dict[str, Any]:
     )
 
 
-@dataclass(frozen=True)
-class Config(SwigluExperts):
-    model_type: str  # glm4_moe
-    vocab_size: int
-    hidden_size: int  # H
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int  # per-head size D (explicit in the config)
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    rope: RopeConfig  # over the rotated dims: head_dim * partial_rotary_factor
+@dataclass(frozen=True, kw_only=True)
+class Config(qwen_moe.Config):
+    """The Qwen-MoE family's fields (its attention, with qkv_bias from attention_bias, qk_norm
+    "head" or "none" from use_qk_norm, head_dim explicit, the rope over head_dim *
+    partial_rotary_factor dims), and DeepSeek-V3's router and shared experts."""
+
     partial_rotary_factor: float
-    qkv_bias: bool  # attention_bias: q, k and v carry a bias (o_proj never does)
-    qk_norm: str  # "head" (use_qk_norm: RMSNorm over head_dim) or "none"
-    n_experts: int  # n_routed_experts
-    top_k: int  # num_experts_per_tok
-    expert_intermediate: int  # moe_intermediate_size
-    dense_intermediate: int  # intermediate_size of the first_k_dense_replace dense layers
     n_shared_experts: int
     n_group: int
     topk_group: int
-    norm_topk_prob: bool
     routed_scaling_factor: float
-    first_k_dense_replace: int
-    max_position_embeddings: int
-    eos_token_id: tuple[int, ...] = field(default_factory=tuple)
-    clip_qkv: float | None = None  # (the Qwen-MoE attention's switches, off for GLM)
-    sliding_window: int | None = None
-
-    @property
-    def moe_layers(self) -> tuple[int, ...]:
-        return tuple(range(self.first_k_dense_replace, self.num_hidden_layers))
+    first_k_dense_replace: int  # the leading dense layers (moe_layers: the others)
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], source: str) -> Config:
@@ -154,20 +130,15 @@ class Config(SwigluExperts):
             qkv_bias=require_flag(raw, "attention_bias", source),
             qk_norm="head" if require_flag(raw, "use_qk_norm", source) else "none",
             first_k_dense_replace=dense,
+            moe_layers=tuple(range(dense, layers)),
             **shared_fields(raw, source),
         )
 
-    def trunk_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every trunk tensor inference needs, by canonical name, with its shape."""
-        return decoder_shapes(
-            self,
-            lambda i, p: (
-                qwen_moe.gqa_shapes(self, p + "self_attn.")
-                | deepseek_v3.mlp_shapes(self, p + "mlp.", i in self.moe_layers)
-            ),
+    def _layer_shapes(self, i: int, p: str) -> dict[str, tuple[int, ...]]:
+        """Layer i's tensors (`trunk_shapes`): the Qwen-MoE attention, DeepSeek-V3's MLP."""
+        return qwen_moe.gqa_shapes(self, p + "self_attn.") | deepseek_v3.mlp_shapes(
+            self, p + "mlp.", i in self.moe_layers
         )
-
-    kv_bytes_per_token = qwen_moe.Config.kv_bytes_per_token
 
 
 def canonical_name(name: str) -> str:
