@@ -63,7 +63,9 @@ def k3(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_linear", "olmoe", "kimi_k3"])
+@pytest.mark.parametrize(
+    "family", ["deepseek_v3", "kimi_linear", "olmoe", "kimi_k3", "glm4_moe", "glm4_moe_lite"]
+)
 def test_every_family_batches_with_alone_bits(family, converted, k3):
     """A prefill beside decode rows and other prefills, for each family's forward_batch."""
     path = k3 if family == "kimi_k3" else converted(family, experts="q4_0", trunk="bf16")

@@ -48,7 +48,7 @@ CHECKPOINT_FILES = (
 )
 # the checkpoints whose config.json the edits are made to: the demo and the test fixtures
 FAMILIES = ["demo", "qwen3_moe", "qwen3_moe_yarn", "qwen2_moe", "mixtral", "olmoe"]
-FAMILIES += ["deepseek_v3", "deepseek_v3_fp8"]
+FAMILIES += ["deepseek_v3", "deepseek_v3_fp8", "glm4_moe", "glm4_moe_lite"]
 CONFIGS = {
     name: json.loads(((DEMO if name == "demo" else FIXTURES / name) / "config.json").read_text())
     for name in FAMILIES
@@ -798,6 +798,12 @@ FOUND = [
     ("deepseek_v3", "topk_group", 5),  # more than the 4 groups
     ("deepseek_v3", "qk_rope_head_dim", 7),  # rotary dims come in pairs
     ("deepseek_v3_fp8", "quantization_config.weight_block_size", [32]),
+    ("glm4_moe", "partial_rotary_factor", 2.0),  # a share of the head
+    ("glm4_moe", "use_qk_norm", "true"),
+    ("glm4_moe", "head_dim", 7),
+    ("glm4_moe", "n_group", 3),  # 8 experts in 3 groups
+    ("glm4_moe_lite", "partial_rotary_factor", 0.5),  # the MLA rope slice turns whole
+    ("glm4_moe_lite", "first_k_dense_replace", 9),  # more than the 3 layers
 ]
 
 

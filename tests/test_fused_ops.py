@@ -10,6 +10,7 @@ from numba import njit
 
 from moeshard.moe.model import fused
 from moeshard.moe.model.layers import (
+    apply_partial_rope,
     apply_rope,
     attend,
     rms_norm,
@@ -230,3 +231,16 @@ def test_router_ties_go_to_the_lower_expert(renorm):
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_array_equal(ids[0], np.arange(6))
     np.testing.assert_allclose(weights, want_weights, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("t,heads,dim,rot,start", [(1, 4, 16, 8, 0), (3, 2, 128, 64, 41)])
+def test_partial_rope_turns_only_the_first_dims(t, heads, dim, rot, start):
+    """GLM-4.5's partial_rotary_factor 0.5: cos/sin narrower than the head turn its first
+    rot dims (pairs i, i + rot/2), to the bit, and leave the rest alone."""
+    x = randn(t, heads, dim)
+    cos, sin = cos_sin(start, t, rot, scale=1.1)  # [T, rot/2]
+    want = apply_partial_rope(x, cos, sin, False)
+    np.testing.assert_array_equal(want[..., rot:], x[..., rot:])
+    np.testing.assert_array_equal(want[..., :rot], apply_rope(x[..., :rot], cos, sin, False))
+    fused.rope_inplace(x.reshape(t, heads * dim), dim, cos, sin, False)
+    np.testing.assert_array_equal(x, want)

@@ -21,6 +21,7 @@ TOLERANCE = 1e-4  # max abs error relative to the reference logit range
 
 def test_every_family_has_a_fixture():
     required = {"deepseek_v3", "deepseek_v3_fp8", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"}
+    required |= {"glm4_moe", "glm4_moe_lite"}
     assert required <= set(FAMILY_FIXTURES)
 
 
@@ -45,7 +46,9 @@ def test_matches_transformers(name, dialect, converted):
     assert step_error <= TOLERANCE * span
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_moe", "kimi_linear", "gpt_oss"])
+@pytest.mark.parametrize(
+    "name", ["deepseek_v3", "qwen3_moe", "kimi_linear", "gpt_oss", "glm4_moe", "glm4_moe_lite"]
+)
 def test_kv_cache_equals_recompute(name, converted):
     """Decoding with the cache gives the logits of re-running the whole sequence from scratch."""
     ref = reference(name)

@@ -103,7 +103,8 @@ def add_simulate(sub) -> None:
     p.add_argument(
         "--geometry",
         default="k3",
-        help="k3, k2, gpt-oss-20b, gpt-oss-120b (as published), or a model directory",
+        help="k3, k2, gpt-oss-20b, gpt-oss-120b (as published), a synth preset (e.g. glm-4.6: "
+        "the model it would write), or a model directory",
     )
     p.add_argument("--ram", default="8G", help="RAM budget, e.g. 8G")
     p.add_argument(
@@ -187,7 +188,7 @@ def cmd_simulate(args) -> int:
     if args.swarm:
         return _simulate_swarm(args)
     merged = trace.merge([trace.load(p) for p in args.traces])
-    geometry = simulate.geometry_of(args.geometry)
+    geometry = _geometry(args.geometry)
     if args.trunk:
         geometry = simulate.with_trunk(geometry, args.trunk)
     ram = parse_size(args.ram)
@@ -234,7 +235,7 @@ def _simulate_swarm(args) -> int:
         if min(counts) < spec.replicas:
             raise MoeshardError(f"--nodes: at least --replicas ({spec.replicas}) nodes")
     merged = trace.merge([trace.load(p) for p in args.traces])
-    geometry = simulate.geometry_of(args.geometry)
+    geometry = _geometry(args.geometry)
     tokens = simulate.project(merged, geometry)
     warm = simulate.prefill_sets(merged, geometry)  # the prompt's pass fills the caches first
     hints = simulate.project_hints(merged, geometry)  # the hints the run sent, if recorded
@@ -270,3 +271,14 @@ def _check_simulate_options(args) -> None:
     recall = args.prefetch_recall
     if not (math.isfinite(recall) and 0 <= recall <= 1):
         raise MoeshardError(f"--prefetch-recall {recall:g}: need a share between 0 and 1")
+
+
+def _geometry(spec: str):
+    """`--geometry`: a named one (k3, k2), a synth preset's (`synth.preset_sizes`: the model
+    the preset would write, at sizes no disk here need hold), or a model directory's."""
+    from moeshard.moe.analysis import simulate
+    from moeshard.moe.convert import synth
+
+    if spec not in simulate.GEOMETRIES and spec in synth.PRESETS:
+        return simulate.config_geometry(spec, *synth.preset_sizes(spec))
+    return simulate.geometry_of(spec)

@@ -164,6 +164,8 @@ def old_dialect(new: dict, spec) -> dict:
     rp = dict(d.pop("rope_parameters"))
     d["rope_theta"] = rp.pop("rope_theta")
     rtype = rp.pop("rope_type")
+    if "partial_rotary_factor" in rp:  # GLM: top level in the published config.json
+        d["partial_rotary_factor"] = rp.pop("partial_rotary_factor")
     if rtype == "default":
         d["rope_scaling"] = None
     elif spec["model_type"] == "deepseek_v3":

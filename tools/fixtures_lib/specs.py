@@ -220,6 +220,80 @@ SPECS: dict[str, dict] = {
             sliding_window=None,
         ),
     ),
+    # GLM-4.5/4.6/4.7: GQA with q/k/v bias, per-head q/k norm, partial RoPE (half of each head),
+    # DeepSeek-V3's grouped sigmoid router (2 groups here; published: 1), a shared expert, a
+    # dense first layer and an MTP layer after the last (published: model.layers.92.*)
+    "glm4_moe": dict(
+        model_type="glm4_moe",
+        arch="Glm4MoeForCausalLM",
+        seed=8000,
+        layout="sharded_mtp",
+        cfg=dict(
+            hidden_size=32,
+            intermediate_size=48,
+            moe_intermediate_size=32,  # whole q4_0 blocks
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,  # explicit, as published (GLM-4.5-Air: 128, not 4096 / 96)
+            attention_bias=True,
+            use_qk_norm=True,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=256,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=1000000.0, partial_rotary_factor=0.5
+            ),
+            num_nextn_predict_layers=1,
+        ),
+    ),
+    # GLM-4.7-Flash: DeepSeek-V3's MLA; the published config.json has first_k_dense_replace (no
+    # mlp_layer_types), partial_rotary_factor 1.0 and no rope_interleave key
+    "glm4_moe_lite": dict(
+        model_type="glm4_moe_lite",
+        arch="Glm4MoeLiteForCausalLM",
+        seed=9000,
+        layout="sharded_mtp",
+        cfg=dict(
+            hidden_size=32,
+            intermediate_size=48,
+            moe_intermediate_size=32,  # whole q4_0 blocks
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=1.8,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            rope_interleave=True,
+            attention_bias=False,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=256,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=1000000.0, partial_rotary_factor=1.0
+            ),
+            num_nextn_predict_layers=1,
+        ),
+        old_extra=dict(topk_method="noaux_tc"),
+        old_drop=("mlp_layer_types", "rope_interleave", "qk_head_dim"),
+    ),
 }
 ORDER = [
     "qwen3_moe",
@@ -229,4 +303,6 @@ ORDER = [
     "mixtral",
     "olmoe",
     "qwen3_moe_yarn",
+    "glm4_moe",
+    "glm4_moe_lite",
 ]

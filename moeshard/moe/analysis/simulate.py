@@ -1,4 +1,4 @@
-"""`moeshard simulate TRACE --geometry k3|k2|MODEL --ram SIZE --disk PROFILE`.
+"""`moeshard simulate TRACE --geometry k3|k2|PRESET|MODEL --ram SIZE --disk PROFILE`.
 
 Replays a routing trace against the expert cache policies, next-layer prefetch and the file
 layout, with a model of the disk (bandwidth by read size and queue depth) and of compute, and
@@ -453,6 +453,25 @@ def geometry_of(spec: str) -> Geometry:
         float(params.get("trunk", 0)) or None,
         row_width=c.expert_hidden,
     )
+
+
+def config_geometry(name: str, raw: dict, experts_fmt: str, trunk_bytes: int) -> Geometry:
+    """The geometry of a model known by its config.json, its experts' format and its trunk's
+    stored bytes (a synth preset's, `synth.preset_sizes`, before any disk holds it)."""
+    from moeshard.moe.kernels import quant
+    from moeshard.moe.model.families import family_for
+    from moeshard.moe.storage.io import align_up
+
+    c = family_for(raw["model_type"], name).Config.from_hf(raw, name)
+    trunk = sum(math.prod(shape) for shape in c.trunk_shapes().values())
+    experts = len(c.moe_layers) * c.n_experts * 3 * c.expert_hidden * c.expert_intermediate
+    record = align_up(
+        quant.expert_record_nbytes(experts_fmt, c.expert_hidden, c.expert_intermediate)
+    )
+    return Geometry(
+        name, len(c.moe_layers), c.n_experts, c.top_k, record, trunk_bytes,
+        float(trunk + experts), float(trunk), row_width=c.expert_hidden,
+    )  # fmt: skip
 
 
 def run_all(trace: Trace, geometry: Geometry, ram_bytes: int, disk: Disk, **kw) -> list[Result]:

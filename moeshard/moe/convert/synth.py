@@ -34,7 +34,7 @@ from moeshard.moe.convert.converter import trunk_format
 from moeshard.moe.convert.outdir import check_output, staged
 from moeshard.moe.errors import MoeshardError
 from moeshard.moe.kernels import layout, quant
-from moeshard.moe.model.families import load_config
+from moeshard.moe.model.families import family_for, load_config
 from moeshard.moe.storage import merkle
 from moeshard.moe.storage.io import write_file
 from moeshard.moe.storage.manifest import (
@@ -68,6 +68,20 @@ class Preset:
     router_skew: float = 0.6  # sigma of the log-normal per-expert router gain
 
 
+@dataclass(frozen=True)
+class GlmPreset(Preset):
+    """GLM-4.5's shape (model_type glm4_moe): `Preset`'s fields and GLM's own. The config is
+    GLM-4.6's as published but for the sizes (q/k/v bias, partial RoPE 0.5, one expert group,
+    sigmoid router); synth writes no multi-token-prediction layer (inference skips it)."""
+
+    dense_inter: int = 0  # intermediate_size of the first_dense dense layers
+    first_dense: int = 1  # first_k_dense_replace
+    shared: int = 1  # n_shared_experts
+    qk_norm: bool = False  # use_qk_norm
+    scaling: float = 1.0  # routed_scaling_factor
+    max_positions: int = 131072
+
+
 PRESETS = {
     # K3's expert geometry on a Qwen3-MoE trunk: 896 experts per layer, 16 active; 2.5 MiB
     # q4_0 records, ~7 GB (this was `k3-mini` before the real K3 family; README figures
@@ -75,10 +89,61 @@ PRESETS = {
     "k3-shaped": Preset(2048, 768, 896, 16, 3, 16, 4, 128, 8192),
     # Small enough for tests: 64 experts of 8 KiB per layer.
     "tiny": Preset(64, 64, 64, 4, 3, 4, 2, 16, 256, trunk_fmt="f32"),
-}
+    # GLM-4.6 (= GLM-4.7's shape) as published: 92 layers, the first 3 dense, 160 experts of 1536
+    # (13.3 MB q4_0 records), 8 active, a 5120-wide trunk with 96 query / 8 kv heads of 128.
+    # 353 G parameters (the MTP layer not counted): ~190 GB at q4_0; for `simulate --geometry`.
+    "glm-4.6": GlmPreset(5120, 1536, 160, 8, 92, 96, 8, 128, 151552, dense_inter=12288,
+                         first_dense=3, qk_norm=True, scaling=2.5, max_positions=202752),
+    # GLM-4.5-Air as published: 46 layers, the first dense, 128 experts of 1408, 8 active.
+    "glm-4.5-air": GlmPreset(4096, 1408, 128, 8, 46, 96, 8, 128, 151552, dense_inter=10944),
+    # GLM-4.6's layers, four of them (one dense, three MoE): 6.4 GB of experts, for traces.
+    "glm-4.6-mini": GlmPreset(5120, 1536, 160, 8, 4, 96, 8, 128, 151552, dense_inter=12288,
+                              first_dense=1, qk_norm=True, scaling=2.5, max_positions=202752),
+    # GLM-4.5's architecture small enough for tests.
+    "glm-tiny": GlmPreset(64, 64, 32, 4, 3, 4, 2, 32, 256, trunk_fmt="f32", dense_inter=96,
+                          qk_norm=True, scaling=2.5),
+}  # fmt: skip
 
 
 def hf_config(p: Preset) -> dict:
+    return glm_config(p) if isinstance(p, GlmPreset) else qwen_config(p)
+
+
+def glm_config(p: GlmPreset) -> dict:
+    return {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        "hidden_size": p.hidden,
+        "intermediate_size": p.dense_inter,
+        "moe_intermediate_size": p.inter,
+        "n_routed_experts": p.n_experts,
+        "num_experts_per_tok": p.top_k,
+        "n_shared_experts": p.shared,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": p.scaling,
+        "first_k_dense_replace": p.first_dense,
+        "num_hidden_layers": p.layers,
+        "num_nextn_predict_layers": 0,
+        "num_attention_heads": p.heads,
+        "num_key_value_heads": p.kv_heads,
+        "head_dim": p.head_dim,
+        "attention_bias": True,
+        "use_qk_norm": p.qk_norm,
+        "partial_rotary_factor": 0.5,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "vocab_size": p.vocab,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": p.max_positions,
+        "torch_dtype": "float32",
+        "moeshard_synthetic": True,
+    }
+
+
+def qwen_config(p: Preset) -> dict:
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
@@ -107,8 +172,8 @@ def hf_config(p: Preset) -> dict:
 
 def _trunk_tensor(name: str, shape: tuple[int, ...], p: Preset, rng) -> np.ndarray:
     """Random float32 values for one trunk tensor."""
-    if len(shape) == 1:
-        return np.ones(shape, np.float32)  # norms
+    if len(shape) == 1:  # norms (ones); biases, the routers' selection bias (zeros)
+        return (np.zeros if name.endswith("bias") else np.ones)(shape, np.float32)
     if name.endswith("mlp.gate.weight"):  # router: random directions x log-normal gains
         gains = np.exp(rng.normal(0.0, p.router_skew, shape[0])).astype(np.float32)  # [E]
         dirs = rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[1])  # [E, H]
@@ -145,6 +210,23 @@ class RecordMaker:
 
 
 ALL_PRESETS = sorted([*PRESETS, *synth_k3.K3_PRESETS, *synth_gpt_oss.GPT_OSS_PRESETS])
+
+
+def preset_sizes(preset: str) -> tuple[dict, str, int]:
+    """What a (non-K3) preset would write, without writing it: its config.json, its experts'
+    format and the bytes of its trunk file's tensors as `_write` stores them (for `simulate
+    --geometry PRESET` at sizes no disk here holds)."""
+    if preset not in PRESETS:
+        raise MoeshardError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    p = PRESETS[preset]
+    raw = hf_config(p)
+    source = f"preset {preset}"
+    config = family_for(raw["model_type"], source).Config.from_hf(raw, source)
+    trunk = 0
+    for name, shape in config.trunk_shapes().items():
+        rows, cols = as_matrix(shape)
+        trunk += quant.packed_nbytes(trunk_format(name, shape, p.trunk_fmt), rows, cols)
+    return raw, p.experts_fmt, trunk
 
 
 def synth(

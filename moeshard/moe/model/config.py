@@ -197,6 +197,7 @@ FLOAT_FIELDS: dict[str, tuple[float, bool, bool]] = {
     "rope_theta": (1.0, True, False),  # a base wavelength
     "routed_scaling_factor": (0.0, True, False),
     "clip_qkv": (0.0, True, True),  # null: no clipping
+    "partial_rotary_factor": (0.0, True, False),  # the share of a head rotated (GLM: 0.5)
     "swiglu_alpha": (0.0, True, False),  # gpt-oss's clamped SwiGLU
     "swiglu_limit": (0.0, True, False),
 }
@@ -208,6 +209,7 @@ BOOL_FIELDS = (
     "attention_bias",
     "rope_interleave",
     "moe_renormalize",
+    "use_qk_norm",
 )
 STR_FIELDS = ("model_type", "scoring_func")
 DICT_FIELDS = (

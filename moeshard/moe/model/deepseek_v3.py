@@ -340,23 +340,9 @@ class Transformer:
 
     def route(self, i: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Grouped sigmoid router of layer i: h [T, H] -> expert ids [T, k], weights [T, k]."""
-        c, w = self.config, self.trunk
-        m = f"model.layers.{i}.{self.MLP}.gate."
-        scores = sigmoid(w.linear(m[:-1])(h))  # [T, E] (a kernel's: the same bits in any batch)
-        choice = scores + w.vector(m + "e_score_correction_bias")  # [T, E]
-        t, per_group = h.shape[0], c.n_experts // c.n_group
-        grouped = choice.reshape(t, c.n_group, per_group)  # [T, G, E/G]
-        group_scores = -np.sort(-grouped, axis=-1)[..., :2].sum(axis=-1)  # [T, G]
-        keep_groups = top_k_indices(group_scores, c.topk_group)  # [T, topk_group]
-        group_mask = np.zeros((t, c.n_group), dtype=bool)  # [T, G]
-        np.put_along_axis(group_mask, keep_groups, True, axis=-1)
-        expert_mask = np.repeat(group_mask, per_group, axis=-1)  # [T, E]
-        masked = np.where(expert_mask, choice, np.float32(-np.inf))  # [T, E]
-        ids = top_k_indices(masked, c.top_k)  # [T, k]
-        weights = np.take_along_axis(scores, ids, axis=-1)  # [T, k]
-        if c.norm_topk_prob:
-            weights = weights / (weights.sum(axis=-1, keepdims=True) + np.float32(1e-20))
-        return ids, (weights * np.float32(c.routed_scaling_factor)).astype(np.float32)
+        return grouped_sigmoid_route(
+            self.config, self.trunk, f"model.layers.{i}.{self.MLP}.gate", h
+        )
 
     def moe(self, i: int, h: np.ndarray) -> np.ndarray:
         ids, weights = self.route(i, h)  # [T, k] each
@@ -374,3 +360,24 @@ class Transformer:
         return swiglu_mlp(
             h, w.linear(m + "gate_proj"), w.linear(m + "up_proj"), w.linear(m + "down_proj")
         )
+
+
+def grouped_sigmoid_route(c, w: Trunk, gate: str, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """DeepSeek-V3's router (GLM-4.5's too) with its weights under `gate` (gate.weight [E, H],
+    gate.e_score_correction_bias [E]): h [T, H] -> expert ids [T, k] best first, weights
+    [T, k] (the module docstring has the steps)."""
+    scores = sigmoid(w.linear(gate)(h))  # [T, E] (a kernel's: the same bits in any batch)
+    choice = scores + w.vector(gate + ".e_score_correction_bias")  # [T, E]
+    t, per_group = h.shape[0], c.n_experts // c.n_group
+    grouped = choice.reshape(t, c.n_group, per_group)  # [T, G, E/G]
+    group_scores = -np.sort(-grouped, axis=-1)[..., :2].sum(axis=-1)  # [T, G]
+    keep_groups = top_k_indices(group_scores, c.topk_group)  # [T, topk_group]
+    group_mask = np.zeros((t, c.n_group), dtype=bool)  # [T, G]
+    np.put_along_axis(group_mask, keep_groups, True, axis=-1)
+    expert_mask = np.repeat(group_mask, per_group, axis=-1)  # [T, E]
+    masked = np.where(expert_mask, choice, np.float32(-np.inf))  # [T, E]
+    ids = top_k_indices(masked, c.top_k)  # [T, k]
+    weights = np.take_along_axis(scores, ids, axis=-1)  # [T, k]
+    if c.norm_topk_prob:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + np.float32(1e-20))
+    return ids, (weights * np.float32(c.routed_scaling_factor)).astype(np.float32)

@@ -7,7 +7,15 @@ from pathlib import Path
 from types import ModuleType
 
 from moeshard.moe.errors import ConfigError
-from moeshard.moe.model import deepseek_v3, gpt_oss, kimi_k3, kimi_linear, qwen_moe
+from moeshard.moe.model import (
+    deepseek_v3,
+    glm4_moe,
+    glm4_moe_lite,
+    gpt_oss,
+    kimi_k3,
+    kimi_linear,
+    qwen_moe,
+)
 from moeshard.moe.model.config import read_json
 
 FAMILIES: dict[str, ModuleType] = {
@@ -15,6 +23,8 @@ FAMILIES: dict[str, ModuleType] = {
     **{t: qwen_moe for t in qwen_moe.MODEL_TYPES},
     **{t: kimi_linear for t in kimi_linear.MODEL_TYPES},
     **{t: kimi_k3 for t in kimi_k3.MODEL_TYPES},
+    **{t: glm4_moe for t in glm4_moe.MODEL_TYPES},
+    **{t: glm4_moe_lite for t in glm4_moe_lite.MODEL_TYPES},
     **{t: gpt_oss for t in gpt_oss.MODEL_TYPES},
 }
 

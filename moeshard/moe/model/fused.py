@@ -7,7 +7,8 @@ compares them; the families' files state the math with those):
 * `rms_norm_rows`, `add_rms_norm`: bit-identical to `layers.rms_norm` (the same float32
   operations; the mean of squares is summed in numpy's own pairwise order, `_pairwise_sum`);
   `add_rms_norm` also does the residual add before it.
-* `rope_inplace`: bit-identical to `layers.apply_rope` (elementwise float32), in place.
+* `rope_inplace`: bit-identical to `layers.apply_partial_rope` (elementwise float32), in
+  place.
 * `attend_cache`: `layers.attend` against the KV cache without building a mask (a query at
   position p reads keys lo..p); the dot products are float32 in another order than BLAS's
   (last-bit differences): eight lanes (`_dot`, explicit vector lanes, as numba runs no SLP
@@ -155,17 +156,19 @@ def add_rms_norm(x, delta, weight, eps, out):
 
 @njit(cache=True, nogil=True)
 def rope_inplace(x, dim, cos, sin, interleave):
-    """Rotate every dim-wide head of x [T, heads*dim] in place by cos/sin [T, dim/2]
-    (`layers.apply_rope` on x viewed as [T, heads, dim]).
+    """Rotate every dim-wide head of x [T, heads*dim] in place by cos/sin [T, rot/2]
+    (`layers.apply_partial_rope` on x viewed as [T, heads, dim]): the first rot = 2 *
+    cos.shape[1] dims of each head turn, the others pass (partial RoPE, GLM-4.5's
+    partial_rotary_factor; rot = dim for every other family).
 
-    Non-interleaved pairs (i, i + dim/2); interleaved pairs (2i, 2i+1), written de-interleaved
+    Non-interleaved pairs (i, i + rot/2); interleaved pairs (2i, 2i+1), written de-interleaved
     ([rotated evens, rotated odds]) as transformers does for DeepSeek."""
-    half = dim // 2
-    tmp = np.empty(dim, dtype=np.float32)  # [dim]
+    half = cos.shape[1]
+    tmp = np.empty(2 * half, dtype=np.float32)  # [rot]
     for t in range(x.shape[0]):
         row = x[t]
         for lo in range(0, x.shape[1], dim):
-            for j in range(dim):
+            for j in range(2 * half):
                 tmp[j] = row[lo + j]
             for i in range(half):
                 c, s = cos[t, i], sin[t, i]
@@ -407,8 +410,9 @@ def gqa_prepare(q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, kc, vc, s
     """q [T, Hq*D], k and v [T, Hkv*D] (modified in place): qk_norm QK_NORM_FULL normalises
     the whole projections (q_norm [Hq*D], k_norm [Hkv*D]), then clip > 0 clamps q, k, v to
     [-clip, clip], QK_NORM_HEAD normalises each head (q_norm, k_norm [D]); then RoPE
-    (non-interleaved, cos/sin [T, D/2]), and k and v written to the cache kc, vc [S, Hkv, D]
-    at start..start+T-1."""
+    (non-interleaved, cos/sin [T, R/2]: the first R of each head's D dims, R = D but for a
+    partial rotary factor), and k and v written to the cache kc, vc [S, Hkv, D] at
+    start..start+T-1."""
     n_kv, d = kc.shape[1], kc.shape[2]
     if qk_norm == QK_NORM_FULL:
         rms_norm_rows(q, q_norm, eps, q)  # q_norm [Hq*D]: whole rows

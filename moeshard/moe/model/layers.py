@@ -83,6 +83,17 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleave: bool
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(np.float32)
 
 
+def apply_partial_rope(
+    x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleave: bool
+) -> np.ndarray:
+    """`apply_rope` on the first rot = 2 * cos.shape[-1] dims of each head of x [T, heads,
+    dim]; the other dims pass unchanged (transformers' partial_rotary_factor: GLM-4.5 turns
+    the first half of each head)."""
+    rot = 2 * cos.shape[-1]
+    turned = apply_rope(x[..., :rot], cos, sin, interleave)  # [T, heads, rot]
+    return np.concatenate([turned, x[..., rot:]], axis=-1).astype(np.float32)
+
+
 def causal_mask(t: int, s: int, window: int | None = None) -> np.ndarray:
     """Additive mask [t, s]: query i (absolute position s - t + i) sees keys 0 .. s - t + i,
     and with a sliding window only the last `window` of them (as transformers: q - k < window)."""

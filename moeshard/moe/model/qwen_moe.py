@@ -140,28 +140,8 @@ class Config(SwigluExperts):
         return decoder_shapes(self, self._layer_shapes)
 
     def _layer_shapes(self, i: int, p: str) -> dict[str, tuple[int, ...]]:
-        h, d = self.hidden_size, self.head_dim
-        q_out, kv_out = self.num_attention_heads * d, self.num_key_value_heads * d
-        shapes: dict[str, tuple[int, ...]] = {}
-        a = p + "self_attn."
-        shapes[a + "q_proj.weight"] = (q_out, h)
-        shapes[a + "k_proj.weight"] = (kv_out, h)
-        shapes[a + "v_proj.weight"] = (kv_out, h)
-        shapes[a + "o_proj.weight"] = (h, q_out)
-        if self.o_bias:
-            shapes[a + "o_proj.bias"] = (h,)
-        if self.attention_sinks:
-            shapes[a + "sinks"] = (self.num_attention_heads,)
-        if self.qkv_bias:
-            shapes[a + "q_proj.bias"] = (q_out,)
-            shapes[a + "k_proj.bias"] = (kv_out,)
-            shapes[a + "v_proj.bias"] = (kv_out,)
-        if self.qk_norm == "head":
-            shapes[a + "q_norm.weight"] = (d,)
-            shapes[a + "k_norm.weight"] = (d,)
-        elif self.qk_norm == "full":
-            shapes[a + "q_norm.weight"] = (q_out,)
-            shapes[a + "k_norm.weight"] = (kv_out,)
+        h = self.hidden_size
+        shapes = gqa_shapes(self, p + "self_attn.")
         m = p + "mlp."
         if i in self.moe_layers:
             shapes[m + "gate.weight"] = (self.n_experts, h)
@@ -181,6 +161,33 @@ class Config(SwigluExperts):
 
     def kv_bytes_per_token(self) -> int:
         return self.num_hidden_layers * 2 * self.num_key_value_heads * self.head_dim * 4
+
+
+def gqa_shapes(c, a: str) -> dict[str, tuple[int, ...]]:
+    """The GQA attention tensors under prefix `a` (a layer's "self_attn."), for any config with
+    this family's attention fields (head_dim, qkv_bias, qk_norm; GLM-4.5's too)."""
+    h, d = c.hidden_size, c.head_dim
+    q_out, kv_out = c.num_attention_heads * d, c.num_key_value_heads * d
+    shapes: dict[str, tuple[int, ...]] = {}
+    shapes[a + "q_proj.weight"] = (q_out, h)
+    shapes[a + "k_proj.weight"] = (kv_out, h)
+    shapes[a + "v_proj.weight"] = (kv_out, h)
+    shapes[a + "o_proj.weight"] = (h, q_out)
+    if c.o_bias:
+        shapes[a + "o_proj.bias"] = (h,)
+    if c.attention_sinks:
+        shapes[a + "sinks"] = (c.num_attention_heads,)
+    if c.qkv_bias:
+        shapes[a + "q_proj.bias"] = (q_out,)
+        shapes[a + "k_proj.bias"] = (kv_out,)
+        shapes[a + "v_proj.bias"] = (kv_out,)
+    if c.qk_norm == "head":
+        shapes[a + "q_norm.weight"] = (d,)
+        shapes[a + "k_norm.weight"] = (d,)
+    elif c.qk_norm == "full":
+        shapes[a + "q_norm.weight"] = (q_out,)
+        shapes[a + "k_norm.weight"] = (kv_out,)
+    return shapes
 
 
 def canonical_name(name: str) -> str:
@@ -230,14 +237,19 @@ class _Layer:
         self.window = c.window(i)  # 0: the whole context
         self.moe = i in c.moe_layers
         self.mlp = self.shared = self.shared_gate = self.fused = None
-        if self.moe and not c.shared_expert_intermediate:  # a decode row's calls, fused
-            self.fused = FusedPlan.of(self.qkv, self.o, w.linear(m + "gate"))
         if not self.moe:
             self.mlp = tuple(w.linear(m + n) for n in ("gate_proj", "up_proj", "down_proj"))
-        elif c.shared_expert_intermediate:
+        else:
+            self.moe_parts(c, w, m)
+
+    def moe_parts(self, c: Config, w: Trunk, m: str) -> None:
+        """A MoE layer's shared expert and its gate (qwen2_moe), or the fused decode plan."""
+        if c.shared_expert_intermediate:
             s = m + "shared_expert."
             self.shared = tuple(w.linear(s + n) for n in ("gate_proj", "up_proj", "down_proj"))
             self.shared_gate = w.linear(m + "shared_expert_gate")
+        else:  # a decode row's calls, fused
+            self.fused = FusedPlan.of(self.qkv, self.o, w.linear(m + "gate"))
 
 
 class Transformer:
@@ -250,6 +262,7 @@ class Transformer:
     every call (a backend may keep them, e.g. to audit a node later)."""
 
     fused_decode = True  # a decode row's layer in one call where it applies (`fused_layer`)
+    LAYER = _Layer  # a layer's weights (GLM-4.5's differ in their MoE parts)
 
     def __init__(self, config: Config, trunk: Trunk, experts: ExpertsBackend):
         self.config, self.trunk, self.experts = config, trunk, experts
@@ -278,7 +291,7 @@ class Transformer:
         then they are looked up again)."""
         ly = self._layers[i]
         if ly is None or self.trunk.tensors.get(self._markers[i]) is not ly.marker:
-            ly = self._layers[i] = _Layer(self.config, self.trunk, i)
+            ly = self._layers[i] = self.LAYER(self.config, self.trunk, i)
         return ly
 
     def forward(self, ids: np.ndarray, cache: KVCache, last_only: bool = False) -> np.ndarray:
@@ -422,7 +435,9 @@ class Transformer:
         out = self.experts(i, h, ids, weights, hint=hint)  # [T, H]
         if ly.shared is not None:
             shared = swiglu_mlp(h, *ly.shared)  # [T, H]
-            out = out + sigmoid(ly.shared_gate(h)) * shared  # [T, H]
+            if ly.shared_gate is not None:  # (qwen2_moe)
+                shared = sigmoid(ly.shared_gate(h)) * shared  # [T, H]
+            out = out + shared  # [T, H]
         return np.ascontiguousarray(out, dtype=np.float32)
 
     def _dense_mlp(self, ly: _Layer, h: np.ndarray) -> np.ndarray:
