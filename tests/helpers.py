@@ -296,6 +296,34 @@ def generate_on_nodes(model_dir, plan: dict, prompt: list[int], opts):
             n.stop()
 
 
+def same_bits_on_nodes_and_streamed(model_dir, prompt: list[int], shards: Path, nodes: int = 2):
+    """Generate 8 tokens with every expert in RAM, through `nodes` nodes (one replica each) and
+    streamed under the smallest --ram budget (64 positions), and check that the three give the
+    same tokens and logits bits; -> the streamed runtime's store stats and whether its trunk
+    was streamed."""
+    from moeshard.coordinator.generate import SamplingOptions, generate
+    from moeshard.coordinator.runtime import open_local, open_streaming
+    from moeshard.moe.convert.placement import shard_model
+    from moeshard.moe.storage.budget import plan_budget
+
+    opts = SamplingOptions(max_tokens=8, keep_logits=True)
+    local = generate(open_local(model_dir).transformer, prompt, opts)
+    remote, calls = generate_on_nodes(model_dir, shard_model(model_dir, nodes, 1, shards), prompt,
+                                      opts)  # fmt: skip
+    rt = open_streaming(model_dir, plan_budget(ModelDir(model_dir), 1 << 40, 64).minimum, 64)
+    try:
+        streamed = generate(rt.transformer, prompt, opts)
+        stats, trunk = rt.experts.stats(), rt.transformer.trunk
+        trunk_streamed = bool(trunk.streamed) and trunk.bytes_read > 0
+    finally:
+        rt.close()
+    assert all(c > 0 for c in calls)
+    for run in (remote, streamed):
+        assert run.tokens == local.tokens
+        assert all(np.array_equal(a, b) for a, b in zip(run.logits, local.logits, strict=True))
+    return stats, trunk_streamed
+
+
 def node_process(
     path, *flags: str, allow: str | None = None, insecure: bool = False, allow_any: bool = False
 ):

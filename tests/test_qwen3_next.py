@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 from helpers import FIXTURES, reference
 
-from moeshard.coordinator.generate import SamplingOptions, generate
-from moeshard.coordinator.runtime import open_local, open_streaming
+from moeshard.coordinator.runtime import open_local
 from moeshard.moe.convert.converter import convert
 from moeshard.moe.errors import ConfigError
 from moeshard.moe.model.families import load_config
@@ -32,7 +31,7 @@ def edited(tmp_path, name: str, edit):
 def test_the_two_forms_read_the_same_model():
     nxt = load_config(FIXTURES / "qwen3_next")
     assert nxt.linear_layers == (0, 1, 2) and nxt.full_layers == (3,)  # full_attention_interval
-    assert nxt.moe_layers == (0, 2, 3) and nxt.dense_intermediate == 96  # mlp_only_layers [1]
+    assert nxt.moe_layers == (0, 2, 3) and nxt.dense_intermediate == 64  # mlp_only_layers [1]
     assert nxt.rope.dim == 8 and nxt.fused_projections  # 32 * partial_rotary_factor 0.25
     wrapped = load_config(FIXTURES / "qwen3_5_moe")  # the published wrapper: text_config
     raw = json.loads((FIXTURES / "qwen3_5_moe" / "config.rope_parameters.json").read_text())
@@ -131,27 +130,17 @@ def test_recurrent_state_rolls_back_to_a_recent_step(converted, name):
 def test_two_nodes_and_the_smallest_ram_budget_give_the_same_bits(converted, tmp_path, name):
     """The coordinator keeps the recurrent states and KV caches; nodes and the streamed store
     see expert rows: the same tokens and logits bits as one process with every expert in RAM."""
-    from helpers import generate_on_nodes
+    from helpers import same_bits_on_nodes_and_streamed
 
-    from moeshard.moe.convert.placement import shard_model
-    from moeshard.moe.model.model_dir import ModelDir
-    from moeshard.moe.storage.budget import plan_budget
-
-    model = converted(name)
     prompt = [int(t) for t in reference(name)["prompt_ids"]]
-    opts = SamplingOptions(max_tokens=8, keep_logits=True)
-    local = generate(open_local(model).transformer, prompt, opts)
-    plan = shard_model(model, 2, 1, tmp_path / "shards")
-    remote, calls = generate_on_nodes(model, plan, prompt, opts)
-    assert remote.tokens == local.tokens and all(c > 0 for c in calls)
-    assert all(np.array_equal(a, b) for a, b in zip(remote.logits, local.logits, strict=True))
-    minimum = plan_budget(ModelDir(model), 1 << 40, 64).minimum
-    rt = open_streaming(model, minimum, 64)
-    try:
-        streamed = generate(rt.transformer, prompt, opts)
-        assert rt.experts.stats()["misses"] > 0
-        assert rt.transformer.trunk.streamed and rt.transformer.trunk.bytes_read > 0
-    finally:
-        rt.close()
-    assert streamed.tokens == local.tokens
-    assert all(np.array_equal(a, b) for a, b in zip(streamed.logits, local.logits, strict=True))
+    model = converted(name)
+    stats, trunk_streamed = same_bits_on_nodes_and_streamed(model, prompt, tmp_path / "shards")
+    assert stats["misses"] > 0 and trunk_streamed
+
+
+def test_inspect_shows_the_layer_map(converted):
+    from moeshard.moe.model.report import describe
+
+    text, _ = describe(converted("qwen3_5_moe"))
+    assert "Gated DeltaNet 0,1,2 (2 key and 4 value heads of 16/8" in text
+    assert "gated attention 3 (4/2 heads of 32, rotary 8); vision tower not run" in text

@@ -123,8 +123,10 @@ def _synth_arguments(p) -> None:
         "--preset",
         choices=ALL_PRESETS,
         default="k3-mini",
-        help="geometry (moe/convert/synth.py, synth_k3.py): k3, k3-mini and k3-full are Kimi "
-        "K3 (LatentMoE, MXFP4 experts); k3-shaped and tiny are Qwen3-MoE",
+        help="geometry (moe/convert/synth.py, synth_k3.py, model/qwen3_next_shapes.py): k3, "
+        "k3-mini and k3-full are Kimi K3 (LatentMoE, MXFP4 experts); k3-shaped and tiny are "
+        "Qwen3-MoE; qwen3.6-35b-a3b and qwen3-next-80b-a3b are those models at their "
+        "published shapes",
     )
     p.add_argument(
         "--checkpoint",

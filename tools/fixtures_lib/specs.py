@@ -27,9 +27,9 @@ YARN_KIMI = dict(
 
 # the text model both Qwen3-Next and Qwen3.5-MoE fixtures share
 QWEN3_NEXT_TEXT = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=16,
+    hidden_size=32,
+    intermediate_size=64,
+    moe_intermediate_size=32,  # (q4_0 experts need rows of whole 32-weight blocks)
     shared_expert_intermediate_size=32,
     num_hidden_layers=4,
     num_attention_heads=4,
@@ -283,7 +283,7 @@ SPECS: dict[str, dict] = {
             hidden_size=16,
             intermediate_size=32,
             num_heads=2,
-            out_hidden_size=64,
+            out_hidden_size=32,
             num_position_embeddings=16,
             patch_size=4,
             spatial_merge_size=1,

@@ -78,7 +78,7 @@ from moeshard.moe.model.layers import (
     attend,
     next_layer_hint,
     rms_norm,
-    rope_cos_sin,
+    rope_per_sequence,
     sigmoid,
     swiglu_mlp,
 )
@@ -387,11 +387,7 @@ class Transformer:
         c, seq = self.config, Segments(batch)
         for cache in seq.caches():
             cache.snapshot()
-        rope = [
-            rope_cos_sin(np.arange(cache.length, cache.length + len(ids)), self.inv_freq,
-                         self.rope_scale)
-            for ids, cache in seq.batch
-        ]  # fmt: skip  # cos, sin [T_s, rot/2] per sequence
+        rope = rope_per_sequence(seq, self.inv_freq, self.rope_scale)  # [T_s, rot/2] each
 
         def mix(i: int, h: np.ndarray) -> np.ndarray:
             return seq.each(h, lambda s, hs, cache: self.mixer(i, hs, cache, rope[s]))
