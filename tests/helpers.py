@@ -296,6 +296,30 @@ def generate_on_nodes(model_dir, plan: dict, prompt: list[int], opts):
             n.stop()
 
 
+def check_recurrent_rollback(model, prompt) -> None:
+    """A recurrent (KDA, Gated DeltaNet) model's cache with `keep_rollback(3)` goes back to the
+    start of either of the last two steps and recomputes the same bits; further back, or
+    without keep_rollback, it refuses."""
+    import pytest
+
+    cache = model.new_cache(32)
+    cache.keep_rollback(3)
+    model.forward(prompt, cache)
+    first = model.forward(np.array([61]), cache)  # one decode step from the prompt's length
+    model.forward(np.array([370]), cache)
+    cache.truncate(len(prompt))  # roll back both steps (states, and any keys alike)
+    np.testing.assert_array_equal(model.forward(np.array([61]), cache), first)
+    for _ in range(3):
+        model.forward(np.array([5]), cache)
+    with pytest.raises(ValueError, match="only the starts of the last 3 steps"):
+        cache.truncate(len(prompt))
+    plain = model.new_cache(32)  # without keep_rollback: no copies, no rollback
+    model.forward(prompt, plain)
+    model.forward(np.array([61]), plain)
+    with pytest.raises(ValueError, match="cannot roll a recurrent"):
+        plain.truncate(len(prompt))
+
+
 def same_bits_on_nodes_and_streamed(model_dir, prompt: list[int], shards: Path, nodes: int = 2):
     """Generate 8 tokens with every expert in RAM, through `nodes` nodes (one replica each) and
     streamed under the smallest --ram budget (64 positions), and check that the three give the

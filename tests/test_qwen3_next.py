@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 from helpers import FIXTURES, reference
 
@@ -106,24 +105,9 @@ def test_convert_says_it_skips_the_vision_tower_and_the_mtp_head(tmp_path):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_recurrent_state_rolls_back_to_a_recent_step(converted, name):
-    model = open_local(converted(name)).transformer
-    prompt = reference(name)["prompt_ids"]
-    cache = model.new_cache(40)
-    cache.keep_rollback(3)
-    model.forward(prompt, cache)
-    first = model.forward(np.array([61]), cache)  # one decode step from the prompt's length
-    model.forward(np.array([370]), cache)
-    cache.truncate(len(prompt))  # roll back both steps: states and keys alike
-    np.testing.assert_array_equal(model.forward(np.array([61]), cache), first)
-    for _ in range(3):
-        model.forward(np.array([5]), cache)
-    with pytest.raises(ValueError, match="only the starts of the last 3 steps"):
-        cache.truncate(len(prompt))
-    plain = model.new_cache(40)  # without keep_rollback: no copies, no rollback
-    model.forward(prompt, plain)
-    model.forward(np.array([61]), plain)
-    with pytest.raises(ValueError, match="cannot roll a recurrent"):
-        plain.truncate(len(prompt))
+    from helpers import check_recurrent_rollback
+
+    check_recurrent_rollback(open_local(converted(name)).transformer, reference(name)["prompt_ids"])
 
 
 @pytest.mark.parametrize("name", FAMILIES)
