@@ -188,6 +188,8 @@ class Config(SwigluExperts):
         if len(moe_layers) < layers:
             dense_inter = width("intermediate_size")
         eos = text.get("eos_token_id", raw.get("eos_token_id"))
+        # (the wrapper says it at top level; transformers writes it in text_config too)
+        tie_source = text if "tie_word_embeddings" in text else raw
         return cls(
             model_type=model_type,
             vocab_size=width("vocab_size", 1 << 24),
@@ -197,7 +199,7 @@ class Config(SwigluExperts):
             num_key_value_heads=width("num_key_value_heads", 4096),
             head_dim=head_dim,
             rms_norm_eps=float(need("rms_norm_eps")),
-            tie_word_embeddings=bool(need("tie_word_embeddings")),
+            tie_word_embeddings=bool(require(tie_source, "tie_word_embeddings", where)),
             attention_bias=bool(need("attention_bias")),
             rope=parse_rope(text, _rotary_dim(text, head_dim, where), where),
             linear_layers=linear,
