@@ -1,13 +1,14 @@
 """Qwen3-Next and Qwen3.5-MoE beyond the reference match (tests/test_reference.py): the layer
 map and the fused projections' order, a config that leaves a field out is refused by name,
 convert says what it skips (vision tower, MTP head), the Gated DeltaNet state rolls back to a
-recent step, and the same tokens and logits bits come through two nodes and under the
-smallest RAM budget."""
+recent step (and does, past a lying node in an audited run), and the same tokens and logits
+bits come through two nodes and under the smallest RAM budget."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from helpers import FIXTURES, reference
 
@@ -128,3 +129,38 @@ def test_inspect_shows_the_layer_map(converted):
     text, _ = describe(converted("qwen3_5_moe"))
     assert "Gated DeltaNet 0,1,2 (2 key and 4 value heads of 16/8" in text
     assert "gated attention 3 (4/2 heads of 32, rotary 8); vision tower not run" in text
+
+
+def test_an_audited_run_rolls_the_recurrent_state_back_past_a_liar(converted, tmp_path):
+    """A node that scales its replies by 1 + 5e-6 is caught by the audits; the steps that used
+    its unchecked work are recomputed from the Gated DeltaNet states kept for rollback, and the
+    tokens and logits are one machine's, bit for bit."""
+    from helpers import NodeProcess, remote_runtime
+
+    from moeshard.coordinator.generate import SamplingOptions, generate
+    from moeshard.moe.convert.placement import shard_model
+    from moeshard.node import failpoints
+
+    model = converted("qwen3_5_moe")
+    prompt = [int(t) for t in reference("qwen3_5_moe")["prompt_ids"]]
+    opts = SamplingOptions(max_tokens=24, keep_logits=True)
+    local = generate(open_local(model).transformer, prompt, opts)
+    plan = shard_model(model, 2, 1, tmp_path / "shards")
+    honest = [NodeProcess(n["dir"], advertise=False) for n in plan["nodes"]]
+    liar = NodeProcess(model, advertise=False, env={failpoints.ENV: "lie=scale:1.000005"})
+    try:
+        for node in [*honest, liar]:
+            node.wait_ready()
+        specs = [n.spec for n in [*honest, liar]]
+        transformer, remote = remote_runtime(model, specs, backoff_s=60.0, audit=0.5, audit_new=4)
+        try:
+            result = generate(transformer, prompt, opts, verifier=remote.verifier)
+        finally:
+            remote.close()
+        bad = next(p for p in remote.peers.peers if p.node_id == liar.node_id)
+    finally:
+        for node in [*honest, liar]:
+            node.stop()
+    assert bad.disqualified and result.rollbacks > 0, (bad.calls, result.rollbacks)
+    assert result.tokens == local.tokens
+    assert all(np.array_equal(a, b) for a, b in zip(result.logits, local.logits, strict=True))
