@@ -296,6 +296,58 @@ def generate_on_nodes(model_dir, plan: dict, prompt: list[int], opts):
             n.stop()
 
 
+def check_recurrent_rollback(model, prompt) -> None:
+    """A recurrent (KDA, Gated DeltaNet) model's cache with `keep_rollback(3)` goes back to the
+    start of either of the last two steps and recomputes the same bits; further back, or
+    without keep_rollback, it refuses."""
+    import pytest
+
+    cache = model.new_cache(32)
+    cache.keep_rollback(3)
+    model.forward(prompt, cache)
+    first = model.forward(np.array([61]), cache)  # one decode step from the prompt's length
+    model.forward(np.array([370]), cache)
+    cache.truncate(len(prompt))  # roll back both steps (states, and any keys alike)
+    np.testing.assert_array_equal(model.forward(np.array([61]), cache), first)
+    for _ in range(3):
+        model.forward(np.array([5]), cache)
+    with pytest.raises(ValueError, match="only the starts of the last 3 steps"):
+        cache.truncate(len(prompt))
+    plain = model.new_cache(32)  # without keep_rollback: no copies, no rollback
+    model.forward(prompt, plain)
+    model.forward(np.array([61]), plain)
+    with pytest.raises(ValueError, match="cannot roll a recurrent"):
+        plain.truncate(len(prompt))
+
+
+def same_bits_on_nodes_and_streamed(model_dir, prompt: list[int], shards: Path, nodes: int = 2):
+    """Generate 8 tokens with every expert in RAM, through `nodes` nodes (one replica each) and
+    streamed under the smallest --ram budget (64 positions), and check that the three give the
+    same tokens and logits bits; -> the streamed runtime's store stats and whether its trunk
+    was streamed."""
+    from moeshard.coordinator.generate import SamplingOptions, generate
+    from moeshard.coordinator.runtime import open_local, open_streaming
+    from moeshard.moe.convert.placement import shard_model
+    from moeshard.moe.storage.budget import plan_budget
+
+    opts = SamplingOptions(max_tokens=8, keep_logits=True)
+    local = generate(open_local(model_dir).transformer, prompt, opts)
+    remote, calls = generate_on_nodes(model_dir, shard_model(model_dir, nodes, 1, shards), prompt,
+                                      opts)  # fmt: skip
+    rt = open_streaming(model_dir, plan_budget(ModelDir(model_dir), 1 << 40, 64).minimum, 64)
+    try:
+        streamed = generate(rt.transformer, prompt, opts)
+        stats, trunk = rt.experts.stats(), rt.transformer.trunk
+        trunk_streamed = bool(trunk.streamed) and trunk.bytes_read > 0
+    finally:
+        rt.close()
+    assert all(c > 0 for c in calls)
+    for run in (remote, streamed):
+        assert run.tokens == local.tokens
+        assert all(np.array_equal(a, b) for a, b in zip(run.logits, local.logits, strict=True))
+    return stats, trunk_streamed
+
+
 def node_process(
     path, *flags: str, allow: str | None = None, insecure: bool = False, allow_any: bool = False
 ):

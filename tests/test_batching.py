@@ -64,7 +64,17 @@ def k3(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "family", ["deepseek_v3", "kimi_linear", "olmoe", "kimi_k3", "glm4_moe", "glm4_moe_lite"]
+    "family",
+    [
+        "deepseek_v3",
+        "kimi_linear",
+        "olmoe",
+        "kimi_k3",
+        "glm4_moe",
+        "glm4_moe_lite",
+        "qwen3_next",
+        "qwen3_5_moe",
+    ],
 )
 def test_every_family_batches_with_alone_bits(family, converted, k3):
     """A prefill beside decode rows and other prefills, for each family's forward_batch."""
@@ -97,7 +107,9 @@ def family_model(family: str, demo, converted, k3):
     return open_local(path).transformer
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3", "qwen3_next", "qwen3_5_moe"]
+)
 def test_last_only_gives_the_last_rows_bits(family, demo, converted, k3):
     """`forward_batch(..., last_only=True)` (what sampling reads: no LM head over a prompt's
     other rows) gives each sequence's last row of the full logits, bit for bit, and
@@ -123,7 +135,9 @@ def test_last_only_gives_the_last_rows_bits(family, demo, converted, k3):
     np.testing.assert_array_equal(alone, full_first[0][-1:])
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3", "qwen3_next", "qwen3_5_moe"]
+)
 def test_a_prompt_fed_in_pieces_gives_its_whole_logits(family, demo, converted, k3):
     """The serving engine feeds a long prompt in pieces (`Engine.prefill_chunk`): a piece
     after the first continues from the cache the earlier ones filled (KV, latent or KDA

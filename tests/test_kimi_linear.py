@@ -50,26 +50,10 @@ def test_the_layer_map_must_cover_every_layer_once(tmp_path):
 
 
 def test_recurrent_state_rolls_back_to_a_recent_step(converted):
+    from helpers import check_recurrent_rollback
+
     rt = open_local(converted("kimi_linear"))
-    model = rt.transformer
-    prompt = reference("kimi_linear")["prompt_ids"]
-    cache = model.new_cache(32)
-    cache.keep_rollback(3)
-    model.forward(prompt, cache)
-    first = model.forward(np.array([61]), cache)  # one decode step from length 7
-    model.forward(np.array([370]), cache)
-    cache.truncate(len(prompt))  # roll back both steps
-    again = model.forward(np.array([61]), cache)
-    np.testing.assert_array_equal(again, first)
-    for _ in range(3):
-        model.forward(np.array([5]), cache)
-    with pytest.raises(ValueError, match="only the starts of the last 3 steps"):
-        cache.truncate(len(prompt))
-    plain = model.new_cache(32)  # without keep_rollback: no copies, no rollback
-    model.forward(prompt, plain)
-    model.forward(np.array([61]), plain)
-    with pytest.raises(ValueError, match="cannot roll a recurrent"):
-        plain.truncate(len(prompt))
+    check_recurrent_rollback(rt.transformer, reference("kimi_linear")["prompt_ids"])
 
 
 def test_default_formats_generate_close_to_f32(converted):

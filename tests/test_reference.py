@@ -47,7 +47,17 @@ def test_matches_transformers(name, dialect, converted):
 
 
 @pytest.mark.parametrize(
-    "name", ["deepseek_v3", "qwen3_moe", "kimi_linear", "gpt_oss", "glm4_moe", "glm4_moe_lite"]
+    "name",
+    [
+        "deepseek_v3",
+        "qwen3_moe",
+        "kimi_linear",
+        "gpt_oss",
+        "glm4_moe",
+        "glm4_moe_lite",
+        "qwen3_next",
+        "qwen3_5_moe",
+    ],
 )
 def test_kv_cache_equals_recompute(name, converted):
     """Decoding with the cache gives the logits of re-running the whole sequence from scratch."""

@@ -36,6 +36,7 @@ The reference model for that fixture holds exactly `dequant` (float32); fp8 is w
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -51,6 +52,7 @@ import transformers  # noqa: E402
 from fixtures_lib.checkpoint import (  # noqa: E402
     FP8_BLOCK,
     add_mtp_layer,
+    add_qwen_mtp,
     dump_json,
     fp8_dequantize,
     fp8_quantize,
@@ -88,10 +90,15 @@ def build_fixture(
         s = seed + attempt
         torch.manual_seed(s)
         cfg = make_config(spec, eos_id)
-        model = AutoModelForCausalLM.from_config(
-            cfg, attn_implementation="eager", dtype=torch.float32
-        )
-        randomize(model, s)
+        if "vision_cfg" in spec:  # the published vision-language class, not the text model
+            model = getattr(transformers, spec["arch"])._from_config(
+                cfg, attn_implementation="eager", dtype=torch.float32
+            )
+        else:
+            model = AutoModelForCausalLM.from_config(
+                cfg, attn_implementation="eager", dtype=torch.float32
+            )
+        randomize(model, s, spec.get("offset_norms", False))
         model.eval().float()
         sd_pub, new_cfg = state_dict_published(model)
         fp8_store = {}
@@ -112,7 +119,7 @@ def build_fixture(
                     td, attn_implementation="eager", dtype=torch.float32
                 )
                 model.eval()
-        probe = RouterProbe(model, cfg)
+        probe = RouterProbe(model, getattr(cfg, "text_config", cfg))
         prefill, greedy, glogits = reference(model, prompt_ids)
         probe.close()
         rgap = float(min(probe.gaps)) if probe.gaps else float("inf")
@@ -146,6 +153,14 @@ def build_fixture(
         n = cfg.num_hidden_layers
         notes.append(f"MTP layer (skip at inference): {len(added)} tensors under model.layers.{n}.")
         nfiles = write_safetensors(sd, outdir, 2)
+    elif spec["layout"] in ("per_expert_mtp", "stacked_mtp"):
+        text = getattr(cfg, "text_config", cfg)
+        sd = dict(sd_pub)
+        if spec["layout"] == "stacked_mtp":  # (published Qwen3.5: stacked experts)
+            sd = to_stacked(sd, text, "model.language_model." if text is not cfg else "model.")
+        added = add_qwen_mtp(sd, text.hidden_size, s)
+        notes.append(f"MTP head (skip at inference): {len(added)} tensors under mtp.")
+        nfiles = write_safetensors(sd, outdir, 1)
     elif spec["layout"] == "sharded_fp8":
         sd = {}
         for k, v in sd_pub.items():
@@ -170,8 +185,21 @@ def build_fixture(
             "quant_method": "fp8",
             "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
         }
-    dump_json(new_cfg, os.path.join(outdir, "config.rope_parameters.json"))
-    dump_json(old_dialect(new_cfg, spec), os.path.join(outdir, "config.json"))
+    if "vision_cfg" in spec:
+        # published: the wrapper as save_pretrained writes it (its text_config already in the
+        # rope_parameters dialect); the other dialect: the text-only model's own config
+        new_cfg["text_config"].update(spec.get("text_extra", {}))
+        dump_json(new_cfg, os.path.join(outdir, "config.json"))
+        text_cfg = cfg.text_config
+        text_cfg.architectures = [spec["text_arch"]]
+        with tempfile.TemporaryDirectory() as td:
+            text_cfg.save_pretrained(td)
+            with open(os.path.join(td, "config.json")) as fh:
+                text_only = json.load(fh)
+        dump_json(text_only, os.path.join(outdir, "config.rope_parameters.json"))
+    else:
+        dump_json(new_cfg, os.path.join(outdir, "config.rope_parameters.json"))
+        dump_json(old_dialect(new_cfg, spec), os.path.join(outdir, "config.json"))
     dump_json(
         {
             "_from_model_config": True,
@@ -188,7 +216,7 @@ def build_fixture(
             "bos_token": EOS_TOKEN,
             "eos_token": EOS_TOKEN,
             "add_bos_token": False,
-            "model_max_length": cfg.max_position_embeddings,
+            "model_max_length": getattr(cfg, "text_config", cfg).max_position_embeddings,
         },
         os.path.join(outdir, "tokenizer_config.json"),
     )
@@ -238,16 +266,13 @@ def main():
     tok = build_tokenizer()
     eos_id = tok.token_to_id(EOS_TOKEN)
     enc = tok.encode("The quick brown fox jumps over the lazy dog and the river").ids
-    assert len(enc) >= PROMPT_LEN, enc
-    prompt_ids = enc[:PROMPT_LEN]
-    print(
-        f"vocab {tok.get_vocab_size()}, eos {eos_id}, "
-        f"prompt {prompt_ids} = {tok.decode(prompt_ids)!r}"
-    )
+    print(f"vocab {tok.get_vocab_size()}, eos {eos_id}, prompt {enc} = {tok.decode(enc)!r}")
 
     names = [n for n in ORDER if not args.only or n in args.only.split(",")]
     for n in names:
-        build_fixture(n, args.out, tok, prompt_ids, eos_id)
+        length = SPECS[n].get("prompt_len", PROMPT_LEN)  # (recurrent layers: a longer prompt)
+        assert len(enc) >= length, (n, enc)
+        build_fixture(n, args.out, tok, enc[:length], eos_id)
 
 
 if __name__ == "__main__":

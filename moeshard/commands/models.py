@@ -123,10 +123,12 @@ def _synth_arguments(p) -> None:
         "--preset",
         choices=ALL_PRESETS,
         default="k3-mini",
-        help="geometry (moe/convert/synth.py, synth_k3.py, synth_gpt_oss.py): k3, k3-mini and "
-        "k3-full are Kimi K3 (LatentMoE, MXFP4 experts); gpt-oss-20b and gpt-oss-120b are "
-        "OpenAI's (MXFP4 experts with biases; --layers scales them); k3-shaped and tiny are "
-        "Qwen3-MoE",
+        help="geometry (moe/convert/synth.py, synth_k3.py, synth_gpt_oss.py, "
+        "model/qwen3_next_shapes.py): k3, k3-mini and k3-full are Kimi K3 (LatentMoE, MXFP4 "
+        "experts); gpt-oss-20b and gpt-oss-120b are OpenAI's (MXFP4 experts with biases; "
+        "--layers scales them); glm-4.6, glm-4.5-air are GLM's; qwen3.6-35b-a3b and "
+        "qwen3-next-80b-a3b are those models at their published shapes; k3-shaped and tiny "
+        "are Qwen3-MoE",
     )
     p.add_argument(
         "--checkpoint",

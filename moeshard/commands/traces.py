@@ -103,8 +103,9 @@ def add_simulate(sub) -> None:
     p.add_argument(
         "--geometry",
         default="k3",
-        help="k3, k2, gpt-oss-20b, gpt-oss-120b (as published), a synth preset (e.g. glm-4.6: "
-        "the model it would write), or a model directory",
+        help="k3, k2, gpt-oss-20b, gpt-oss-120b, qwen3.6-35b-a3b, qwen3-next-80b-a3b (as "
+        "published), a synth preset (e.g. glm-4.6: the model it would write), or a model "
+        "directory",
     )
     p.add_argument("--ram", default="8G", help="RAM budget, e.g. 8G")
     p.add_argument(

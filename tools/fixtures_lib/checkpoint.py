@@ -65,10 +65,11 @@ def state_dict_published(model) -> dict[str, torch.Tensor]:
     return sd, new_cfg
 
 
-def to_stacked(sd: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+def to_stacked(sd: dict[str, torch.Tensor], cfg, prefix: str = "model.") -> dict[str, torch.Tensor]:
     """Per-expert -> transformers' internal stacked form.
 
     experts.gate_up_proj [E, 2I, H] (rows :I = gate, I: = up), experts.down_proj [E, H, I].
+    `prefix`: where the decoder's layers are (a vision-language wrapper: model.language_model.).
     """
     out = {}
     E = cfg.num_experts
@@ -77,7 +78,7 @@ def to_stacked(sd: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
             continue
         out[k] = v
     for L in range(cfg.num_hidden_layers):
-        p = f"model.layers.{L}.mlp.experts"
+        p = f"{prefix}layers.{L}.mlp.experts"
         if f"{p}.0.gate_proj.weight" not in sd:
             continue
         gate = torch.stack([sd[f"{p}.{e}.gate_proj.weight"] for e in range(E)])
@@ -113,6 +114,21 @@ def add_mtp_layer(sd: dict[str, torch.Tensor], cfg, seed: int) -> list[str]:
         sd[dst + k] = v.float()
         added.append(dst + k)
     return added
+
+
+def add_qwen_mtp(sd: dict[str, torch.Tensor], hidden: int, seed: int) -> list[str]:
+    """A Qwen3-Next / Qwen3.5 style multi-token-prediction head (`mtp.*`, as published; a few
+    of its tensors): transformers ignores them on load, inference must skip them."""
+    g = torch.Generator().manual_seed(seed + 777)
+    extra = {
+        "mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=g) / math.sqrt(2 * hidden),
+        "mtp.pre_fc_norm_embedding.weight": 0.1 * torch.randn(hidden, generator=g),
+        "mtp.pre_fc_norm_hidden.weight": 0.1 * torch.randn(hidden, generator=g),
+        "mtp.layers.0.input_layernorm.weight": 0.1 * torch.randn(hidden, generator=g),
+        "mtp.norm.weight": 0.1 * torch.randn(hidden, generator=g),
+    }
+    sd.update(extra)
+    return sorted(extra)
 
 
 def layer_key(name: str) -> tuple:
@@ -164,7 +180,7 @@ def old_dialect(new: dict, spec) -> dict:
     rp = dict(d.pop("rope_parameters"))
     d["rope_theta"] = rp.pop("rope_theta")
     rtype = rp.pop("rope_type")
-    if "partial_rotary_factor" in rp:  # GLM: top level in the published config.json
+    if "partial_rotary_factor" in rp:  # GLM, published Qwen3-Next: at top level
         d["partial_rotary_factor"] = rp.pop("partial_rotary_factor")
     if rtype == "default":
         d["rope_scaling"] = None

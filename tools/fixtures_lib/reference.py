@@ -23,6 +23,12 @@ def make_config(spec, eos_id: int):
     kw = dict(spec["cfg"])
     kw.update(vocab_size=VOCAB, bos_token_id=eos_id, eos_token_id=eos_id, tie_word_embeddings=False)
     kw["rope_parameters"] = dict(kw["rope_parameters"])
+    if "vision_cfg" in spec:  # a vision-language wrapper: the text model under text_config
+        kw = dict(
+            text_config=kw,
+            vision_config=dict(spec["vision_cfg"]),
+            tie_word_embeddings=False,
+        )
     cfg = cls(**kw)
     cfg.architectures = [spec["arch"]]
     cfg._attn_implementation = "eager"
@@ -30,8 +36,12 @@ def make_config(spec, eos_id: int):
 
 
 @torch.no_grad()
-def randomize(model, seed: int):
-    """Re-init all params (+ e_score_correction_bias) with fan-in scaled normals: wide logits."""
+def randomize(model, seed: int, offset_norms: bool = False):
+    """Re-init all params (+ e_score_correction_bias) with fan-in scaled normals: wide logits.
+
+    offset_norms: the model's RMSNorms multiply by 1 + w (Qwen3-Next), so their w is drawn
+    around 0 (the Gated DeltaNet's own norm multiplies by w: around 1); its A_log gives decay
+    rates in [0.02, 0.5], so the recurrent state remembers over the whole sequence."""
     g = torch.Generator().manual_seed(seed)
     tensors = dict(model.named_parameters())
     for n, b in model.named_buffers():
@@ -41,8 +51,11 @@ def randomize(model, seed: int):
         t = tensors[name]
         if name.endswith("e_score_correction_bias"):
             v = torch.randn(t.shape, generator=g) * 0.1
+        elif name.endswith("A_log") and offset_norms:
+            v = torch.empty(t.shape).uniform_(0.02, 0.5, generator=g).log()
         elif t.ndim == 1 and "norm" in name:
-            v = 1.0 + 0.2 * torch.randn(t.shape, generator=g)
+            centre = 0.0 if offset_norms and not name.endswith("linear_attn.norm.weight") else 1.0
+            v = centre + 0.2 * torch.randn(t.shape, generator=g)
         elif t.ndim == 1:  # biases
             v = 0.3 * torch.randn(t.shape, generator=g)
         elif name.endswith("embed_tokens.weight"):

@@ -25,6 +25,28 @@ YARN_KIMI = dict(
     mscale_all_dim=1.0,
 )
 
+# the text model both Qwen3-Next and Qwen3.5-MoE fixtures share
+QWEN3_NEXT_TEXT = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    moe_intermediate_size=32,  # (q4_0 experts need rows of whole 32-weight blocks)
+    shared_expert_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    num_experts=8,
+    num_experts_per_tok=2,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+)
+
 SPECS: dict[str, dict] = {
     "qwen3_moe": dict(
         model_type="qwen3_moe",
@@ -294,6 +316,55 @@ SPECS: dict[str, dict] = {
         old_extra=dict(topk_method="noaux_tc"),
         old_drop=("mlp_layer_types", "rope_interleave", "qk_head_dim"),
     ),
+    # Qwen3-Next: Gated DeltaNet layers 0-2 (GVA: 4 value heads over 2 key heads, dk 16 != dv 8),
+    # gated full attention at layer 3 (full_attention_interval 4), partial rotary (8 of 32
+    # dims), (1 + w) norms, a shared expert, layer 1 a dense MLP (mlp_only_layers); the
+    # published fused in_proj_qkvz / in_proj_ba and per-expert tensors, plus an mtp.* head
+    "qwen3_next": dict(
+        model_type="qwen3_next",
+        arch="Qwen3NextForCausalLM",
+        seed=8000,
+        layout="per_expert_mtp",
+        offset_norms=True,
+        prompt_len=12,  # > 2 * the convolution's width: the conv state and recurrence matter
+        cfg=QWEN3_NEXT_TEXT | dict(mlp_only_layers=[1], decoder_sparse_step=1, norm_topk_prob=True),
+        old_extra=dict(full_attention_interval=4),
+    ),
+    # Qwen3.5 / 3.6 MoE as published: the vision-language wrapper (a tiny vision tower, skipped
+    # at convert), text model under text_config, model.language_model.* names, stacked experts
+    # (gate_up_proj), an mtp.* head; config.rope_parameters.json is the text-only
+    # qwen3_5_moe_text config transformers' Qwen3_5MoeForCausalLM saves
+    "qwen3_5_moe": dict(
+        model_type="qwen3_5_moe",
+        arch="Qwen3_5MoeForConditionalGeneration",
+        text_arch="Qwen3_5MoeForCausalLM",
+        seed=9000,
+        layout="stacked_mtp",
+        offset_norms=True,
+        prompt_len=12,
+        cfg=QWEN3_NEXT_TEXT
+        | dict(
+            rope_parameters=dict(
+                rope_type="default",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.25,
+                mrope_section=[2, 1, 1],
+                mrope_interleaved=True,
+            )
+        ),
+        vision_cfg=dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=32,
+            num_position_embeddings=16,
+            patch_size=4,
+            spatial_merge_size=1,
+        ),
+        # the published text_config carries full_attention_interval beside layer_types
+        text_extra=dict(full_attention_interval=4, mtp_num_hidden_layers=1),
+    ),
 }
 ORDER = [
     "qwen3_moe",
@@ -305,4 +376,6 @@ ORDER = [
     "qwen3_moe_yarn",
     "glm4_moe",
     "glm4_moe_lite",
+    "qwen3_next",
+    "qwen3_5_moe",
 ]

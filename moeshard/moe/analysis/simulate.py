@@ -1,4 +1,5 @@
-"""`moeshard simulate TRACE --geometry k3|k2|PRESET|MODEL --ram SIZE --disk PROFILE`.
+"""`moeshard simulate TRACE --geometry NAME|PRESET|MODEL --ram SIZE --disk PROFILE` (NAME: one
+of `GEOMETRIES`, a published model's shape).
 
 Replays a routing trace against the expert cache policies, next-layer prefetch and the file
 layout, with a model of the disk (bandwidth by read size and queue depth) and of compute, and
@@ -122,11 +123,53 @@ def k3_geometry() -> Geometry:
     )  # fmt: skip
 
 
+def qwen3_next_geometry(name: str) -> Geometry:
+    """Qwen3.6-35B-A3B or Qwen3-Next-80B-A3B at the published shape
+    (`moeshard.moe.model.qwen3_next_shapes`), as `synth --preset` writes it: q4_0 experts
+    (1.69 MiB records), a q8_0 trunk (every trunk tensor counted at q8_0's rate)."""
+    from moeshard.moe.model.qwen3_next import Config
+    from moeshard.moe.model.qwen3_next_shapes import QWEN_PRESETS, released_config
+
+    c = Config.from_hf(released_config(QWEN_PRESETS[name]), name)
+    trunk = sum(math.prod(shape) for shape in c.trunk_shapes().values())
+    routed = len(c.moe_layers) * c.n_experts * 3 * c.hidden_size * c.expert_intermediate
+    record = q4_record(c.hidden_size, c.expert_intermediate)
+    trunk_bytes = int(trunk * TRUNK_BYTES_PER_WEIGHT["q8_0"])
+    return Geometry(
+        name, len(c.moe_layers), c.n_experts, c.top_k, record, trunk_bytes,
+        float(trunk + routed), float(trunk), row_width=c.hidden_size,
+    )  # fmt: skip
+
+
+def gpt_oss_geometry(name: str) -> Geometry:
+    """gpt-oss-20b or -120b as published: MXFP4 expert records with their biases (`mxfp4+bias`,
+    13.3 MB), the rest in bf16 as published (its parameters from the family's trunk tensors)."""
+    from moeshard.moe.kernels import quant
+    from moeshard.moe.model.gpt_oss import Config, published_config
+
+    c = Config.from_hf(published_config(name), name)
+    trunk = sum(math.prod(shape) for shape in c.trunk_shapes().values())
+    record = quant.expert_record_nbytes("mxfp4" + quant.BIAS, c.hidden_size, c.expert_intermediate)
+    routed = len(c.moe_layers) * c.n_experts * (3 * c.hidden_size + 2) * c.expert_intermediate
+    return Geometry(
+        name, len(c.moe_layers), c.n_experts, c.top_k, record, 2 * trunk, float(trunk + routed),
+        float(trunk), row_width=c.hidden_size,
+    )  # fmt: skip
+
+
 GEOMETRIES = {
     # Kimi K3: 2.78 T parameters, 92 MoE layers of 896 experts, 16 active, MXFP4 experts.
     "k3": k3_geometry(),
     # Kimi-K2 (DeepSeek-V3 architecture): 1.04 T, 384 experts, 8 active, 60 MoE layers.
     "k2": Geometry("k2", 60, 384, 8, q4_record(7168, 2048), int(16.0e9), 1.04e12, row_width=7168),
+    # Qwen3.6-35B-A3B: 40 MoE layers of 256 experts, 8 active; Qwen3-Next-80B-A3B: 48 of 512,
+    # 10 active (q4_0 experts, q8_0 trunk)
+    "qwen3.6-35b-a3b": qwen3_next_geometry("qwen3.6-35b-a3b"),
+    "qwen3-next-80b-a3b": qwen3_next_geometry("qwen3-next-80b-a3b"),
+    # gpt-oss-20b: 24 MoE layers of 32 experts, 4 active; -120b: 36 of 128 (MXFP4 experts
+    # with biases, bf16 trunk)
+    "gpt-oss-20b": gpt_oss_geometry("gpt-oss-20b"),
+    "gpt-oss-120b": gpt_oss_geometry("gpt-oss-120b"),
 }
 
 
@@ -404,31 +447,10 @@ CONFIGS = [
 ]
 
 
-def gpt_oss_geometry(name: str) -> Geometry:
-    """gpt-oss-20b or -120b as published: MXFP4 expert records with their biases (`mxfp4+bias`,
-    13.3 MB), the rest in bf16 as published (its parameters from the family's trunk tensors)."""
-    from moeshard.moe.kernels import quant
-    from moeshard.moe.model.gpt_oss import Config, published_config
-
-    c = Config.from_hf(published_config(name), name)
-    trunk = sum(math.prod(shape) for shape in c.trunk_shapes().values())
-    record = quant.expert_record_nbytes("mxfp4" + quant.BIAS, c.hidden_size, c.expert_intermediate)
-    routed = len(c.moe_layers) * c.n_experts * (3 * c.hidden_size + 2) * c.expert_intermediate
-    return Geometry(
-        name, len(c.moe_layers), c.n_experts, c.top_k, record, 2 * trunk, float(trunk + routed),
-        float(trunk), row_width=c.hidden_size,
-    )  # fmt: skip
-
-
-NAMED_LATER = ("gpt-oss-20b", "gpt-oss-120b")  # (worked out from the family's config on use)
-
-
 def geometry_of(spec: str) -> Geometry:
-    """A named geometry (k3, k2, gpt-oss-20b, gpt-oss-120b) or a model directory's."""
+    """A named geometry (`GEOMETRIES`) or the geometry of a model directory."""
     if spec in GEOMETRIES:
         return GEOMETRIES[spec]
-    if spec in NAMED_LATER:
-        return gpt_oss_geometry(spec)
     from moeshard.moe.kernels import quant
     from moeshard.moe.model.model_dir import ModelDir
     from moeshard.moe.storage.io import align_up

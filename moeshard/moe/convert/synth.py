@@ -4,7 +4,8 @@ shard format, at close to disk speed, for streaming benchmarks on models larger 
 The model is a valid model directory (config.json, trunk.gguf, experts-*.gguf, merkle.bin,
 moeshard.json; no tokenizer: use --prompt-ids): qwen3_moe for `PRESETS`, Kimi K3 (MXFP4
 experts, `moeshard.moe.convert.synth_k3`, which can also write the released checkpoint layout) for
-`synth_k3.K3_PRESETS`. Expert records are random quantised
+`synth_k3.K3_PRESETS`, Qwen3.6 / Qwen3-Next at their published shapes for
+`moeshard.moe.model.qwen3_next_shapes.QWEN_PRESETS`. Expert records are random quantised
 codes with one constant scale per matrix (sized so activations stay O(1)); they are generated as
 bytes, never as float32 weights, so writing is bound by the disk, the checksum and the
 possession roots (sha256 of every 4 KiB block), not quantisation.
@@ -24,7 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,7 @@ from moeshard.moe.convert.converter import trunk_format
 from moeshard.moe.convert.outdir import check_output, staged
 from moeshard.moe.errors import MoeshardError
 from moeshard.moe.kernels import layout, quant
+from moeshard.moe.model import qwen3_next_shapes
 from moeshard.moe.model.families import family_for, load_config
 from moeshard.moe.storage import merkle
 from moeshard.moe.storage.io import write_file
@@ -209,7 +211,14 @@ class RecordMaker:
         return rec
 
 
-ALL_PRESETS = sorted([*PRESETS, *synth_k3.K3_PRESETS, *synth_gpt_oss.GPT_OSS_PRESETS])
+ALL_PRESETS = sorted(
+    [
+        *PRESETS,
+        *synth_k3.K3_PRESETS,
+        *synth_gpt_oss.GPT_OSS_PRESETS,
+        *qwen3_next_shapes.QWEN_PRESETS,
+    ]
+)
 
 
 def preset_sizes(preset: str) -> tuple[dict, str, int]:
@@ -256,6 +265,9 @@ def synth(
         if gpt_oss:
             p = synth_gpt_oss.preset(preset, sizes.get("layers"))
             model_id = _write(tmp, Geometry.of_gpt_oss(p, seed), preset, seed, closing)
+        elif preset in qwen3_next_shapes.QWEN_PRESETS:
+            g = Geometry.of_qwen3_next(qwen3_next_shapes.preset(preset), seed)
+            model_id = _write(tmp, g, preset, seed, closing)
         elif not k3:
             model_id = _write(tmp, Geometry.of(PRESETS[preset], seed), preset, seed, closing)
         elif checkpoint:
@@ -302,6 +314,14 @@ class Geometry:
             record_nbytes=quant.expert_record_nbytes(fmt, p.width, p.width),
             experts_fmt=fmt,
         )
+
+    @classmethod
+    def of_qwen3_next(cls, q: qwen3_next_shapes.QwenNextPreset, seed: int) -> Geometry:
+        """Qwen3.6 / Qwen3-Next at the published shape: its config, `synth`'s trunk values and
+        records (for a preset of the same expert and router sizes)."""
+        p = Preset(q.hidden, q.inter, q.n_experts, q.top_k, q.layers, q.heads, q.kv_heads,
+                   q.head_dim, q.vocab, q.experts_fmt, q.trunk_fmt)  # fmt: skip
+        return replace(cls.of(p, seed), raw=qwen3_next_shapes.released_config(q))
 
     @classmethod
     def of_k3(cls, p: synth_k3.K3Preset, seed: int) -> Geometry:

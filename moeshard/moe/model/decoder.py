@@ -30,13 +30,16 @@ def prenorm_forward_batch(
     head: str,
     last_only: bool,
     fused: Callable[[int, np.ndarray, np.ndarray | None], np.ndarray | None] | None = None,
+    final_norm: np.ndarray | None = None,
 ) -> list[np.ndarray]:
     """Every sequence of `seq` through `model`'s trunk: `mix(i, h)` and `mlp(i, h)` are layer
     i's token mixer and MLP over all N rows, `norms(i)` its (input, post-attention) norm
     weights, `head` the output matrix's name. -> each sequence's logits [T_s, V] (last_only:
     its last row's, [1, V]); the caches advanced.  `fused(i, x, delta)`, if given, may run
     layer i in fewer calls (the same bits): x += delta, the layer on x (in place) -> its
-    MLP's output, the next delta; None where it does not apply (then the steps run)."""
+    MLP's output, the next delta; None where it does not apply (then the steps run).
+    `final_norm`: the final norm's weight when it is not model.norm.weight as stored (Qwen3-Next
+    stores 1 + w as w)."""
     c, w = model.config, model.trunk
     eps = c.rms_norm_eps
     x = w.embed("model.embed_tokens.weight", seq.ids)  # [N, H], the residual, in place
@@ -52,7 +55,9 @@ def prenorm_forward_batch(
         h = _add_norm(x, mix(i, h), after, eps)  # [N, H]
         delta = mlp(i, h)  # [N, H]
     seq.advance()
-    h = _add_norm(x, delta, w.vector("model.norm.weight"), eps)  # [N, H]
+    if final_norm is None:
+        final_norm = w.vector("model.norm.weight")
+    h = _add_norm(x, delta, final_norm, eps)  # [N, H]
     return seq.logits(h, w.linear(head), last_only)  # [T_s, V] (or [1, V]) each
 
 

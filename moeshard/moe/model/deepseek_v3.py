@@ -44,7 +44,7 @@ from moeshard.moe.model.layers import (
     causal_mask,
     next_layer_hint,
     rms_norm,
-    rope_cos_sin,
+    rope_per_sequence,
     sigmoid,
     softmax,
     swiglu_mlp,
@@ -252,11 +252,7 @@ class Transformer:
         `forward_batch`: attention per sequence on its own cache, everything else (and one
         experts call per MoE layer) over every sequence's rows."""
         seq = Segments(batch)
-        rope = [
-            rope_cos_sin(np.arange(cache.length, cache.length + len(ids)), self.inv_freq,
-                         self.rope_scale)
-            for ids, cache in seq.batch
-        ]  # fmt: skip  # cos, sin [T_s, rope/2] per sequence
+        rope = rope_per_sequence(seq, self.inv_freq, self.rope_scale)  # cos, sin per sequence
 
         def mix(i: int, h: np.ndarray) -> np.ndarray:
             return seq.each(h, lambda s, hs, cache: self.attention(i, hs, *rope[s], cache))

@@ -14,6 +14,7 @@ from moeshard.moe.model import (
     gpt_oss,
     kimi_k3,
     kimi_linear,
+    qwen3_next,
     qwen_moe,
 )
 from moeshard.moe.model.config import read_json
@@ -26,6 +27,7 @@ FAMILIES: dict[str, ModuleType] = {
     **{t: glm4_moe for t in glm4_moe.MODEL_TYPES},
     **{t: glm4_moe_lite for t in glm4_moe_lite.MODEL_TYPES},
     **{t: gpt_oss for t in gpt_oss.MODEL_TYPES},
+    **{t: qwen3_next for t in qwen3_next.MODEL_TYPES},
 }
 
 

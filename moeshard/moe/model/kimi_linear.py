@@ -24,7 +24,7 @@ import numpy as np
 from moeshard.moe.errors import ConfigError
 from moeshard.moe.model import deepseek_v3
 from moeshard.moe.model.config import RopeConfig, check_int, decoder_shapes, require
-from moeshard.moe.model.kda import KdaState, KdaWeights, kda_forward
+from moeshard.moe.model.kda import KdaState, KdaWeights, RecurrentStates, kda_forward
 from moeshard.moe.model.layers import Segments
 
 MODEL_TYPES = ("kimi_linear",)
@@ -188,14 +188,9 @@ def canonical_name(name: str) -> str:
     return name
 
 
-class HybridCache:
-    """Per MLA layer the latent cache (as `deepseek_v3.LatentCache`), per KDA layer its state.
-
-    A recurrent state cannot be cut back like a KV cache.  When rollbacks may come (a network
-    run whose nodes are audited: `keep_rollback`), the cache keeps a copy of the KDA states at
-    the start of each of the last `rollback_steps` forward calls, and `truncate` goes back to
-    any of those lengths; otherwise, and further back, it refuses.  (Each copy costs
-    `Config.state_bytes`; the RAM plan counts them.)"""
+class HybridCache(RecurrentStates):
+    """Per MLA layer the latent cache (as `deepseek_v3.LatentCache`), per KDA layer its state
+    (`kda`), which rolls back as `RecurrentStates` says."""
 
     def __init__(self, config: Config, max_len: int):
         mla, n = set(config.mla_layers), config.num_hidden_layers
@@ -207,39 +202,11 @@ class HybridCache:
         self.latent, self.k_rot = rows(rank), rows(rope)
         # (None for the KDA layers: `deepseek_v3.Transformer.attention` runs on MLA layers only)
         sizes = (config.kda_heads, config.kda_head_dim, config.kda_kernel)
-        self.kda = {i: KdaState.empty(*sizes) for i in config.kda_layers}
-        self.length = 0
-        self.max_len = max_len
-        self.rollback_steps = 0
-        self._snapshots: list[tuple[int, dict[int, KdaState]]] = []
+        super().__init__({i: KdaState.empty(*sizes) for i in config.kda_layers}, max_len)
 
-    def keep_rollback(self, steps: int) -> None:
-        """Keep the states of the last `steps` step starts, for `truncate`."""
-        self.rollback_steps = steps
-
-    def snapshot(self) -> None:
-        """Keep the KDA states at the current length (called at the start of a forward)."""
-        if not self.rollback_steps:
-            return
-        copies = {i: KdaState(s.conv_tail.copy(), s.s.copy()) for i, s in self.kda.items()}
-        self._snapshots = [(n, s) for n, s in self._snapshots if n < self.length]
-        self._snapshots = (self._snapshots + [(self.length, copies)])[-self.rollback_steps :]
-
-    def truncate(self, length: int) -> None:
-        """Forget every position from `length` on (a rollback: they are computed again)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
-        if length == self.length:
-            return
-        kept = dict(self._snapshots).get(length)
-        if kept is None:
-            raise ValueError(
-                f"cannot roll a recurrent (KDA) state back to {length} positions: only the "
-                f"starts of the last {self.rollback_steps} steps are kept"
-            )
-        self.kda = {i: KdaState(s.conv_tail.copy(), s.s.copy()) for i, s in kept.items()}
-        self._snapshots = [(n, s) for n, s in self._snapshots if n <= length]
-        self.length = length
+    @property
+    def kda(self) -> dict[int, KdaState]:
+        return self.states
 
 
 class Transformer(deepseek_v3.Transformer):

@@ -67,6 +67,14 @@ def rope_cos_sin(
     ).astype(np.float32)
 
 
+def rope_per_sequence(seq, inv_freq: np.ndarray, scale: float) -> list[tuple]:
+    """cos, sin [T_s, dim/2] for each sequence of `seq` (`Segments`) at its own positions."""
+    return [
+        rope_cos_sin(np.arange(cache.length, cache.length + len(ids)), inv_freq, scale)
+        for ids, cache in seq.batch
+    ]
+
+
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, interleave: bool) -> np.ndarray:
     """Rotate x [T, heads, dim] by per-position angles (cos/sin [T, dim/2]).
 

@@ -27,6 +27,16 @@ def describe(path: str | Path, verify: bool = False) -> tuple[str, bool]:
             f"{c.kda_head_dim}, state {fmt_bytes(c.state_bytes())}); MLA {mla or '-'} "
             f"(latent {c.kv_lora_rank}, no positions)"
         )
+    if getattr(c, "linear_layers", None) is not None:  # Qwen3-Next / Qwen3.5: Gated DeltaNet
+        lin, full = ",".join(map(str, c.linear_layers)), ",".join(map(str, c.full_layers))
+        vision = "; vision tower not run" if c.has_vision else ""
+        lines.append(
+            f"attention  (layers from 0) Gated DeltaNet {lin or '-'} ({c.linear_key_heads} key "
+            f"and {c.linear_value_heads} value heads of {c.linear_key_dim}/{c.linear_value_dim}, "
+            f"state {fmt_bytes(c.state_bytes())}); gated attention {full or '-'} "
+            f"({c.num_attention_heads}/{c.num_key_value_heads} heads of {c.head_dim}, rotary "
+            f"{c.rope.dim}){vision}"
+        )
     if getattr(c, "latent_size", None) is not None:  # Kimi K3's additions
         vision = "; vision tower not run" if c.has_vision else ""
         lines.append(
