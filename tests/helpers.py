@@ -54,7 +54,7 @@ def checkpoint_in_dialect(name: str, dialect: str, tmp: Path) -> Path:
     """
     src = FIXTURES / name
     if dialect == "rope_theta" or not (src / "config.rope_parameters.json").exists():
-        return src  # (a family without rotary embeddings has one dialect: kimi_linear)
+        return src  # (a fixture committed with one config.json)
     dst = tmp / f"{name}-{dialect}"
     if not dst.exists():
         dst.mkdir(parents=True)
