@@ -45,7 +45,7 @@ def test_matches_transformers(name, dialect, converted):
     assert step_error <= TOLERANCE * span
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_moe", "kimi_linear"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_moe", "kimi_linear", "kimi_k25"])
 def test_kv_cache_equals_recompute(name, converted):
     """Decoding with the cache gives the logits of re-running the whole sequence from scratch."""
     ref = reference(name)

@@ -7,7 +7,7 @@ from pathlib import Path
 from types import ModuleType
 
 from moeshard.moe.errors import ConfigError
-from moeshard.moe.model import deepseek_v3, kimi_k3, kimi_linear, qwen_moe
+from moeshard.moe.model import deepseek_v3, kimi_k3, kimi_k25, kimi_linear, qwen_moe
 from moeshard.moe.model.config import read_json
 
 FAMILIES: dict[str, ModuleType] = {
@@ -15,6 +15,7 @@ FAMILIES: dict[str, ModuleType] = {
     **{t: qwen_moe for t in qwen_moe.MODEL_TYPES},
     **{t: kimi_linear for t in kimi_linear.MODEL_TYPES},
     **{t: kimi_k3 for t in kimi_k3.MODEL_TYPES},
+    **{t: kimi_k25 for t in kimi_k25.MODEL_TYPES},
 }
 
 
