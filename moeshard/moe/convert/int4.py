@@ -71,7 +71,8 @@ class PackedInt4:
     def inexact(self) -> np.ndarray:
         """The groups whose scale float16 cannot hold, bool [rows, cols / 32] (a nan is kept
         as a nan: `converter` refuses non-finite scales on their own)."""
-        narrowed = self.scale.astype(np.float16).astype(np.float32)  # [rows, nb]
+        with np.errstate(over="ignore"):  # (above 65504: inf, so not equal)
+            narrowed = self.scale.astype(np.float16).astype(np.float32)  # [rows, nb]
         return ~((narrowed == self.scale) | np.isnan(self.scale))
 
     def ggml_blocks(self) -> np.ndarray:
