@@ -131,7 +131,7 @@ def test_the_packing_is_compressed_tensors_order():
 
 def test_scales_float16_cannot_hold_are_found():
     """bf16 keeps 8 significant bits at any exponent, float16 10 bits from 2^-14 to 65504 and
-    multiples of 2^-24 below: a scale below 2^-14 with low bits, or above 65504, is not
+    multiples of 2^-24 below: a scale below 2^-17 with low bits, or above 65504, is not
     kept; those float16 holds (its subnormals included) are, and decode the same."""
     scales = np.array([[2.0**-14, 3 * 2.0**-24, 1e-3, 65504.0, 1.5 * 2.0**-24, 70000.0]],
                       dtype=np.float32)  # fmt: skip
