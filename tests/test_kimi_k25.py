@@ -291,3 +291,26 @@ def test_the_wrapper_config_is_checked(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(bad))
         with pytest.raises(ConfigError, match=message):
             load_config(tmp_path)
+
+
+def test_synth_presets(tmp_path):
+    """`synth --preset kimi-k2.5-tiny` writes a K2.5 model directory that runs; the
+    `kimi-k2.5` preset is the published language model: 1.03 T parameters, 60 MoE layers of
+    384 experts whose q4_0 records are those of a converted K2.5 (24.8 MB)."""
+    from moeshard.moe.convert import synth_k25
+    from moeshard.moe.convert.synth import synth
+
+    synth(tmp_path / "tiny", "kimi-k2.5-tiny")
+    rt = open_local(tmp_path / "tiny")
+    assert rt.config.model_type == "kimi_k25" and rt.config.n_experts == 16
+    assert len(generate(rt.transformer, [1, 2, 3], SamplingOptions(max_tokens=4)).tokens) == 4
+    (tmp_path / "full").mkdir()
+    full = synth_k25.released_config(synth_k25.K25_PRESETS["kimi-k2.5"])
+    (tmp_path / "full" / "config.json").write_text(json.dumps(full))
+    c = load_config(tmp_path / "full")
+    trunk = sum(int(np.prod(s)) for s in c.trunk_shapes().values())
+    experts = len(c.moe_layers) * c.n_experts * 3 * c.hidden_size * c.expert_intermediate
+    assert len(c.moe_layers) == 60 and (c.n_experts, c.top_k) == (384, 8)
+    assert 1.02e12 < trunk + experts < 1.04e12
+    record = quant.expert_record_nbytes("q4_0", c.hidden_size, c.expert_intermediate)
+    assert record == 3 * 7168 * 2048 * 18 // 32

@@ -4,7 +4,8 @@ shard format, at close to disk speed, for streaming benchmarks on models larger 
 The model is a valid model directory (config.json, trunk.gguf, experts-*.gguf, merkle.bin,
 moeshard.json; no tokenizer: use --prompt-ids): qwen3_moe for `PRESETS`, Kimi K3 (MXFP4
 experts, `moeshard.moe.convert.synth_k3`, which can also write the released checkpoint layout) for
-`synth_k3.K3_PRESETS`. Expert records are random quantised
+`synth_k3.K3_PRESETS`, Kimi K2.5 (q4_0 experts, `moeshard.moe.convert.synth_k25`) for
+`synth_k25.K25_PRESETS`. Expert records are random quantised
 codes with one constant scale per matrix (sized so activations stay O(1)); they are generated as
 bytes, never as float32 weights, so writing is bound by the disk, the checksum and the
 possession roots (sha256 of every 4 KiB block), not quantisation.
@@ -24,12 +25,12 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from moeshard.moe.convert import synth_k3
+from moeshard.moe.convert import synth_k3, synth_k25
 from moeshard.moe.convert.converter import trunk_format
 from moeshard.moe.convert.outdir import check_output, staged
 from moeshard.moe.errors import MoeshardError
@@ -144,7 +145,7 @@ class RecordMaker:
         return rec
 
 
-ALL_PRESETS = sorted([*PRESETS, *synth_k3.K3_PRESETS])
+ALL_PRESETS = sorted([*PRESETS, *synth_k3.K3_PRESETS, *synth_k25.K25_PRESETS])
 
 
 def synth(
@@ -168,7 +169,10 @@ def synth(
     t0 = time.perf_counter()
     model_id = None
     with staged(out, out.with_name(out.name + ".partial")) as tmp, ExitStack() as closing:
-        if not k3:
+        if preset in synth_k25.K25_PRESETS:
+            g = Geometry.of_k25(synth_k25.K25_PRESETS[preset], seed)
+            model_id = _write(tmp, g, preset, seed, closing)
+        elif not k3:
             model_id = _write(tmp, Geometry.of(PRESETS[preset], seed), preset, seed, closing)
         elif checkpoint:
             synth_k3.write_checkpoint(tmp, synth_k3.preset(preset, **sizes), seed)
@@ -202,6 +206,13 @@ class Geometry:
             record_nbytes=maker.nbytes,
             experts_fmt=p.experts_fmt,
         )
+
+    @classmethod
+    def of_k25(cls, p: synth_k25.K25Preset, seed: int) -> Geometry:
+        """Kimi K2.5's wrapper config; q4_0 records and trunk values as the Qwen presets'."""
+        sizes = Preset(p.hidden, p.inter, p.n_experts, p.top_k, p.layers, p.heads, p.heads,
+                       p.nope + p.rope, p.vocab, trunk_fmt=p.trunk_fmt)  # fmt: skip
+        return replace(cls.of(sizes, seed), raw=synth_k25.released_config(p))
 
     @classmethod
     def of_k3(cls, p: synth_k3.K3Preset, seed: int) -> Geometry:
