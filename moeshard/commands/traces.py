@@ -100,7 +100,7 @@ def cmd_pack(args) -> int:
 def add_simulate(sub) -> None:
     p = sub.add_parser("simulate", help="replay a trace against policies and a disk model")
     p.add_argument("traces", nargs="+", help="trace file(s) (with --validate: the prompt ids)")
-    p.add_argument("--geometry", default="k3", help="k3, k2, or a model directory")
+    p.add_argument("--geometry", default="k3", help="k3, k2, k2.5, or a model directory")
     p.add_argument("--ram", default="8G", help="RAM budget, e.g. 8G")
     p.add_argument(
         "--trunk",

@@ -122,11 +122,31 @@ def k3_geometry() -> Geometry:
     )  # fmt: skip
 
 
+def k25_geometry() -> Geometry:
+    """Kimi K2.5 / K2.6's language model as published (`synth --preset kimi-k2.5`: Kimi K2's
+    shape, 61 layers, 60 of them MoE with 384 experts of 2048, 8 active): its INT4 experts as
+    the q4_0 records `convert` keeps them as bit for bit (23.6 MiB), the trunk's 11.7 G
+    parameters in bf16 as published (23.4 GB).  The vision tower, never run, is not counted."""
+    from moeshard.moe.convert.synth_k25 import K25_PRESETS, released_config
+    from moeshard.moe.model.kimi_k25 import Config
+
+    c = Config.from_hf(released_config(K25_PRESETS["kimi-k2.5"]), "synth:kimi-k2.5")
+    trunk = sum(math.prod(shape) for shape in c.trunk_shapes().values())
+    routed = len(c.moe_layers) * c.n_experts * 3 * c.hidden_size * c.expert_intermediate
+    record = q4_record(c.hidden_size, c.expert_intermediate)
+    return Geometry(
+        "k2.5", len(c.moe_layers), c.n_experts, c.top_k, record, 2 * trunk,
+        float(trunk + routed), float(trunk), row_width=c.hidden_size,
+    )  # fmt: skip
+
+
 GEOMETRIES = {
     # Kimi K3: 2.78 T parameters, 92 MoE layers of 896 experts, 16 active, MXFP4 experts.
     "k3": k3_geometry(),
     # Kimi-K2 (DeepSeek-V3 architecture): 1.04 T, 384 experts, 8 active, 60 MoE layers.
     "k2": Geometry("k2", 60, 384, 8, q4_record(7168, 2048), int(16.0e9), 1.04e12, row_width=7168),
+    # Kimi K2.5 / K2.6: K2's language model, INT4 experts kept as q4_0, the trunk in bf16.
+    "k2.5": k25_geometry(),
 }
 
 
@@ -405,7 +425,7 @@ CONFIGS = [
 
 
 def geometry_of(spec: str) -> Geometry:
-    """A named geometry (k3, k2) or the geometry of a model directory."""
+    """A named geometry (k3, k2, k2.5) or the geometry of a model directory."""
     if spec in GEOMETRIES:
         return GEOMETRIES[spec]
     from moeshard.moe.kernels import quant
