@@ -18,7 +18,7 @@ import pytest
 from helpers import FIXTURES, reference
 
 from moeshard.coordinator.generate import SamplingOptions, generate
-from moeshard.coordinator.runtime import open_local, open_streaming
+from moeshard.coordinator.runtime import open_local
 from moeshard.moe.convert import int4
 from moeshard.moe.convert.checkpoint import Checkpoint, write_safetensors
 from moeshard.moe.convert.converter import convert
@@ -147,28 +147,10 @@ def test_scales_float16_cannot_hold_are_found():
 
 
 def test_ram_a_budget_and_two_nodes_give_the_same_bits(q4, tmp_path):
-    from helpers import generate_on_nodes
-
-    from moeshard.moe.convert.placement import shard_model
-    from moeshard.moe.model.model_dir import ModelDir
-    from moeshard.moe.storage.budget import plan_budget
+    from helpers import same_bits_everywhere
 
     prompt = [int(t) for t in reference("kimi_k25")["prompt_ids"]]
-    opts = SamplingOptions(max_tokens=8, keep_logits=True)
-    local = generate(open_local(q4).transformer, prompt, opts)
-    minimum = plan_budget(ModelDir(q4), 1 << 40, 64).minimum
-    rt = open_streaming(q4, minimum, 64)
-    try:
-        streamed = generate(rt.transformer, prompt, opts)
-        assert rt.experts.stats()["misses"] > 0
-    finally:
-        rt.close()
-    assert streamed.tokens == local.tokens
-    assert all(np.array_equal(a, b) for a, b in zip(streamed.logits, local.logits, strict=True))
-    plan = shard_model(q4, 2, 1, tmp_path / "shards")
-    remote, calls = generate_on_nodes(q4, plan, prompt, opts)
-    assert remote.tokens == local.tokens and all(c > 0 for c in calls)
-    assert all(np.array_equal(a, b) for a, b in zip(remote.logits, local.logits, strict=True))
+    same_bits_everywhere(q4, prompt, tmp_path / "shards", 2, 1)
 
 
 def test_q4_0_generates_the_reference_tokens(q4):

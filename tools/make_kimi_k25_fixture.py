@@ -59,42 +59,24 @@ from fixtures_lib.checkpoint import (  # noqa: E402
     write_safetensors,
 )
 from fixtures_lib.reference import RouterProbe, logit_gaps, randomize, reference  # noqa: E402
-from fixtures_lib.specs import YARN_KIMI  # noqa: E402
+from fixtures_lib.specs import SPECS  # noqa: E402
 from fixtures_lib.tokenizer import EOS_TOKEN, VOCAB, build_tokenizer  # noqa: E402
 from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration  # noqa: E402
 
 PROMPT_LEN = 7
 MARGIN = 1e-3
 SEED = 9000
-EXPERTS, TOP_K, LAYERS = 8, 2, 3
+# Kimi K2's fixture (deepseek_v3_fp8: q_proj without LoRA, YaRN as Kimi publishes it), with
+# K2.5's q LoRA and whole 32-weight groups for the INT4 experts
 TEXT = dict(
+    SPECS["deepseek_v3_fp8"]["cfg"],
     model_type="deepseek_v3",
-    hidden_size=64,
+    q_lora_rank=32,
     intermediate_size=96,
     moe_intermediate_size=32,
-    num_hidden_layers=LAYERS,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=32,
-    kv_lora_rank=32,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
-    n_routed_experts=EXPERTS,
-    num_experts_per_tok=TOP_K,
-    n_group=1,
-    topk_group=1,
-    norm_topk_prob=True,
-    routed_scaling_factor=2.827,
-    n_shared_experts=1,
-    first_k_dense_replace=1,
-    rope_interleave=True,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=512,  # = factor * original_max_position_embeddings
-    rope_parameters=dict(YARN_KIMI),
-    num_nextn_predict_layers=0,
     tie_word_embeddings=False,
 )
+EXPERTS, LAYERS = TEXT["n_routed_experts"], TEXT["num_hidden_layers"]
 VISION = dict(
     patch_size=4, num_attention_heads=2, num_hidden_layers=1, hidden_size=16,
     intermediate_size=32, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2,
@@ -115,6 +97,7 @@ DECODED = [f"language_model.model.layers.1.mlp.experts.{e}.{p}_proj" for e in (0
 
 def make_model(seed: int, eos_id: int):
     text = dict(TEXT, vocab_size=VOCAB, bos_token_id=eos_id, eos_token_id=eos_id)
+    text["rope_parameters"] = dict(text["rope_parameters"])
     cfg = Kimi_K25Config(
         text_config=text, vision_config=VISION, projection_hidden_size=16,
         tie_word_embeddings=False, eos_token_id=eos_id, bos_token_id=eos_id,

@@ -43,10 +43,7 @@ class Config(deepseek_v3.Config):
         model_type = require(raw, "model_type", source)
         if model_type not in MODEL_TYPES:
             raise ConfigError(f"{source}: model_type '{model_type}' is not Kimi K2.5")
-        text = require(raw, "text_config", source)
-        if not isinstance(text, dict):
-            raise ConfigError(f"{source}: 'text_config' must be an object")
-        where = f"{source}: text_config"
+        text, where = kimi_k3.text_config(raw, source)
         body = deepseek_v3.Config.from_hf(text, where)  # (its model_type: kimi_k2, deepseek_v3)
         tied = require(text, "tie_word_embeddings", where)
         outer = raw.get("tie_word_embeddings")
