@@ -127,10 +127,9 @@ def k25_geometry() -> Geometry:
     shape, 61 layers, 60 of them MoE with 384 experts of 2048, 8 active): its INT4 experts as
     the q4_0 records `convert` keeps them as bit for bit (23.6 MiB), the trunk's 11.7 G
     parameters in bf16 as published (23.4 GB).  The vision tower, never run, is not counted."""
-    from moeshard.moe.convert.synth_k25 import K25_PRESETS, released_config
-    from moeshard.moe.model.kimi_k25 import Config
+    from moeshard.moe.model.kimi_k25 import PUBLISHED, Config, released_config
 
-    c = Config.from_hf(released_config(K25_PRESETS["kimi-k2.5"]), "synth:kimi-k2.5")
+    c = Config.from_hf(released_config(PUBLISHED), "kimi_k25.PUBLISHED")
     trunk = sum(math.prod(shape) for shape in c.trunk_shapes().values())
     routed = len(c.moe_layers) * c.n_experts * 3 * c.hidden_size * c.expert_intermediate
     record = q4_record(c.hidden_size, c.expert_intermediate)

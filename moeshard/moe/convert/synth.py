@@ -36,6 +36,7 @@ from moeshard.moe.convert.outdir import check_output, staged
 from moeshard.moe.errors import MoeshardError
 from moeshard.moe.kernels import layout, quant
 from moeshard.moe.model.families import load_config
+from moeshard.moe.model.kimi_k25 import K25Shape
 from moeshard.moe.storage import merkle
 from moeshard.moe.storage.io import write_file
 from moeshard.moe.storage.manifest import (
@@ -208,7 +209,7 @@ class Geometry:
         )
 
     @classmethod
-    def of_k25(cls, p: synth_k25.K25Preset, seed: int) -> Geometry:
+    def of_k25(cls, p: K25Shape, seed: int) -> Geometry:
         """Kimi K2.5's wrapper config; q4_0 records and trunk values as the Qwen presets'."""
         sizes = Preset(p.hidden, p.inter, p.n_experts, p.top_k, p.layers, p.heads, p.heads,
                        p.nope + p.rope, p.vocab, trunk_fmt=p.trunk_fmt)  # fmt: skip

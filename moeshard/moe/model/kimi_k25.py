@@ -72,5 +72,88 @@ def skip_reason(name: str) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class K25Shape:
+    """The sizes of a Kimi K2.5 language model (`released_config`: its config.json)."""
+
+    hidden: int
+    inter: int  # routed (and shared) expert intermediate size
+    dense_inter: int  # layer 0's MLP
+    n_experts: int
+    top_k: int
+    layers: int
+    heads: int
+    q_lora: int
+    kv_lora: int
+    nope: int
+    rope: int
+    v_head: int
+    vocab: int
+    trunk_fmt: str = "bf16"  # the trunk format `synth` writes (published: bf16)
+
+
+# Kimi K2.5 / K2.6's language model as published (Kimi K2's shape): 61 layers, layer 0 dense,
+# 384 experts of 2048, 8 active (`synth --preset kimi-k2.5`, `simulate --geometry k2.5`)
+PUBLISHED = K25Shape(7168, 2048, 18432, 384, 8, 61, 64, 1536, 512, 128, 64, 128, 163840)
+
+
+def released_config(p: K25Shape) -> dict:
+    """config.json as Kimi K2.5 publishes it for a model of these sizes (the fields moeshard
+    reads, and a few others; without the INT4 checkpoint's quantization_config and the vision
+    tower: `synth` writes q4_0 experts and no vision tower)."""
+    text = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "kimi_k2",
+        "vocab_size": p.vocab,
+        "hidden_size": p.hidden,
+        "intermediate_size": p.dense_inter,
+        "moe_intermediate_size": p.inter,
+        "num_hidden_layers": p.layers,
+        "num_attention_heads": p.heads,
+        "num_key_value_heads": p.heads,
+        "q_lora_rank": p.q_lora,
+        "kv_lora_rank": p.kv_lora,
+        "qk_nope_head_dim": p.nope,
+        "qk_rope_head_dim": p.rope,
+        "v_head_dim": p.v_head,
+        "n_routed_experts": p.n_experts,
+        "num_experts_per_tok": p.top_k,
+        "n_shared_experts": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.827,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "num_nextn_predict_layers": 0,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 50000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 64.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 1.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },  # fmt: skip
+        "max_position_embeddings": 262144,
+        "tie_word_embeddings": False,
+        "eos_token_id": 0,
+        "bos_token_id": 0,
+        "torch_dtype": "bfloat16",
+    }
+    return {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "tie_word_embeddings": False,
+        "eos_token_id": 0,
+        "text_config": text,
+        "moeshard_synthetic": True,
+    }
+
+
 Transformer = deepseek_v3.Transformer
 LatentCache = deepseek_v3.LatentCache
