@@ -18,8 +18,9 @@ reorders the codes and narrows the scales, and decoding either gives the same fl
 A bf16 scale float16 cannot hold (above 65504, or below 2^-17, where float16's subnormal
 step 2^-24 is coarser than bf16's 8 significant bits, unless its low bits are zero) would
 change in q4_0 (tools/int4_scale_census.py: none of 2^20 groups of normal weights down to a
-standard deviation of 2e-4, 30 times below Kimi K2's initializer_range): converting such a matrix to q4_0 is refused (`InexactScales`), and
-the other formats decode it exactly (`float32`) and pack it.
+standard deviation of 2e-4, 30 times below Kimi K2's initializer_range): converting such a
+matrix to q4_0 is refused (`InexactScales`), and the other formats decode it exactly
+(`float32`) and pack it.
 """
 
 from __future__ import annotations
