@@ -296,3 +296,19 @@ def test_synth_presets(tmp_path):
     assert 1.02e12 < trunk + experts < 1.04e12
     record = quant.expert_record_nbytes("q4_0", c.hidden_size, c.expert_intermediate)
     assert record == 3 * 7168 * 2048 * 18 // 32
+
+
+def test_kimi_k2_thinking_layout_converts_the_same(q4, tmp_path):
+    """Kimi K2 Thinking publishes the same INT4 experts without the wrapper (model_type
+    kimi_k2, quantization_config at the top, no ``language_model.`` prefix): the same model."""
+    prefix = "language_model."
+    tensors = {n[len(prefix) :]: v for n, v in tensors_of(SRC).items() if n.startswith(prefix)}
+    text = json.loads((SRC / "config.json").read_text())["text_config"]
+    assert text["model_type"] == "kimi_k2" and "quantization_config" in text
+    src = copy_with(tmp_path, tensors, text)
+    convert(src, tmp_path / "out", progress=False)
+    assert json.loads((tmp_path / "out" / "moeshard.json").read_text())["expert_format"] == "q4_0"
+    prompt = np.array([int(t) for t in reference("kimi_k25")["prompt_ids"]])
+    want, got = open_local(q4).transformer, open_local(tmp_path / "out").transformer
+    a = want.forward(prompt, want.new_cache(16))  # [T, V]
+    np.testing.assert_array_equal(got.forward(prompt, got.new_cache(16)), a)
