@@ -86,8 +86,8 @@ class Plan:
     per_expert: dict[tuple[int, int, str], str] = field(default_factory=dict)  # (L, E, proj)
     stacked: dict[tuple[int, str], str] = field(default_factory=dict)  # (L, proj) -> name
     skipped: dict[str, str] = field(default_factory=dict)  # name -> reason
-    packed_experts: str | None = None  # "mxfp4" or "int4": experts as compressed-tensors
-    # packs them (`mxfp4`, `int4`), their codes and scales kept where the format allows
+    mxfp4_experts: bool = False  # experts published as compressed-tensors MXFP4 (`mxfp4`)
+    int4_experts: bool = False  # experts published as compressed-tensors INT4 (`int4`: q4_0)
 
 
 def quantization_config(raw: dict) -> dict:
@@ -128,6 +128,7 @@ def plan_conversion(config, family, ckpt: Checkpoint, quantization: dict) -> Pla
     wanted = config.trunk_shapes()
     moe_layers = set(config.moe_layers)
     names = set(ckpt.names())
+    packed = False  # *.weight_packed experts: which scheme, the config says (below)
     for name in ckpt.names():
         if name.endswith("_scale_inv"):
             continue  # fp8 scales travel with their weight
@@ -141,8 +142,7 @@ def plan_conversion(config, family, ckpt: Checkpoint, quantization: dict) -> Pla
         if (m := _PER_EXPERT.match(canonical)) is not None:
             layer, expert, proj = int(m.group(1)), int(m.group(2)), _PROJ.get(m[3], m[3])
             plan.per_expert[(layer, expert, proj)] = name
-            if name.endswith(mxfp4.PACKED):
-                plan.packed_experts = "packed"  # (which scheme: from the config, below)
+            packed |= name.endswith(mxfp4.PACKED)
             continue
         if (m := _STACKED.match(canonical)) is not None:
             plan.stacked[(int(m.group(1)), m.group(2))] = name
@@ -154,8 +154,9 @@ def plan_conversion(config, family, ckpt: Checkpoint, quantization: dict) -> Pla
         else:
             plan.skipped[name] = skip_reason(name) or "not used by inference"
     source = ckpt.directory
-    if plan.packed_experts:
-        plan.packed_experts = packed_scheme(quantization, f"{source / 'config.json'}")
+    if packed:
+        scheme = packed_scheme(quantization, f"{source / 'config.json'}")
+        plan.mxfp4_experts, plan.int4_experts = scheme == "mxfp4", scheme == "int4"
     for canonical, shape in wanted.items():
         if canonical not in plan.trunk:
             raise CheckpointError(f"{source}: missing tensor '{canonical}'")
@@ -179,7 +180,7 @@ def expert_shapes(config, plan: Plan, ckpt: Checkpoint, layer, expert, check_onl
     for proj, shape in want.items():
         name = plan.per_expert.get((layer, expert, proj))
         if name is not None and name.endswith(mxfp4.PACKED):
-            read = _int4_matrix if plan.packed_experts == "int4" else _mxfp4_matrix
+            read = _int4_matrix if plan.int4_experts else _mxfp4_matrix
             out[proj] = read(ckpt, name, shape, check_only)
             continue
         if name is not None:
@@ -441,7 +442,7 @@ def convert(
         with staged(out, out.parent / f".{out.name}.tmp-convert") as tmp:
             plan = plan_conversion(config, family, ckpt, quantization_config(raw))
             if expert_format is None:
-                expert_format = "mxfp4" if plan.packed_experts == "mxfp4" else DEFAULT_EXPERT_FORMAT
+                expert_format = "mxfp4" if plan.mxfp4_experts else DEFAULT_EXPERT_FORMAT
             _check_block_dims(config, expert_format, src)
             summary = _write(config, plan, ckpt, src, tmp, expert_format, trunk_fmt, bar, origin)
             summary.seconds = time.perf_counter() - started
