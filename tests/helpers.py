@@ -54,7 +54,7 @@ def checkpoint_in_dialect(name: str, dialect: str, tmp: Path) -> Path:
     """
     src = FIXTURES / name
     if dialect == "rope_theta" or not (src / "config.rope_parameters.json").exists():
-        return src  # (a family without rotary embeddings has one dialect: kimi_linear)
+        return src  # (a fixture committed with one config.json)
     dst = tmp / f"{name}-{dialect}"
     if not dst.exists():
         dst.mkdir(parents=True)
@@ -346,6 +346,33 @@ def same_bits_on_nodes_and_streamed(model_dir, prompt: list[int], shards: Path, 
         assert run.tokens == local.tokens
         assert all(np.array_equal(a, b) for a, b in zip(run.logits, local.logits, strict=True))
     return stats, trunk_streamed
+
+
+def same_bits_everywhere(model_dir, prompt: list[int], shards: Path, nodes: int, replicas: int):
+    """Generate 8 tokens in RAM, under the smallest RAM budget (experts streamed, so missed) and
+    through `nodes` node processes holding `replicas` copies of each expert: the same tokens
+    and logits bits each time (asserted); returns the RAM run's result."""
+    from moeshard.coordinator.generate import SamplingOptions, generate
+    from moeshard.coordinator.runtime import open_local, open_streaming
+    from moeshard.moe.convert.placement import shard_model
+    from moeshard.moe.storage.budget import plan_budget
+
+    opts = SamplingOptions(max_tokens=8, keep_logits=True)
+    local = generate(open_local(model_dir).transformer, prompt, opts)
+    plan = shard_model(model_dir, nodes, replicas, shards)
+    remote, calls = generate_on_nodes(model_dir, plan, prompt, opts)
+    assert remote.tokens == local.tokens and all(c > 0 for c in calls)
+    assert all(np.array_equal(a, b) for a, b in zip(remote.logits, local.logits, strict=True))
+    minimum = plan_budget(ModelDir(model_dir), 1 << 40, 64).minimum
+    rt = open_streaming(model_dir, minimum, 64)
+    try:
+        streamed = generate(rt.transformer, prompt, opts)
+        assert rt.experts.stats()["misses"] > 0
+    finally:
+        rt.close()
+    assert streamed.tokens == local.tokens
+    assert all(np.array_equal(a, b) for a, b in zip(streamed.logits, local.logits, strict=True))
+    return local
 
 
 def node_process(

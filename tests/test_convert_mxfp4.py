@@ -138,13 +138,21 @@ def test_mxfp4_model_generates_like_its_exact_decode(mx_checkpoint, tmp_path):
     assert np.abs(np.asarray(requant.logits) - np.asarray(ref.logits)).max() < 2e-2 * spread
 
 
-def test_other_packed_schemes_are_refused(tmp_path):
-    scheme = dict(SCHEME, format="pack-quantized")
+@pytest.mark.parametrize(
+    "fmt, message",
+    [
+        ("nvfp4-pack-quantized", "format nvfp4-pack-quantized; only compressed-tensors"),
+        # INT4's format name, but float codes: the INT4 reader checks the weights' arguments
+        ("pack-quantized", "weights 'type' 'float'; moeshard reads 'pack-quantized' INT4"),
+    ],
+)
+def test_other_packed_schemes_are_refused(tmp_path, fmt, message):
+    scheme = dict(SCHEME, format=fmt)
     scheme["config_groups"] = {"group_0": dict(SCHEME["config_groups"]["group_0"])}
-    scheme["config_groups"]["group_0"]["format"] = "pack-quantized"
-    make_mxfp4_checkpoint(tmp_path / "int4", scheme)
-    with pytest.raises(CheckpointError, match="format pack-quantized; only compressed-tensors"):
-        convert(tmp_path / "int4", tmp_path / "out", progress=False)
+    scheme["config_groups"]["group_0"]["format"] = fmt
+    make_mxfp4_checkpoint(tmp_path / "other", scheme)
+    with pytest.raises(CheckpointError, match=message):
+        convert(tmp_path / "other", tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 
 

@@ -406,12 +406,9 @@ def test_a_mix_of_k_quants_runs_the_same_on_nodes_and_under_a_ram_budget(tmp_pat
     the first layer's stored without the padding to the model's record size): the same tokens
     and logits bits through 3 nodes (2 replicas, the audits on) and streamed under the
     smallest budget, as in RAM."""
-    from helpers import generate_on_nodes
+    from helpers import same_bits_everywhere
 
-    from moeshard.coordinator.runtime import open_streaming
-    from moeshard.moe.convert.placement import shard_model
     from moeshard.moe.model.model_dir import ModelDir
-    from moeshard.moe.storage.budget import plan_budget
 
     model = tmp_path / "m"
     convert_gguf(GGUF / "qwen3_moe_wide-q4_k_m.gguf", model, progress=False)
@@ -421,21 +418,7 @@ def test_a_mix_of_k_quants_runs_the_same_on_nodes_and_under_a_ram_budget(tmp_pat
     whole = shards.read(0, 0)  # ... but read as the model's record size, zeros after
     assert whole.size == shards.record_nbytes and not whole[small:].any()
     prompt = [int(t) for t in reference("qwen3_moe")["prompt_ids"]]
-    opts = SamplingOptions(max_tokens=8, keep_logits=True)
-    local = generate(open_local(model).transformer, prompt, opts)
-    plan = shard_model(model, 3, 2, tmp_path / "shards")
-    remote, calls = generate_on_nodes(model, plan, prompt, opts)
-    assert remote.tokens == local.tokens and all(c > 0 for c in calls)
-    assert all(np.array_equal(a, b) for a, b in zip(remote.logits, local.logits, strict=True))
-    minimum = plan_budget(ModelDir(model), 1 << 40, 64).minimum
-    rt = open_streaming(model, minimum, 64)
-    try:
-        streamed = generate(rt.transformer, prompt, opts)
-        assert rt.experts.stats()["misses"] > 0
-    finally:
-        rt.close()
-    assert streamed.tokens == local.tokens
-    assert all(np.array_equal(a, b) for a, b in zip(streamed.logits, local.logits, strict=True))
+    same_bits_everywhere(model, prompt, tmp_path / "shards", 3, 2)
 
 
 def test_a_nan_block_scale_is_refused_naming_the_record_and_leaves_nothing(tmp_path, capsys):

@@ -39,6 +39,87 @@ def test_a_missing_field_is_named_never_defaulted(tmp_path, field):
         load_config(with_config(tmp_path, drop))
 
 
+def transformers_config(tmp_path, edit=lambda raw: None) -> object:
+    """The fixture's config as transformers' save_pretrained wrote it, edited."""
+    raw = json.loads((SRC / "config.rope_parameters.json").read_text())
+    edit(raw)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return tmp_path
+
+
+def test_both_dialects_are_the_same_model(tmp_path):
+    raw = json.loads((SRC / "config.rope_parameters.json").read_text())
+    assert "linear_attn_config" not in raw and "first_k_dense_replace" not in raw
+    released = load_config(SRC)
+    assert load_config(transformers_config(tmp_path)) == released
+    both = transformers_config(tmp_path, lambda raw: raw.update(json.loads(
+        (SRC / "config.json").read_text())))  # fmt: skip
+    assert load_config(both) == released  # both forms, agreeing
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["layer_types", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim",
+     "mlp_layer_types"],
+)  # fmt: skip
+def test_transformers_dialect_fields_are_required(tmp_path, field):
+    """Without linear_attn_config and first_k_dense_replace, transformers' names are
+    required, each of them: a missing one is named."""
+    with pytest.raises(ConfigError, match=f"'{field}'"):
+        load_config(transformers_config(tmp_path, lambda raw: raw.pop(field)))
+
+
+def test_no_layer_map_in_either_dialect_names_both(tmp_path):
+    def drop(raw):
+        for key in ("layer_types", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim"):
+            raw.pop(key)
+
+    with pytest.raises(ConfigError, match="'linear_attn_config' .or transformers' 'layer_types'"):
+        load_config(transformers_config(tmp_path, drop))
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda raw: raw["layer_types"].reverse(), "describe different models"),
+        (lambda raw: raw.update(linear_num_heads=4), "describe different models"),
+        (lambda raw: raw.update(first_k_dense_replace=2), "disagree"),
+        (lambda raw: raw.update(num_experts_per_tok=4), "different values"),
+        (lambda raw: raw.update(norm_topk_prob=False), "different values"),
+    ],
+)
+def test_inconsistent_dialects_are_refused(tmp_path, edit, message):
+    """Both forms present (a released model loaded and saved by transformers keeps both), but
+    saying different things."""
+
+    def both(raw):
+        raw.update(json.loads((SRC / "config.json").read_text()))
+        edit(raw)
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(transformers_config(tmp_path, both))
+
+
+@pytest.mark.parametrize(
+    "kinds, message",
+    [
+        (["dense", "sparse", "dense", "sparse"], "only before the MoE layers"),
+        (["dense", "sparse", "sparse"], "each of the 4 layers"),
+        (["dense", "moe", "sparse", "sparse"], "each of the 4 layers"),
+    ],
+)
+def test_bad_layer_type_lists_are_refused(tmp_path, kinds, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(transformers_config(tmp_path, lambda raw: raw.update(mlp_layer_types=kinds)))
+    attention = [k.replace("dense", "linear_attention").replace("sparse", "full_attention")
+                 for k in kinds]  # fmt: skip
+    if message != "only before the MoE layers":
+        with pytest.raises(ConfigError, match=message):
+            load_config(
+                transformers_config(tmp_path, lambda raw: raw.update(layer_types=attention))
+            )
+
+
 def test_the_layer_map_must_cover_every_layer_once(tmp_path):
     def bad(raw):
         raw["linear_attn_config"]["kda_layers"] = [1, 2]  # layer 4 in neither list

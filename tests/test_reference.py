@@ -57,6 +57,7 @@ def test_matches_transformers(name, dialect, converted):
         "glm4_moe_lite",
         "qwen3_next",
         "qwen3_5_moe",
+        "kimi_k25",
     ],
 )
 def test_kv_cache_equals_recompute(name, converted):

@@ -103,7 +103,7 @@ def add_simulate(sub) -> None:
     p.add_argument(
         "--geometry",
         default="k3",
-        help="k3, k2, gpt-oss-20b, gpt-oss-120b, qwen3.6-35b-a3b, qwen3-next-80b-a3b (as "
+        help="k3, k2, k2.5, gpt-oss-20b, gpt-oss-120b, qwen3.6-35b-a3b, qwen3-next-80b-a3b (as "
         "published), a synth preset (e.g. glm-4.6: the model it would write), or a model "
         "directory",
     )

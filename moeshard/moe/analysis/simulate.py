@@ -141,6 +141,23 @@ def qwen3_next_geometry(name: str) -> Geometry:
     )  # fmt: skip
 
 
+def k25_geometry() -> Geometry:
+    """Kimi K2.5 / K2.6's language model as published (`synth --preset kimi-k2.5`: Kimi K2's
+    shape, 61 layers, 60 of them MoE with 384 experts of 2048, 8 active): its INT4 experts as
+    the q4_0 records `convert` keeps them as bit for bit (23.6 MiB), the trunk's 11.7 G
+    parameters in bf16 as published (23.4 GB).  The vision tower, never run, is not counted."""
+    from moeshard.moe.model.kimi_k25 import PUBLISHED, Config, released_config
+
+    c = Config.from_hf(released_config(PUBLISHED), "kimi_k25.PUBLISHED")
+    trunk = sum(math.prod(shape) for shape in c.trunk_shapes().values())
+    routed = len(c.moe_layers) * c.n_experts * 3 * c.hidden_size * c.expert_intermediate
+    record = q4_record(c.hidden_size, c.expert_intermediate)
+    return Geometry(
+        "k2.5", len(c.moe_layers), c.n_experts, c.top_k, record, 2 * trunk,
+        float(trunk + routed), float(trunk), row_width=c.hidden_size,
+    )  # fmt: skip
+
+
 def gpt_oss_geometry(name: str) -> Geometry:
     """gpt-oss-20b or -120b as published: MXFP4 expert records with their biases (`mxfp4+bias`,
     13.3 MB), the rest in bf16 as published (its parameters from the family's trunk tensors)."""
@@ -170,6 +187,8 @@ GEOMETRIES = {
     # with biases, bf16 trunk)
     "gpt-oss-20b": gpt_oss_geometry("gpt-oss-20b"),
     "gpt-oss-120b": gpt_oss_geometry("gpt-oss-120b"),
+    # Kimi K2.5 / K2.6: K2's language model, INT4 experts kept as q4_0, the trunk in bf16.
+    "k2.5": k25_geometry(),
 }
 
 

@@ -20,7 +20,7 @@ from typing import TextIO
 
 import numpy as np
 
-from moeshard.moe.convert import mxfp4
+from moeshard.moe.convert import int4, mxfp4
 from moeshard.moe.convert.checkpoint import Checkpoint
 from moeshard.moe.convert.outdir import check_output, staged
 from moeshard.moe.errors import CheckpointError, ConfigError
@@ -90,6 +90,7 @@ class Plan:
     skipped: dict[str, str] = field(default_factory=dict)  # name -> reason
     mxfp4_experts: bool = False  # experts published as compressed-tensors MXFP4 (`mxfp4`)
     mxfp4_blocks: bool = False  # experts published as gpt-oss's MXFP4 (`*_blocks`, `*_scales`)
+    int4_experts: bool = False  # experts published as compressed-tensors INT4 (`int4`: q4_0)
 
 
 def quantization_config(raw: dict) -> dict:
@@ -97,6 +98,29 @@ def quantization_config(raw: dict) -> dict:
     text = raw.get("text_config")
     nested = text.get("quantization_config") if isinstance(text, dict) else None
     return raw.get("quantization_config") or nested or {}
+
+
+PACKED_SCHEMES = {mxfp4.FORMAT: "mxfp4", int4.FORMAT: "int4"}  # compressed-tensors' formats
+
+
+def packed_scheme(quantization: dict, where: str) -> str:
+    """Which compressed-tensors scheme a checkpoint's `*.weight_packed` experts use ("mxfp4"
+    or "int4", checked): others (NVFP4, asymmetric INT4, ...) pack other codes the same way."""
+    formats = {quantization.get("format")}
+    for group in (quantization.get("config_groups") or {}).values():
+        if isinstance(group, dict):
+            formats.add(group.get("format"))
+    formats.discard(None)
+    if len(formats) != 1 or next(iter(formats)) not in PACKED_SCHEMES:
+        got = ", ".join(sorted(map(str, formats))) or "none"
+        raise CheckpointError(
+            f"{where}: *{mxfp4.PACKED} tensors with quantization_config format {got}; only "
+            f"compressed-tensors {' and '.join(map(repr, PACKED_SCHEMES))} are supported"
+        )
+    scheme = PACKED_SCHEMES[formats.pop()]
+    if scheme == "int4":
+        int4.check_scheme(quantization, where)
+    return scheme
 
 
 def plan_conversion(config, family, ckpt: Checkpoint, quantization: dict) -> Plan:
@@ -107,11 +131,12 @@ def plan_conversion(config, family, ckpt: Checkpoint, quantization: dict) -> Pla
     wanted = config.trunk_shapes()
     moe_layers = set(config.moe_layers)
     names = set(ckpt.names())
+    packed = False  # *.weight_packed experts: which scheme, the config says (below)
     for name in ckpt.names():
         if name.endswith("_scale_inv"):
             continue  # fp8 scales travel with their weight
-        if name.endswith(mxfp4.SCALE) and name[: -len(mxfp4.SCALE)] + mxfp4.PACKED in names:
-            continue  # MXFP4 scales travel with their codes
+        if name.endswith((int4.SCALE, int4.SHAPE)) and _packed_name(name) in names:
+            continue  # MXFP4 and INT4 scales (and INT4 shapes) travel with their codes
         if name.endswith(_SCALES) and name[: -len(_SCALES)] + _BLOCKS in names:
             continue  # (gpt-oss's MXFP4 likewise)
         canonical = family.canonical_name(name)
@@ -122,7 +147,7 @@ def plan_conversion(config, family, ckpt: Checkpoint, quantization: dict) -> Pla
         if (m := _PER_EXPERT.match(canonical)) is not None:
             layer, expert, proj = int(m.group(1)), int(m.group(2)), _PROJ.get(m[3], m[3])
             plan.per_expert[(layer, expert, proj)] = name
-            plan.mxfp4_experts |= name.endswith(mxfp4.PACKED)
+            packed |= name.endswith(mxfp4.PACKED)
             continue
         if (m := _STACKED.match(canonical)) is not None:
             plan.stacked[(int(m.group(1)), m.group(2) + (m.group(3) or ""))] = name
@@ -135,8 +160,9 @@ def plan_conversion(config, family, ckpt: Checkpoint, quantization: dict) -> Pla
         else:
             plan.skipped[name] = skip_reason(name) or "not used by inference"
     source = ckpt.directory
-    if plan.mxfp4_experts:
-        mxfp4.check_scheme(quantization, f"{source / 'config.json'}")
+    if packed:
+        scheme = packed_scheme(quantization, f"{source / 'config.json'}")
+        plan.mxfp4_experts, plan.int4_experts = scheme == "mxfp4", scheme == "int4"
     if plan.mxfp4_blocks and quantization.get("quant_method") != "mxfp4":
         raise CheckpointError(
             f"{source / 'config.json'}: *{_BLOCKS} expert tensors but quantization_config "
@@ -166,7 +192,8 @@ def expert_shapes(config, plan: Plan, ckpt: Checkpoint, layer, expert, check_onl
     for proj, shape in want.items():
         name = plan.per_expert.get((layer, expert, proj))
         if name is not None and name.endswith(mxfp4.PACKED):
-            out[proj] = _mxfp4_matrix(ckpt, name, shape, check_only)
+            read = _int4_matrix if plan.int4_experts else _mxfp4_matrix
+            out[proj] = read(ckpt, name, shape, check_only)
             continue
         if name is not None:
             if tuple(ckpt.shape(name)) != shape:
@@ -195,6 +222,32 @@ def _mxfp4_matrix(ckpt: Checkpoint, name: str, shape: tuple[int, int], check_onl
     dtypes = (ckpt.dtype(name), ckpt.dtype(scale))
     mxfp4.check_shapes(ckpt.describe(name), ckpt.shape(name), ckpt.shape(scale), shape, dtypes)
     return None if check_only else mxfp4.PackedMxfp4(ckpt.raw(name), ckpt.raw(scale))
+
+
+def _packed_name(name: str) -> str:
+    """The weight_packed tensor a scale or shape tensor belongs to."""
+    return name[: name.rindex(".weight_")] + int4.PACKED
+
+
+def _int4_matrix(ckpt: Checkpoint, name: str, shape: tuple[int, int], check_only: bool):
+    """The published codes and scales of one INT4 matrix (`name` its weight_packed), checked
+    against its weight_shape; None when only checking."""
+    base = name[: -len(int4.PACKED)]
+    parts = {s: base + s for s in (int4.PACKED, int4.SCALE, int4.SHAPE)}
+    for part in parts.values():
+        if part not in ckpt.where:
+            raise CheckpointError(f"{ckpt.describe(name)}: no {part} beside it")
+    shapes = {s: ckpt.shape(n) for s, n in parts.items()}
+    dtypes = {s: ckpt.dtype(n) for s, n in parts.items()}
+    int4.check_shapes(ckpt.describe(name), shapes, dtypes, shape)
+    stated = [int(d) for d in ckpt.raw(parts[int4.SHAPE])]
+    if stated != list(shape):
+        raise CheckpointError(
+            f"{ckpt.describe(parts[int4.SHAPE])}: {stated}, expected {list(shape)} ([out, in])"
+        )
+    if check_only:
+        return None
+    return int4.PackedInt4(ckpt.raw(name), ckpt.float32(parts[int4.SCALE]))
 
 
 def _from_stack(config, plan, ckpt, layer, expert, proj, shape, check_only):
@@ -582,7 +635,8 @@ def _kept_trunk_tensor(ckpt, name: str, fmt: str, shape) -> np.ndarray | None:
 
 
 def _kept_as(matrix) -> str | None:
-    """The format whose bits a matrix brings (MXFP4 as published, ggml bytes), or None."""
+    """The format whose bits a matrix brings (MXFP4 as published, INT4 as q4_0, ggml bytes),
+    or None."""
     if isinstance(matrix, mxfp4.PackedMxfp4):
         return "mxfp4"
     return getattr(matrix, "fmt", None) if hasattr(matrix, "ggml_blocks") else None
@@ -669,7 +723,7 @@ def _write_files(
             fmt = quant.record_format(expert_format, layer)
             try:
                 record = _expert_record(gate, up, down, fmt, requantized, biases)
-            except _BadScales as exc:
+            except (_BadScales, int4.InexactScales) as exc:
                 raise CheckpointError(
                     f"{origin}: expert {expert} of layer {layer}: {exc}"
                 ) from None

@@ -76,22 +76,6 @@ def from_ggml_blocks(blocks: np.ndarray, rows: int, cols: int) -> PackedMxfp4:
     return PackedMxfp4(np.ascontiguousarray(packed), np.ascontiguousarray(b[:, :, 0]))
 
 
-def check_scheme(quantization: dict, where: str) -> None:
-    """A checkpoint holding `*.weight_packed` tensors must say they are MXFP4: other
-    compressed-tensors schemes (int4 `pack-quantized`, NVFP4) pack other codes the same way."""
-    formats = {quantization.get("format")}
-    for group in (quantization.get("config_groups") or {}).values():
-        if isinstance(group, dict):
-            formats.add(group.get("format"))
-    formats.discard(None)
-    if formats != {FORMAT}:
-        got = ", ".join(sorted(map(str, formats))) or "none"
-        raise CheckpointError(
-            f"{where}: *{PACKED} tensors with quantization_config format {got}; only "
-            f"compressed-tensors {FORMAT!r} is supported"
-        )
-
-
 def check_shapes(name: str, packed_shape, scale_shape, shape: tuple[int, int], dtypes) -> None:
     """The packed and scale tensors of an [out, in] MXFP4 matrix `name` (its weight_packed)."""
     rows, cols = shape

@@ -5,7 +5,9 @@ The model is a valid model directory (config.json, trunk.gguf, experts-*.gguf, m
 moeshard.json; no tokenizer: use --prompt-ids): qwen3_moe for `PRESETS`, Kimi K3 (MXFP4
 experts, `moeshard.moe.convert.synth_k3`, which can also write the released checkpoint layout) for
 `synth_k3.K3_PRESETS`, Qwen3.6 / Qwen3-Next at their published shapes for
-`moeshard.moe.model.qwen3_next_shapes.QWEN_PRESETS`. Expert records are random quantised
+`moeshard.moe.model.qwen3_next_shapes.QWEN_PRESETS`, Kimi K2.5 (q4_0 experts,
+`moeshard.moe.convert.synth_k25`) for `synth_k25.K25_PRESETS`, gpt-oss for
+`synth_gpt_oss.GPT_OSS_PRESETS`. Expert records are random quantised
 codes with one constant scale per matrix (sized so activations stay O(1)); they are generated as
 bytes, never as float32 weights, so writing is bound by the disk, the checksum and the
 possession roots (sha256 of every 4 KiB block), not quantisation.
@@ -30,13 +32,14 @@ from pathlib import Path
 
 import numpy as np
 
-from moeshard.moe.convert import synth_gpt_oss, synth_k3
+from moeshard.moe.convert import synth_gpt_oss, synth_k3, synth_k25
 from moeshard.moe.convert.converter import trunk_format
 from moeshard.moe.convert.outdir import check_output, staged
 from moeshard.moe.errors import MoeshardError
 from moeshard.moe.kernels import layout, quant
 from moeshard.moe.model import qwen3_next_shapes
 from moeshard.moe.model.families import family_for, load_config
+from moeshard.moe.model.kimi_k25 import K25Shape
 from moeshard.moe.storage import merkle
 from moeshard.moe.storage.io import write_file
 from moeshard.moe.storage.manifest import (
@@ -217,6 +220,7 @@ ALL_PRESETS = sorted(
         *synth_k3.K3_PRESETS,
         *synth_gpt_oss.GPT_OSS_PRESETS,
         *qwen3_next_shapes.QWEN_PRESETS,
+        *synth_k25.K25_PRESETS,
     ]
 )
 
@@ -265,6 +269,9 @@ def synth(
         if gpt_oss:
             p = synth_gpt_oss.preset(preset, sizes.get("layers"))
             model_id = _write(tmp, Geometry.of_gpt_oss(p, seed), preset, seed, closing)
+        elif preset in synth_k25.K25_PRESETS:
+            g = Geometry.of_k25(synth_k25.K25_PRESETS[preset], seed)
+            model_id = _write(tmp, g, preset, seed, closing)
         elif preset in qwen3_next_shapes.QWEN_PRESETS:
             g = Geometry.of_qwen3_next(qwen3_next_shapes.preset(preset), seed)
             model_id = _write(tmp, g, preset, seed, closing)
@@ -322,6 +329,13 @@ class Geometry:
         p = Preset(q.hidden, q.inter, q.n_experts, q.top_k, q.layers, q.heads, q.kv_heads,
                    q.head_dim, q.vocab, q.experts_fmt, q.trunk_fmt)  # fmt: skip
         return replace(cls.of(p, seed), raw=qwen3_next_shapes.released_config(q))
+
+    @classmethod
+    def of_k25(cls, p: K25Shape, seed: int) -> Geometry:
+        """Kimi K2.5's wrapper config; q4_0 records and trunk values as the Qwen presets'."""
+        sizes = Preset(p.hidden, p.inter, p.n_experts, p.top_k, p.layers, p.heads, p.heads,
+                       p.nope + p.rope, p.vocab, trunk_fmt=p.trunk_fmt)  # fmt: skip
+        return replace(cls.of(sizes, seed), raw=synth_k25.released_config(p))
 
     @classmethod
     def of_k3(cls, p: synth_k3.K3Preset, seed: int) -> Geometry:

@@ -13,6 +13,7 @@ from moeshard.moe.model import (
     glm4_moe_lite,
     gpt_oss,
     kimi_k3,
+    kimi_k25,
     kimi_linear,
     qwen3_next,
     qwen_moe,
@@ -28,6 +29,7 @@ FAMILIES: dict[str, ModuleType] = {
     **{t: glm4_moe_lite for t in glm4_moe_lite.MODEL_TYPES},
     **{t: gpt_oss for t in gpt_oss.MODEL_TYPES},
     **{t: qwen3_next for t in qwen3_next.MODEL_TYPES},
+    **{t: kimi_k25 for t in kimi_k25.MODEL_TYPES},
 }
 
 

@@ -99,10 +99,7 @@ class Config(kimi_linear.Config):
         model_type = require(raw, "model_type", source)
         if model_type not in MODEL_TYPES:
             raise ConfigError(f"{source}: model_type '{model_type}' is not Kimi K3")
-        text = require(raw, "text_config", source)
-        if not isinstance(text, dict):
-            raise ConfigError(f"{source}: 'text_config' must be an object")
-        where = f"{source}: text_config"
+        text, where = text_config(raw, source)
         if require(text, "model_type", where) != TEXT_MODEL_TYPE:
             raise ConfigError(f"{where}: model_type {text['model_type']!r}, expected 'kimi_linear'")
         _choice(text, "hidden_act", "situ", where)
@@ -229,6 +226,15 @@ class Config(kimi_linear.Config):
         kd, kh = self.kda_head_dim, self.kda_heads
         per_layer = kh * kd * kd + (self.kda_kernel - 1) * 3 * kh * kd
         return len(self.kda_layers) * per_layer * 4
+
+
+def text_config(raw: dict[str, Any], source: str) -> tuple[dict[str, Any], str]:
+    """A multimodal wrapper's language model config (`text_config`, required, an object) and
+    where to say it is, for error messages (Kimi K3's, Kimi K2.5's)."""
+    text = require(raw, "text_config", source)
+    if not isinstance(text, dict):
+        raise ConfigError(f"{source}: 'text_config' must be an object")
+    return text, f"{source}: text_config"
 
 
 def canonical_name(name: str) -> str:

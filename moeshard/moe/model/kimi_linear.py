@@ -3,12 +3,19 @@ with DeepSeek-V3's sigmoid-routed MoE.
 
 Each layer is either KDA (`moeshard.moe.model.kda`: a recurrent state per sequence instead of a KV
 cache) or MLA as in `moeshard.moe.model.deepseek_v3` without any rotary embedding (the shared k_rot
-part of the keys is cached and used as it is); `linear_attn_config` lists them, one-based:
-``kda_layers`` and ``full_attn_layers``.  The first `first_k_dense_replace` layers have a dense
-MLP, the others DeepSeek-V3's router (sigmoid scores, `e_score_correction_bias` for selection
-only, expert groups, renormalised and scaled weights), routed experts and shared experts.
-The checkpoint layout is the released one (`block_sparse_moe`, experts w1/w2/w3, separate
-q/k/v short convolutions).
+part of the keys is cached and used as it is).  The first `first_k_dense_replace` layers have a
+dense MLP, the others DeepSeek-V3's router (sigmoid scores, `e_score_correction_bias` for
+selection only, expert groups, renormalised and scaled weights), routed experts and shared
+experts.  The checkpoint layout is the released one (`block_sparse_moe`, experts w1/w2/w3,
+separate q/k/v short convolutions); transformers' `save_pretrained` writes the same names (it
+renames them back from its own on the way out).
+
+config.json comes in two dialects.  The released one says which layers are KDA in
+`linear_attn_config` (one-based ``kda_layers`` and ``full_attn_layers``, with the KDA sizes) and
+how many leading layers are dense in `first_k_dense_replace`; transformers' `KimiLinearConfig`
+writes `layer_types`, `linear_num_heads`, `linear_head_dim`, `linear_conv_kernel_dim` and
+`mlp_layer_types` instead (and keeps the released fields only when it loaded them).  Either form
+is read in full, and where both are present they must agree (`LinearAttention`, `dense_layers`).
 
 Every field the model needs is read with `require`: a missing one is an error naming it,
 never a default (transformers' own config would quietly make every fourth layer MLA).
@@ -16,6 +23,7 @@ never a default (transformers' own config would quietly make every fourth layer 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,18 +40,33 @@ MAX_KDA_WIDTH = 1 << 16
 
 
 def _require_any(raw: dict[str, Any], names: tuple[str, ...], source: str) -> Any:
-    """The first of `names` present (transformers accepts each spelling), else an error
-    naming the first."""
-    for name in names:
-        if raw.get(name) is not None:
-            return raw[name]
+    """The value of `names` (spellings of one field: transformers accepts each), required in
+    one of them; spellings present with different values are refused."""
+    present = {name: raw[name] for name in names if raw.get(name) is not None}
+    if len(set(map(json.dumps, present.values()))) > 1:
+        shown = ", ".join(f"'{k}' {v!r}" for k, v in present.items())
+        raise ConfigError(f"{source}: {shown} spell one field with different values")
+    if present:
+        return next(iter(present.values()))
     return require(raw, names[0], source)
+
+
+# transformers' names (what `KimiLinearConfig.save_pretrained` writes) for what the released
+# config.json says in `linear_attn_config` and `first_k_dense_replace`
+TRANSFORMERS_ATTENTION = ("layer_types", "linear_num_heads", "linear_head_dim",
+                          "linear_conv_kernel_dim")  # fmt: skip
+LAYER_TYPES = {"linear_attention": True, "full_attention": False}  # -> is KDA
+MLP_LAYER_TYPES = ("dense", "sparse")
 
 
 @dataclass(frozen=True)
 class LinearAttention:
-    """`linear_attn_config`: which layers are KDA (zero-based here; one-based in the file, with
-    `full_attn_layers` naming the MLA ones) and the KDA sizes."""
+    """Which layers are KDA (zero-based) and the KDA sizes, from either dialect of config.json:
+    the released `linear_attn_config` (one-based `kda_layers` and `full_attn_layers`, with
+    `num_heads`, `head_dim`, `short_conv_kernel_size`) or transformers' `layer_types`,
+    `linear_num_heads`, `linear_head_dim` and `linear_conv_kernel_dim`.  Each form present
+    is read in full; when both are, they must agree.  `raw` is `linear_attn_config` ({} when
+    only transformers' names are there)."""
 
     layers: tuple[int, ...]
     heads: int
@@ -53,6 +76,29 @@ class LinearAttention:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], layers: int, source: str) -> LinearAttention:
+        forms = []
+        if raw.get("linear_attn_config") is not None:
+            forms.append(cls._released(raw, layers, source))
+        if any(raw.get(k) is not None for k in TRANSFORMERS_ATTENTION):
+            forms.append(cls._transformers(raw, layers, source))
+        if not forms:
+            raise ConfigError(
+                f"{source}: missing required field 'linear_attn_config' (or transformers' "
+                f"{', '.join(map(repr, TRANSFORMERS_ATTENTION))})"
+            )
+        if len(forms) == 2 and forms[0].sizes() != forms[1].sizes():
+            raise ConfigError(
+                f"{source}: linear_attn_config and transformers' layer_types/linear_* "
+                f"describe different models ({forms[0].sizes()} vs {forms[1].sizes()}: "
+                "KDA layers, heads, head_dim, kernel)"
+            )
+        return forms[0]
+
+    def sizes(self) -> tuple[tuple[int, ...], int, int, int]:
+        return self.layers, self.heads, self.head_dim, self.kernel
+
+    @classmethod
+    def _released(cls, raw: dict[str, Any], layers: int, source: str) -> LinearAttention:
         linear = require(raw, "linear_attn_config", source)
         where = f"{source}: linear_attn_config"
         kda, full = (require(linear, k, where) for k in ("kda_layers", "full_attn_layers"))
@@ -77,6 +123,62 @@ class LinearAttention:
             kernel=size("short_conv_kernel_size", 64),
             raw=linear,
         )
+
+    @classmethod
+    def _transformers(cls, raw: dict[str, Any], layers: int, source: str) -> LinearAttention:
+        kinds = per_layer(raw, "layer_types", tuple(LAYER_TYPES), layers, source)
+
+        def size(key: str, most: int = MAX_KDA_WIDTH) -> int:
+            return check_int(require(raw, key, source), key, source, 1, most)
+
+        return cls(
+            layers=tuple(i for i, kind in enumerate(kinds) if LAYER_TYPES[kind]),
+            heads=size("linear_num_heads"),
+            head_dim=size("linear_head_dim"),
+            kernel=size("linear_conv_kernel_dim", 64),
+            raw={},
+        )
+
+
+def per_layer(raw: dict[str, Any], key: str, allowed: tuple[str, ...], layers: int, source: str):
+    """A list field naming one of `allowed` per layer (transformers' layer_types)."""
+    kinds = require(raw, key, source)
+    if not isinstance(kinds, list) or len(kinds) != layers or not set(kinds) <= set(allowed):
+        raise ConfigError(
+            f"{source}: '{key}' must list one of {', '.join(map(repr, allowed))} for each of "
+            f"the {layers} layers, not {json.dumps(kinds)[:60]}"
+        )
+    return kinds
+
+
+def dense_layers(raw: dict[str, Any], layers: int, source: str) -> int:
+    """How many leading layers have a dense MLP: the released `first_k_dense_replace`, or
+    transformers' `mlp_layer_types` ("dense"/"sparse" per layer; moeshard runs its dense
+    layers as a leading run, as every released Kimi Linear has them); both must agree."""
+    forms = []
+    if raw.get("first_k_dense_replace") is not None:
+        first = require(raw, "first_k_dense_replace", source)
+        forms.append(check_int(first, "first_k_dense_replace", source, 0, layers))
+    if raw.get("mlp_layer_types") is not None:
+        kinds = per_layer(raw, "mlp_layer_types", MLP_LAYER_TYPES, layers, source)
+        dense = kinds.count("dense")
+        if kinds != ["dense"] * dense + ["sparse"] * (layers - dense):
+            raise ConfigError(
+                f"{source}: 'mlp_layer_types' {kinds}: moeshard runs dense MLP layers only "
+                "before the MoE layers (first_k_dense_replace)"
+            )
+        forms.append(dense)
+    if not forms:
+        raise ConfigError(
+            f"{source}: missing required field 'first_k_dense_replace' (or transformers' "
+            "'mlp_layer_types')"
+        )
+    if len(set(forms)) > 1:
+        raise ConfigError(
+            f"{source}: first_k_dense_replace {forms[0]} and mlp_layer_types' {forms[1]} "
+            "leading dense layers disagree"
+        )
+    return forms[0]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +209,10 @@ class Config(deepseek_v3.Config):
         n_group = int(_require_any(raw, ("num_expert_group", "n_group"), source))
         if n_experts % n_group:
             raise ConfigError(f"{source}: num_experts {n_experts} not divisible by its groups")
+        if require(raw, "hidden_act", source) != "silu":
+            raise ConfigError(
+                f"{source}: hidden_act {raw['hidden_act']!r} unsupported (need 'silu')"
+            )
         activation = raw.get("moe_router_activation_func", "sigmoid")
         if activation != "sigmoid":
             raise ConfigError(f"{source}: moe_router_activation_func {activation!r} unsupported")
@@ -138,7 +244,7 @@ class Config(deepseek_v3.Config):
             topk_group=int(require(raw, "topk_group", source)),
             norm_topk_prob=bool(_require_any(raw, ("moe_renormalize", "norm_topk_prob"), source)),
             routed_scaling_factor=float(require(raw, "routed_scaling_factor", source)),
-            first_k_dense_replace=int(require(raw, "first_k_dense_replace", source)),
+            first_k_dense_replace=dense_layers(raw, layers, source),
             kda_layers=kda.layers,
             kda_heads=kda.heads,
             kda_head_dim=kda.head_dim,
