@@ -328,6 +328,28 @@ def _ggml_to_packed(g: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray
     return out
 
 
+def dequantize_rows(data: np.ndarray, fmt: str, rows: int, cols: int, ids) -> np.ndarray:
+    """Rows `ids` of a packed [rows, cols] matrix as float32 [len(ids), cols], decoding only
+    the row groups that hold them (an embedding lookup: the whole table as float32 would be
+    twice a bf16 table's bytes, gigabytes for a 200k-token vocabulary)."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # [n]
+    if ids.size and (ids.min() < 0 or ids.max() >= rows):
+        raise ValueError(f"row ids must be within 0..{rows - 1}")
+    wq, ws = _views(data, fmt, rows, cols)
+    if fmt == "f32":
+        return wq.view(np.float32)[ids].copy()  # [n, cols]
+    if fmt == "bf16":
+        return (wq.view(np.uint16)[ids].astype(np.uint32) << 16).view(np.float32)  # [n, cols]
+    groups, where = np.unique(ids // ROW_GROUP, return_inverse=True)  # [g], [n]
+    n = groups.size * ROW_GROUP  # the groups' rows, as one smaller packed matrix
+    payload, s_off, s_bytes = _sections(fmt, n, cols)
+    mini = np.zeros(packed_nbytes(fmt, n, cols), dtype=np.uint8)
+    mini[:payload] = wq[groups].reshape(-1)
+    mini[s_off : s_off + s_bytes] = ws[groups].view(np.uint8).reshape(-1)
+    values = dequantize(unpack_to_ggml(mini, fmt, n, cols), fmt, (n, cols))  # [n, cols]
+    return values[where * ROW_GROUP + ids % ROW_GROUP]  # [len(ids), cols]
+
+
 def unpack_to_ggml(data: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray:
     """Kernel layout -> ggml bytes [rows, row_bytes] (the inverse of the layout step of `pack`)."""
     wq, ws = _views(data, fmt, rows, cols)

@@ -32,6 +32,7 @@ from moeshard.moe.kernels.layout import (  # noqa: F401  (pack, dequantize, ...:
     _matrix_layout,
     _readonly,
     dequantize,
+    dequantize_rows,
     ggml_block_size,
     nonfinite_scales,
     pack,

@@ -114,11 +114,12 @@ class Trunk:
         return self._cache[key]
 
     def embed(self, name: str, ids: np.ndarray) -> np.ndarray:
-        """Rows `ids` of an embedding table, dequantized: ids [T] -> [T, H]."""
+        """Rows `ids` of an embedding table, dequantized: ids [T] -> [T, H].  Only those rows
+        are decoded, never the whole table (a float32 copy of a bf16 table is twice its
+        bytes, outside any RAM budget)."""
         table = self.tensors[name]
-        if table.fmt == "f32":
-            return table.to_f32()[ids].copy()  # [T, H]
-        return self.vector(name)[ids].copy()  # [T, H]
+        rows, cols = table.shape
+        return quant.dequantize_rows(table.data, table.fmt, rows, cols, ids)  # [T, H]
 
     def nbytes(self) -> int:
         return sum(t.data.nbytes for t in self.tensors.values())
