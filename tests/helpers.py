@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TypeVar
 
 import numpy as np
@@ -320,38 +321,14 @@ def check_recurrent_rollback(model, prompt) -> None:
         plain.truncate(len(prompt))
 
 
-def same_bits_on_nodes_and_streamed(model_dir, prompt: list[int], shards: Path, nodes: int = 2):
-    """Generate 8 tokens with every expert in RAM, through `nodes` nodes (one replica each) and
-    streamed under the smallest --ram budget (64 positions), and check that the three give the
-    same tokens and logits bits; -> the streamed runtime's store stats and whether its trunk
-    was streamed."""
-    from moeshard.coordinator.generate import SamplingOptions, generate
-    from moeshard.coordinator.runtime import open_local, open_streaming
-    from moeshard.moe.convert.placement import shard_model
-    from moeshard.moe.storage.budget import plan_budget
-
-    opts = SamplingOptions(max_tokens=8, keep_logits=True)
-    local = generate(open_local(model_dir).transformer, prompt, opts)
-    remote, calls = generate_on_nodes(model_dir, shard_model(model_dir, nodes, 1, shards), prompt,
-                                      opts)  # fmt: skip
-    rt = open_streaming(model_dir, plan_budget(ModelDir(model_dir), 1 << 40, 64).minimum, 64)
-    try:
-        streamed = generate(rt.transformer, prompt, opts)
-        stats, trunk = rt.experts.stats(), rt.transformer.trunk
-        trunk_streamed = bool(trunk.streamed) and trunk.bytes_read > 0
-    finally:
-        rt.close()
-    assert all(c > 0 for c in calls)
-    for run in (remote, streamed):
-        assert run.tokens == local.tokens
-        assert all(np.array_equal(a, b) for a, b in zip(run.logits, local.logits, strict=True))
-    return stats, trunk_streamed
-
-
-def same_bits_everywhere(model_dir, prompt: list[int], shards: Path, nodes: int, replicas: int):
-    """Generate 8 tokens in RAM, under the smallest RAM budget (experts streamed, so missed) and
-    through `nodes` node processes holding `replicas` copies of each expert: the same tokens
-    and logits bits each time (asserted); returns the RAM run's result."""
+def same_bits_everywhere(
+    model_dir, prompt: list[int], shards: Path, nodes: int = 2, replicas: int = 1
+) -> SimpleNamespace:
+    """Generate 8 tokens in RAM, through `nodes` node processes holding `replicas` copies of
+    each expert, and streamed under the smallest --ram budget (64 positions, so experts are
+    missed): the same tokens and logits bits each time (asserted).  -> (local: the RAM run's
+    result, stats: the streamed store's, trunk_streamed: whether its trunk came through the
+    ring)."""
     from moeshard.coordinator.generate import SamplingOptions, generate
     from moeshard.coordinator.runtime import open_local, open_streaming
     from moeshard.moe.convert.placement import shard_model
@@ -361,18 +338,18 @@ def same_bits_everywhere(model_dir, prompt: list[int], shards: Path, nodes: int,
     local = generate(open_local(model_dir).transformer, prompt, opts)
     plan = shard_model(model_dir, nodes, replicas, shards)
     remote, calls = generate_on_nodes(model_dir, plan, prompt, opts)
-    assert remote.tokens == local.tokens and all(c > 0 for c in calls)
-    assert all(np.array_equal(a, b) for a, b in zip(remote.logits, local.logits, strict=True))
-    minimum = plan_budget(ModelDir(model_dir), 1 << 40, 64).minimum
-    rt = open_streaming(model_dir, minimum, 64)
+    rt = open_streaming(model_dir, plan_budget(ModelDir(model_dir), 1 << 40, 64).minimum, 64)
     try:
         streamed = generate(rt.transformer, prompt, opts)
-        assert rt.experts.stats()["misses"] > 0
+        stats, trunk = rt.experts.stats(), rt.transformer.trunk
+        trunk_streamed = bool(trunk.streamed) and trunk.bytes_read > 0
     finally:
         rt.close()
-    assert streamed.tokens == local.tokens
-    assert all(np.array_equal(a, b) for a, b in zip(streamed.logits, local.logits, strict=True))
-    return local
+    assert all(c > 0 for c in calls) and stats["misses"] > 0
+    for run in (remote, streamed):
+        assert run.tokens == local.tokens
+        assert all(np.array_equal(a, b) for a, b in zip(run.logits, local.logits, strict=True))
+    return SimpleNamespace(local=local, stats=stats, trunk_streamed=trunk_streamed)
 
 
 def node_process(

@@ -13,7 +13,7 @@ import pytest
 from helpers import FIXTURES, reference
 
 from moeshard.coordinator.generate import SamplingOptions, generate
-from moeshard.coordinator.runtime import open_local, open_streaming
+from moeshard.coordinator.runtime import open_local
 from moeshard.moe.convert import mxfp4
 from moeshard.moe.convert.checkpoint import Checkpoint
 from moeshard.moe.convert.converter import convert
@@ -98,27 +98,10 @@ def test_kept_mxfp4_matches_transformers_dequantised_reading(kept):
 def test_two_nodes_and_the_smallest_budget_give_the_same_bits(kept, tmp_path):
     """Records with biases on the wire and through the streaming store: the same tokens and
     logits bits through 2 nodes and under the smallest --ram as in RAM (8-bit activations)."""
-    from helpers import generate_on_nodes
-
-    from moeshard.moe.convert.placement import shard_model
-    from moeshard.moe.storage.budget import plan_budget
+    from helpers import same_bits_everywhere
 
     prompt = [int(t) for t in reference("gpt_oss")["prompt_ids"]]
-    opts = SamplingOptions(max_tokens=10, keep_logits=True)
-    local = generate(open_local(kept).transformer, prompt, opts)
-    plan = shard_model(kept, 2, 1, tmp_path / "shards")
-    remote, calls = generate_on_nodes(kept, plan, prompt, opts)
-    assert remote.tokens == local.tokens and all(c > 0 for c in calls)
-    assert all(np.array_equal(a, b) for a, b in zip(remote.logits, local.logits, strict=True))
-    minimum = plan_budget(ModelDir(kept), 1 << 40, 64).minimum
-    rt = open_streaming(kept, minimum, 64)
-    try:
-        streamed = generate(rt.transformer, prompt, opts)
-        assert rt.experts.stats()["misses"] > 0
-    finally:
-        rt.close()
-    assert streamed.tokens == local.tokens
-    assert all(np.array_equal(a, b) for a, b in zip(streamed.logits, local.logits, strict=True))
+    assert same_bits_everywhere(kept, prompt, tmp_path / "shards").trunk_streamed
 
 
 def test_biased_records_and_the_clamped_swiglu_in_every_kernel():

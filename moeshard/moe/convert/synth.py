@@ -316,7 +316,7 @@ class Geometry:
         return cls(
             raw=p.config,
             trunk_fmt=p.trunk_fmt,
-            trunk_value=lambda name, shape, rng: synth_gpt_oss.trunk_value(name, shape, p, rng),
+            trunk_value=lambda name, shape, rng: _trunk_tensor(name, shape, p, rng),
             records=lambda: synth_gpt_oss.records(p, seed + 1),
             record_nbytes=quant.expert_record_nbytes(fmt, p.width, p.width),
             experts_fmt=fmt,

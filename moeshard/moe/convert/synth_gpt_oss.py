@@ -50,25 +50,6 @@ def preset(name: str, layers: int | None = None) -> GptOssPreset:
     return p
 
 
-def trunk_value(name: str, shape: tuple[int, ...], p: GptOssPreset, rng) -> np.ndarray:
-    """Random float32 values for one trunk tensor: norms 1, biases and sinks 0, routers as
-    random directions times log-normal gains (some experts popular), the rest small."""
-    if len(shape) == 1:
-        return (
-            np.ones(shape, np.float32)
-            if name.endswith("norm.weight")
-            else np.zeros(shape, np.float32)
-        )
-    if name.endswith("mlp.gate.weight"):
-        gains = np.exp(rng.normal(0.0, p.router_skew, shape[0])).astype(np.float32)  # [E]
-        dirs = rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[1])  # [E, H]
-        return dirs * gains[:, None] * np.float32(4.0)  # [E, H]
-    if "embed_tokens" in name:
-        return rng.standard_normal(shape, dtype=np.float32)  # [V, H]
-    scale = 0.2 / np.sqrt(shape[1])  # residual updates ~0.2 of the stream
-    return rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)
-
-
 def records(p: GptOssPreset, seed: int) -> Iterator[np.ndarray]:
     """Endless random `mxfp4+bias` records: random code bytes, one E8M0 scale per matrix
     (an E2M1 code's rms is about 3, so 2^(s - 127) ~ 1 / (3 sqrt(cols))), zero biases."""
