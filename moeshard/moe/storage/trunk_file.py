@@ -160,11 +160,9 @@ class TrunkLayout:
         self.n_layers = max(self.layers) + 1 if self.layers else 0
 
     def ram_bytes(self, name: str) -> int:
-        """RAM a resident tensor costs: its bytes, plus the float32 copy Trunk makes of a
-        non-f32 embedding table."""
-        e = self.entries[name]
-        extra = int(np.prod(e.shape)) * 4 if e.fmt != "f32" and "embed" in name else 0
-        return align_up(e.nbytes) + extra
+        """RAM a resident tensor costs: its bytes (an embedding lookup decodes only the rows
+        it needs: `Trunk.embed`)."""
+        return align_up(self.entries[name].nbytes)
 
     def span(self, layer: int) -> tuple[int, int]:
         """(offset, aligned length) of the one read that fetches all of a layer's tensors."""
