@@ -178,3 +178,11 @@ def test_layer_types_are_checked_and_alpha_defaults_as_transformers(tmp_path):
         load_config(with_config(tmp_path, bad))
     assert "swiglu_alpha" not in json.loads((SRC / "config.json").read_text())  # as released
     assert load_config(SRC).expert_glu == quant.clamped_swiglu(1.702, 7.0)
+
+
+def test_inspect_describes_gpt_oss(kept):
+    from moeshard.moe.model.report import describe
+
+    text, _ = describe(kept)
+    assert "window 4 on 0,2, full on 1 (4/2 heads of 16, a sink per head)" in text
+    assert "clamped SwiGLU (alpha 1.702, limit 7)" in text and "mxfp4+bias" in text

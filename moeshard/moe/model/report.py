@@ -37,6 +37,16 @@ def describe(path: str | Path, verify: bool = False) -> tuple[str, bool]:
             f"({c.num_attention_heads}/{c.num_key_value_heads} heads of {c.head_dim}, rotary "
             f"{c.rope.dim}){vision}"
         )
+    if getattr(c, "swiglu_limit", None) is not None:  # gpt-oss
+        windowed = [i for i in range(c.num_hidden_layers) if c.window(i)]
+        full = [i for i in range(c.num_hidden_layers) if not c.window(i)]
+        lines.append(
+            f"attention  (layers from 0) window {max(map(c.window, windowed), default=0)} on "
+            f"{','.join(map(str, windowed)) or '-'}, full on {','.join(map(str, full)) or '-'} "
+            f"({c.num_attention_heads}/{c.num_key_value_heads} heads of {c.head_dim}, a sink "
+            f"per head); experts with biases, clamped SwiGLU (alpha {c.swiglu_alpha:g}, limit "
+            f"{c.swiglu_limit:g})"
+        )
     if getattr(c, "latent_size", None) is not None:  # Kimi K3's additions
         vision = "; vision tower not run" if c.has_vision else ""
         lines.append(
