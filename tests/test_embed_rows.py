@@ -30,7 +30,7 @@ def test_rows_equal_the_whole_tables_decode(fmt):
     rows = quant.dequantize_rows(data, fmt, ROWS, COLS, IDS)  # [8, COLS]
     assert rows.dtype == np.float32 and rows.shape == (len(IDS), COLS)
     np.testing.assert_array_equal(rows, whole[IDS])
-    with pytest.raises(ValueError, match="within 0..82"):
+    with pytest.raises(IndexError, match="within 0..82"):
         quant.dequantize_rows(data, fmt, ROWS, COLS, [ROWS])
 
 

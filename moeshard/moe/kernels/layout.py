@@ -334,7 +334,7 @@ def dequantize_rows(data: np.ndarray, fmt: str, rows: int, cols: int, ids) -> np
     twice a bf16 table's bytes, gigabytes for a 200k-token vocabulary)."""
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # [n]
     if ids.size and (ids.min() < 0 or ids.max() >= rows):
-        raise ValueError(f"row ids must be within 0..{rows - 1}")
+        raise IndexError(f"row ids must be within 0..{rows - 1}")  # (as numpy indexing)
     wq, ws = _views(data, fmt, rows, cols)
     if fmt == "f32":
         return wq.view(np.float32)[ids].copy()  # [n, cols]
