@@ -13,12 +13,10 @@ build (another platform, a newer daemon).
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -40,7 +38,15 @@ WHEEL_MEMBER = "hivemind/hivemind_cli/p2pd"
 P2PD_SHA256 = "42f8f48e62583b97cdba3c31439c08029fb2b9fc506b5bdd82c46b7cc1d279d8"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moeshard" / "p2pd"
 START_S = 15.0  # the daemon's control socket must answer within this
-PR_SET_PDEATHSIG = 1  # prctl(2)
+# SIGTERM to the daemon when we die, however we die (a node killed with SIGKILL must not leave
+# its daemon announcing it): util-linux's setpriv sets prctl(PR_SET_PDEATHSIG) and execs it.
+# Not a preexec_fn: that runs Python in a fork of this threaded process, and gRPC's fork
+# handlers ran there too and aborted the child now and then (the p2p testbed: "the p2p daemon
+# exited at start (code -6)", "epoll_wait error: Bad file descriptor" in its log); without one,
+# subprocess spawns with vfork and no code of ours or gRPC's runs before the exec.  Linux: the
+# parent is the thread that started it, so a P2PDaemon is started from a thread that lives as
+# long as it.
+_DIES_WITH_PARENT = ("setpriv", "--pdeathsig", "TERM", "--") if shutil.which("setpriv") else ()
 RELAY_DATA_LIMIT = 1 << 40  # bytes one relayed connection may carry each way (a bootstrap's)
 RELAY_TIME_LIMIT = "24h"  # how long one relayed connection may last
 
@@ -132,9 +138,10 @@ class P2PDaemon:
         if log_file is None and os.environ.get("MOESHARD_P2PD_LOG"):  # (debugging: a directory)
             log_file = Path(os.environ["MOESHARD_P2PD_LOG"]) / f"p2pd-{os.getpid()}-{id(self)}.log"
         out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_own_session_dies_with_parent
-        )
+        self.proc = subprocess.Popen(  # its own session: a Ctrl-C meant for us does not stop
+            [*_DIES_WITH_PARENT, *cmd], stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,  # it before we have closed it (`_DIES_WITH_PARENT`)
+        )  # fmt: skip
         self.control = Control(self.socket_path)
         try:
             self.me = self._wait_ready()
@@ -173,16 +180,6 @@ class P2PDaemon:
                 self.proc.kill()
                 self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _own_session_dies_with_parent() -> None:
-    """In the child before exec: its own session (a Ctrl-C meant for us does not stop it
-    before we have closed it), and SIGTERM when we die, however we die (a node killed with
-    SIGKILL must not leave its daemon announcing it). Linux: the parent is the thread that
-    started it, so a P2PDaemon is started from a thread that lives as long as it."""
-    os.setsid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def hub_args(listen: list[str], announce: list[str] | None = None) -> list[str]:
