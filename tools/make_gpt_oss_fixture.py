@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
+from fixtures_lib.reference import cached_greedy
 from safetensors.torch import save_file
 from transformers import GptOssConfig, GptOssForCausalLM, Mxfp4Config
 
@@ -144,22 +145,6 @@ def released_configs(cfg: GptOssConfig) -> tuple[dict, dict]:
     return old, new
 
 
-def run(model):
-    ids = torch.tensor([PROMPT])
-    with torch.no_grad():
-        prefill = model(ids).logits[0]  # [T, V]
-        cache = transformers.DynamicCache(config=model.config)
-        out = model(ids, cache=cache, use_cache=True)
-        logits, greedy, rows = out.logits[0, -1], [], []
-        for _ in range(GREEDY):
-            rows.append(logits)
-            token = int(torch.argmax(logits))
-            greedy.append(token)
-            out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
-            logits = out.logits[0, -1]
-    return prefill, greedy, torch.stack(rows)
-
-
 class RouterGaps:
     """The gap between the k-th and (k+1)-th router logit of every routing decision."""
 
@@ -200,7 +185,7 @@ def main() -> None:
                 attn_implementation="eager",
             ).eval()
             probe = RouterGaps(model)
-            prefill, greedy, rows = run(model)
+            prefill, greedy, rows = cached_greedy(model, PROMPT, GREEDY)
             top2 = torch.topk(rows, 2, dim=-1).values
             gap = float((top2[:, 0] - top2[:, 1]).min())
             route_gap = min(probe.gaps)

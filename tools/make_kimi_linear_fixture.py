@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
+from fixtures_lib.reference import cached_greedy
 from safetensors import safe_open
 from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
@@ -133,22 +134,6 @@ def randomise(model, seed: int) -> None:
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen))
 
 
-def run(model):
-    ids = torch.tensor([PROMPT])
-    with torch.no_grad():
-        prefill = model(ids).logits[0]  # [T, V]
-        cache = transformers.DynamicCache(config=model.config)
-        out = model(ids, cache=cache, use_cache=True)
-        logits, greedy, rows = out.logits[0, -1], [], []
-        for _ in range(GREEDY):
-            rows.append(logits)
-            token = int(torch.argmax(logits))
-            greedy.append(token)
-            out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
-            logits = out.logits[0, -1]
-    return prefill, greedy, torch.stack(rows)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -158,7 +143,7 @@ def main() -> None:
         torch.manual_seed(seed)
         model = KimiLinearForCausalLM(config()).eval()
         randomise(model, seed)
-        prefill, greedy, rows = run(model)
+        prefill, greedy, rows = cached_greedy(model, PROMPT, GREEDY)
         top2 = torch.topk(rows, 2, dim=-1).values
         gap = float((top2[:, 0] - top2[:, 1]).min())
         if gap > 1e-3:

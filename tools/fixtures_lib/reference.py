@@ -147,3 +147,21 @@ def reference(model, prompt_ids: list[int]):
 def logit_gaps(glogits: np.ndarray) -> np.ndarray:
     s = np.sort(glogits.astype(np.float64), axis=-1)
     return s[:, -1] - s[:, -2]
+
+
+@torch.no_grad()
+def cached_greedy(model, prompt_ids: list[int], steps: int):
+    """(prefill logits [T, V] from one forward, the greedy ids [steps], the logits each was
+    chosen from [steps, V]) of a token-by-token loop with transformers' DynamicCache."""
+    ids = torch.tensor([prompt_ids])
+    prefill = model(ids).logits[0]  # [T, V]
+    cache = transformers.DynamicCache(config=model.config)
+    out = model(ids, cache=cache, use_cache=True)
+    logits, greedy, rows = out.logits[0, -1], [], []
+    for _ in range(steps):
+        rows.append(logits)
+        token = int(torch.argmax(logits))
+        greedy.append(token)
+        out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
+        logits = out.logits[0, -1]
+    return prefill, greedy, torch.stack(rows)
