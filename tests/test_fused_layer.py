@@ -4,11 +4,14 @@ every GQA family, each format, a sliding window, and a streamed trunk under --ra
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
 from moeshard.coordinator.runtime import open_local, open_streaming
-from moeshard.moe.model import fused_layer
+from moeshard.moe.kernels import quant
+from moeshard.moe.model import fused_layer, qwen_moe
 from moeshard.moe.model.model_dir import ModelDir
 from moeshard.moe.storage.budget import plan_budget
 
@@ -29,6 +32,7 @@ def _both(transformer, monkeypatch):
     """(fused logits, cache), (step-by-step logits, cache), and how many layers ran fused."""
     ran = []
     real = fused_layer.FusedPlan.applies
+    _count_decode_layers(monkeypatch)
 
     def counting(self):
         ok = real(self)
@@ -41,6 +45,26 @@ def _both(transformer, monkeypatch):
     steps = _decode(transformer)
     monkeypatch.setattr(fused_layer.FusedPlan, "applies", real)
     return fused, steps, sum(ran)
+
+
+def _count_decode_layers(monkeypatch) -> None:
+    """`decode_layer` and its pool twin, counting in EXPERTS_IN_CALL how often the experts
+    ran in their call and how often they were handed back (an expert not read yet)."""
+    counts = {"in call": 0, "handed back": 0, "pool": 0}
+    monkeypatch.setattr(sys.modules[__name__], "EXPERTS_IN_CALL", counts)
+    for name in ("decode_layer", "decode_layer_pool"):
+        real = getattr(fused_layer, name)
+
+        def counting(*args, real=real, name=name):
+            out = real(*args)
+            counts["in call" if out[3].shape[0] else "handed back"] += 1
+            counts["pool"] += name == "decode_layer_pool"
+            return out
+
+        monkeypatch.setattr(qwen_moe, name, counting)
+
+
+EXPERTS_IN_CALL: dict[str, int] = {}
 
 
 def _same(a, b) -> None:
@@ -68,7 +92,35 @@ def test_fused_decode_layer_gives_the_step_by_step_bits(
     try:
         fused, steps, ran = _both(rt.transformer, monkeypatch)
         assert ran >= STEPS * len(rt.transformer.config.moe_layers)  # the fused path ran
+        # the in-RAM experts ran in decode_layer's call, and (records read on first use) some
+        # came back to LocalExperts to be read: both ways give the step-by-step bits
+        assert EXPERTS_IN_CALL["in call"] > 0 and EXPERTS_IN_CALL["handed back"] > 0
         _same(fused, steps)
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("pool", [False, True])
+def test_experts_in_the_layers_call_give_the_backends_bits(converted, monkeypatch, pool):
+    """Every record read: each decode layer's experts run inside `decode_layer` (or, split
+    across the pool's threads, `decode_layer_pool`); the tokens, logits and cache are those
+    of the same model whose experts go through `LocalExperts`' own call (`resident` None)."""
+    path = converted("qwen3_moe", experts="q4_0", trunk="bf16")
+    rt = open_local(path)
+    try:
+        rt.experts.preload()
+        if pool:  # the trunk's products on this thread, experts in the pool (as where the
+            # pool's threads spin: `quant.spin_while_waiting`, `quant.calibrate_matmul`)
+            monkeypatch.setattr(quant, "PARALLEL_MIN_WEIGHTS", 1)
+            monkeypatch.setattr(quant, "MATMUL_PARALLEL_FACTOR", 1 << 40)
+        assert (quant.threads_for(1) > 1) == pool or quant.threads() == 1
+        _count_decode_layers(monkeypatch)
+        inside = _decode(rt.transformer)
+        layers = len(rt.transformer.config.moe_layers)
+        pooled = STEPS * layers if pool and quant.threads() > 1 else 0
+        assert EXPERTS_IN_CALL == {"in call": STEPS * layers, "handed back": 0, "pool": pooled}
+        monkeypatch.setattr(type(rt.experts), "resident", lambda self, layer: None)
+        _same(inside, _decode(rt.transformer))
     finally:
         rt.close()
 

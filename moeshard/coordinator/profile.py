@@ -136,5 +136,10 @@ class _TimedExperts:
         finally:
             self._step["experts"] += time.perf_counter_ns() - t0
 
+    def resident(self, layer: int):
+        """None: a decode row's experts stay a call of their own, so they can be timed
+        (`decode_layer` would run them inside the attention's kernel call)."""
+        return None
+
     def __getattr__(self, name: str):
         return getattr(self.inner, name)

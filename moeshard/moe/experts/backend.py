@@ -13,6 +13,8 @@ from typing import Protocol
 
 import numpy as np
 
+from moeshard.moe.kernels import quant
+
 
 @dataclass(frozen=True)
 class PrefetchHint:
@@ -21,6 +23,25 @@ class PrefetchHint:
 
     layer: int
     predicted: np.ndarray  # [T, k]
+
+
+@dataclass(frozen=True)
+class ResidentExperts:
+    """A layer's records held in one arena, as a kernel call takes them: `table[e]` is expert
+    e's byte offset in `arena`, -1 while it is not there (the table is the backend's own, so
+    it sees records as they land), and the rest the expert kernels' constants."""
+
+    arena: np.ndarray  # uint8 [bytes], read-only
+    table: np.ndarray  # int64 [max expert id + 1]
+    kernel_args: (
+        tuple  # `quant.experts_args` (format code, record bytes, layout, gated unit), inter
+    )
+    weights_per_expert: int  # hidden x inter: what decides the thread count
+
+    @staticmethod
+    def of(arena, table, fmt: str, hidden: int, inter: int, glu) -> ResidentExperts:
+        kernel_args = (*quant.experts_args(fmt, hidden, inter, glu), inter)
+        return ResidentExperts(arena, table, kernel_args, hidden * inter)
 
 
 class ExpertsBackend(Protocol):
@@ -44,6 +65,12 @@ class ExpertsBackend(Protocol):
         """Start fetching these experts of `layer` now (predicted: [T, k] or [n] ids)."""
         ...
 
+    def resident(self, layer: int) -> ResidentExperts | None:
+        """Optional (`ExpertsBase` gives None): the layer's in-RAM records, for a decode row
+        whose experts run in the same kernel call as its attention. A backend that must see
+        every call (a recorder, a cache that counts hits) gives None."""
+        ...
+
     def stats(self) -> dict:
         """Counters since start (JSON-able; keys depend on the backend)."""
         ...
@@ -57,6 +84,9 @@ class ExpertsBase:
     """No-op `prefetch`, empty `stats`, nothing to `close`: subclasses override what they have."""
 
     def prefetch(self, layer: int, predicted: np.ndarray) -> None:
+        return None
+
+    def resident(self, layer: int) -> ResidentExperts | None:
         return None
 
     def stats(self) -> dict:

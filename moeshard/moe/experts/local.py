@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeshard.moe.experts.backend import ExpertsBase, PrefetchHint
+from moeshard.moe.experts.backend import ExpertsBase, PrefetchHint, ResidentExperts
 from moeshard.moe.experts.compute import (
     KERNELS,
     ExpertKernels,
@@ -31,6 +31,8 @@ class LocalExperts(ExpertsBase):
         self.readonly: dict[int, np.ndarray] = {}  # layer -> a read-only view of its arena
         self.slot: dict[tuple[int, int], int] = {}  # (layer, expert) -> its slot in the arena
         self.at: dict[int, dict[int, int]] = {}  # layer -> {expert read: its offset}
+        self.tables: dict[int, np.ndarray] = {}  # layer -> int64 [max id + 1]: offset or -1
+        self.held: dict[int, ResidentExperts] = {}  # layer -> `resident`'s answer, made once
         self.bytes_read = 0
 
     def _arena(self, layer: int) -> np.ndarray:
@@ -40,6 +42,7 @@ class LocalExperts(ExpertsBase):
             self.arenas[layer] = aligned_buffer(max(len(held), 1) * self.slot_bytes, huge=True)
             view = self.readonly[layer] = self.arenas[layer].view()
             view.flags.writeable = False  # what the kernels take: made once, not per call
+            self.tables[layer] = np.full(max(held, default=-1) + 1, -1, dtype=np.int64)
         return self.arenas[layer]
 
     def offset(self, layer: int, expert: int) -> int:
@@ -52,6 +55,7 @@ class LocalExperts(ExpertsBase):
             start = self.slot[key] * self.slot_bytes
             arena[start : start + record.size] = record
             self.at.setdefault(layer, {})[expert] = start
+            self.tables[layer][expert] = start
             self.bytes_read += record.size
         return self.at[layer][expert]
 
@@ -63,6 +67,20 @@ class LocalExperts(ExpertsBase):
         if -1 in out:
             out = [self.offset(layer, e) for e in experts]
         return out
+
+    def resident(self, layer: int) -> ResidentExperts | None:
+        """Layer `layer`'s arena and offset table, for a decode row's experts computed in the
+        same kernel call as its attention (`fused_layer.decode_layer`); records not read yet
+        are -1 in the table, and a row routed to one comes back here through `__call__`."""
+        held = self.held.get(layer)
+        if held is None:
+            self._arena(layer)
+            s = self.shards
+            held = self.held[layer] = ResidentExperts.of(
+                self.readonly[layer], self.tables[layer], s.record_format(layer), s.hidden,
+                s.inter, s.glu,
+            )  # fmt: skip
+        return held
 
     def preload(self) -> None:
         """Read every record held now instead of on first use (what llama.cpp does when it

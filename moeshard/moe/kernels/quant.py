@@ -204,6 +204,17 @@ def wait_policy() -> str:
     return "spin" if _wait["spinning"] else "passive"
 
 
+def threads_for(n_weights: int) -> int:
+    """The threads an expert kernel over `n_weights` weights runs on (`_threads_for`), for a
+    parallel kernel outside this module that runs experts (`fused_layer.decode_layer_pool`)."""
+    return _threads_for(n_weights)
+
+
+def launch(kernel, threads: int, args: tuple):
+    """Call a parallel=True kernel outside this module on `threads` threads (`_launch`)."""
+    return _launch(kernel, threads, args)
+
+
 def _threads_for(n_weights: int) -> int:
     """The threads a kernel over `n_weights` weights runs on: all of `threads()`, or the
     calling thread alone below PARALLEL_MIN_WEIGHTS."""
@@ -560,7 +571,7 @@ def accumulate_rows(out: np.ndarray, rows: np.ndarray, y: np.ndarray, w: np.ndar
 
 
 @functools.lru_cache(maxsize=64)
-def _experts_constants(fmt: str, hidden: int, inter: int, glu: Glu) -> tuple:
+def experts_args(fmt: str, hidden: int, inter: int, glu: Glu = SWIGLU) -> tuple:
     """(format code, record bytes, layout, glu tuple) of an expert shape: worked out once, not
     on every decode call."""
     nbytes, layout = _expert_layout(fmt, hidden, inter)
@@ -574,7 +585,7 @@ def experts_ffn_b1_sum(
     arena[offsets[e]:] and w float32 [m] -> float64 [hidden]: each weighted output rounded to
     float32, then added in float64 in the given order (what `moeshard.moe.experts.compute.combine`
     does with the parts of `run_experts`, bit for bit), in one kernel call."""
-    code, nbytes, layout, glu_args = _experts_constants(fmt, hidden, inter, glu)
+    code, nbytes, layout, glu_args = experts_args(fmt, hidden, inter, glu)
     if not isinstance(arena, np.ndarray) or arena.dtype != np.uint8 or arena.ndim != 1:
         raise ValueError("arena must be a 1-D uint8 numpy array")
     starts = [int(v) for v in offsets]  # a handful: Python ints are cheaper than numpy here

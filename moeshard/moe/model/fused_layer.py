@@ -10,7 +10,10 @@ measured threshold, attention below PARALLEL_MIN_WORK: `FusedPlan.applies`),
 `attention_route` runs them as one call of the very same kernels on the same inputs, so the
 hidden state, the KV cache and the routing are the same bits as the step-by-step path
 (tests/test_fused_layer.py). The experts stay behind the experts interface (local, --ram,
-nodes), called once per layer as before.
+nodes), called once per layer as before, except where the backend holds the layer's records
+in one arena in RAM (`ExpertsBackend.resident`: `LocalExperts`) and they are small: then
+`decode_layer` runs them too, in the same call, by the kernel `LocalExperts` would call (the
+embedded model's token: 13% faster, docs/results.md).
 """
 
 from __future__ import annotations
@@ -18,10 +21,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
+from moeshard.moe.experts.backend import ResidentExperts
 from moeshard.moe.kernels import quant
-from moeshard.moe.kernels.entry import matmul_group_serial_kernel, matmul_serial_kernel
+from moeshard.moe.kernels.entry import (
+    _activations,
+    _expert_b1,
+    _halves,
+    _weighted_total,
+    experts_b1_sum_serial_kernel,
+    matmul_group_serial_kernel,
+    matmul_serial_kernel,
+)
 from moeshard.moe.model.fused import add_rms_norm, gqa_attention, rms_norm_rows, route_softmax_topk
 
 
@@ -77,6 +89,89 @@ def attention_route(
     return h2, ids, weights
 
 
+@njit(cache=True, nogil=True)
+def _held_offsets(ids, weights, table):
+    """A decode row's routed experts as the expert kernels take them: (byte offsets int64
+    [k], weights float32 [k]) in ascending expert order, the order `combine` adds them in;
+    None's stand-in, k = 0 arrays, where one is absent from `table` or routed twice."""
+    k = ids.shape[1]
+    order = np.argsort(ids[0])
+    offsets = np.empty(k, dtype=np.int64)  # [k]
+    w = np.empty(k, dtype=np.float32)  # [k]
+    previous = -1
+    for j in range(k):
+        e = ids[0, order[j]]
+        if e <= previous or e >= table.shape[0] or table[e] < 0:
+            return offsets[:0], w[:0]
+        offsets[j], w[j], previous = table[e], weights[0, order[j]], e
+    return offsets, w
+
+
+@njit(cache=True, nogil=True)
+def _rounded(total):
+    """float64 [H] -> float32 [1, H], rounded once (as `decode_weighted_sum`'s astype)."""
+    out = np.empty((1, total.shape[0]), dtype=np.float32)  # [1, H]
+    for j in range(total.shape[0]):
+        out[0, j] = total[j]
+    return out
+
+
+@njit(cache=True, nogil=True)
+def decode_layer(
+    x, delta, has_delta, in_norm, post_norm, eps, int8, lut,
+    qkv, q_norm, k_norm, qk_norm, clip, cos, sin, kc, vc, start, scaling, window,
+    o, gate, top_k, renorm, table, arena, experts,
+):  # fmt: skip
+    """`attention_route`, then the routed experts' weighted sum when every one is in `arena`
+    (`table[e]`: expert e's byte offset, -1 if absent; `experts`: `quant.experts_args` and the
+    experts' inner size, as `ResidentExperts.kernel_args`), on this thread, by the very
+    kernel `LocalExperts` calls for a decode row, on the same inputs: the same bits.
+    -> (h2 [1, H], ids [1, k], weights [1, k], the experts' output float32 [1, H], or [0, H]
+    where some expert is absent or routed twice: then the caller runs them)."""
+    h2, ids, weights = attention_route(
+        x, delta, has_delta, in_norm, post_norm, eps, int8, lut,
+        qkv, q_norm, k_norm, qk_norm, clip, cos, sin, kc, vc, start, scaling, window,
+        o, gate, top_k, renorm,
+    )  # fmt: skip
+    offsets, w = _held_offsets(ids, weights, table)  # [k], [k]
+    if offsets.shape[0] == 0:
+        return h2, ids, weights, np.empty((0, x.shape[1]), dtype=np.float32)
+    code, nbytes, layout, glu, inter = experts
+    total = experts_b1_sum_serial_kernel(
+        code, int8, arena, offsets, nbytes, x.shape[1], inter, layout, lut, h2, w, glu
+    )  # [H] float64
+    return h2, ids, weights, _rounded(total)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def decode_layer_pool(
+    x, delta, has_delta, in_norm, post_norm, eps, int8, lut,
+    qkv, q_norm, k_norm, qk_norm, clip, cos, sin, kc, vc, start, scaling, window,
+    o, gate, top_k, renorm, table, arena, experts,
+):  # fmt: skip
+    """`decode_layer` with the experts split across the pool's threads, as
+    `entry.experts_b1_sum_kernel` splits them (its loop, repeated here: a prange cannot be
+    called, and an njit function calling a parallel one breaks numba's cache): the same bits.
+    Where the pool's threads spin (`generate`), this also keeps them awake for the head's
+    product at the token's end, which otherwise finds them asleep (a wake-up costs ~50 us)."""
+    h2, ids, weights = attention_route(
+        x, delta, has_delta, in_norm, post_norm, eps, int8, lut,
+        qkv, q_norm, k_norm, qk_norm, clip, cos, sin, kc, vc, start, scaling, window,
+        o, gate, top_k, renorm,
+    )  # fmt: skip
+    offsets, w = _held_offsets(ids, weights, table)  # [k], [k]
+    hidden = x.shape[1]
+    if offsets.shape[0] == 0:
+        return h2, ids, weights, np.empty((0, hidden), dtype=np.float32)
+    code, nbytes, layout, glu, inter = experts
+    y = np.empty((offsets.shape[0], hidden), dtype=np.float32)  # [k, H]
+    act = _activations(_halves(code)[0], int8, h2)  # h2 quantised once for every expert
+    for e in prange(offsets.shape[0]):
+        record = arena[offsets[e] : offsets[e] + nbytes]
+        _expert_b1(code, int8, record, hidden, inter, layout, lut, h2, act, y[e], glu)
+    return h2, ids, weights, _rounded(_weighted_total(y, w))
+
+
 @dataclass(frozen=True)
 class FusedPlan:
     """A layer's matrices as `attention_route` takes them, or why it cannot (a bias, a
@@ -104,8 +199,9 @@ class FusedPlan:
 
 
 def warmup() -> None:
-    """Compile (or load from numba's cache) `attention_route` for the argument types a
-    forward pass gives it (`fused.warmup` calls this): a 16-wide bf16 layer, one step."""
+    """Compile (or load from numba's cache) `attention_route` and `decode_layer` for the
+    argument types a forward pass gives them (`fused.warmup` calls this): a 16-wide bf16
+    layer, one step."""
     h, d, heads_kv = 16, 8, 2
     norm = np.ones(h, np.float32)  # [H]
     none = np.zeros(0, np.float32)
@@ -115,8 +211,16 @@ def warmup() -> None:
     cos, sin = np.ones((1, d // 2), np.float32), np.zeros((1, d // 2), np.float32)
     kc, vc = (np.zeros((4, heads_kv, d), np.float32) for _ in range(2))  # [L, Hkv, D]
     x = np.ones((1, h), np.float32)  # [1, H]
-    attention_route(
+    args = (
         x, x.copy(), True, norm, norm, 1e-6, quant._int8(), quant.dots.F16_LUT,
         qkv, none, none, 0, 0.0, cos, sin, kc, vc, 0, 0.5, 0,
         matrix.fused_args(), matrix.fused_args(), 2, True,
     )  # fmt: skip
+    attention_route(*args)
+    # decode_layer's types do not depend on the record format: no expert held, it compiles
+    arena = np.zeros(64, np.uint8)
+    arena.flags.writeable = False
+    absent = np.full(h, -1, dtype=np.int64)  # [E]
+    held = ResidentExperts.of(arena, absent, "q4_0", 32, 32, quant.SWIGLU)
+    decode_layer(*args, held.table, held.arena, held.kernel_args)
+    decode_layer_pool(*args, held.table, held.arena, held.kernel_args)
