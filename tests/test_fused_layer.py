@@ -113,7 +113,7 @@ def test_experts_in_the_layers_call_give_the_backends_bits(converted, monkeypatc
             # pool's threads spin: `quant.spin_while_waiting`, `quant.calibrate_matmul`)
             monkeypatch.setattr(quant, "PARALLEL_MIN_WEIGHTS", 1)
             monkeypatch.setattr(quant, "MATMUL_PARALLEL_FACTOR", 1 << 40)
-        assert (quant.threads_for(1) > 1) == pool or quant.threads() == 1
+        assert (quant._threads_for(1) > 1) == pool or quant.threads() == 1
         _count_decode_layers(monkeypatch)
         inside = _decode(rt.transformer)
         layers = len(rt.transformer.config.moe_layers)

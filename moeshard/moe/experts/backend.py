@@ -33,9 +33,7 @@ class ResidentExperts:
 
     arena: np.ndarray  # uint8 [bytes], read-only
     table: np.ndarray  # int64 [max expert id + 1]
-    kernel_args: (
-        tuple  # `quant.experts_args` (format code, record bytes, layout, gated unit), inter
-    )
+    kernel_args: tuple  # `quant.experts_args` (code, record bytes, layout, glu), and inter
     weights_per_expert: int  # hidden x inter: what decides the thread count
 
     @staticmethod

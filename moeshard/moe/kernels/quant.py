@@ -204,17 +204,6 @@ def wait_policy() -> str:
     return "spin" if _wait["spinning"] else "passive"
 
 
-def threads_for(n_weights: int) -> int:
-    """The threads an expert kernel over `n_weights` weights runs on (`_threads_for`), for a
-    parallel kernel outside this module that runs experts (`fused_layer.decode_layer_pool`)."""
-    return _threads_for(n_weights)
-
-
-def launch(kernel, threads: int, args: tuple):
-    """Call a parallel=True kernel outside this module on `threads` threads (`_launch`)."""
-    return _launch(kernel, threads, args)
-
-
 def _threads_for(n_weights: int) -> int:
     """The threads a kernel over `n_weights` weights runs on: all of `threads()`, or the
     calling thread alone below PARALLEL_MIN_WEIGHTS."""
@@ -235,6 +224,12 @@ def _run(kernel, n_weights: int, *args, serial=None):
     if want == 1 and serial is not None:
         return serial(*args)
     return _launch(kernel, want, args)
+
+
+def run_kernel(kernel, n_weights: int, *args, serial=None):
+    """`_run` for a parallel kernel outside this module whose size is `n_weights` expert
+    weights (`fused_layer.decode_layer_pool`, its serial twin `decode_layer`)."""
+    return _run(kernel, n_weights, *args, serial=serial)
 
 
 # Below this many multiply-adds a parallel kernel outside this module (`run_parallel`: the

@@ -117,53 +117,47 @@ def _rounded(total):
 
 
 @njit(cache=True, nogil=True)
-def decode_layer(
-    x, delta, has_delta, in_norm, post_norm, eps, int8, lut,
-    qkv, q_norm, k_norm, qk_norm, clip, cos, sin, kc, vc, start, scaling, window,
-    o, gate, top_k, renorm, table, arena, experts,
-):  # fmt: skip
-    """`attention_route`, then the routed experts' weighted sum when every one is in `arena`
-    (`table[e]`: expert e's byte offset, -1 if absent; `experts`: `quant.experts_args` and the
-    experts' inner size, as `ResidentExperts.kernel_args`), on this thread, by the very
-    kernel `LocalExperts` calls for a decode row, on the same inputs: the same bits.
+def _route_held(table, layer):
+    """`attention_route(*layer)`, and the offsets and weights of the experts it routed to
+    (`_held_offsets`): -> (h2 [1, H], ids [1, k], weights [1, k], offsets [k] or [0], w)."""
+    h2, ids, weights = attention_route(*layer)
+    offsets, w = _held_offsets(ids, weights, table)  # [k], [k]
+    return h2, ids, weights, offsets, w
+
+
+@njit(cache=True, nogil=True)
+def decode_layer(table, arena, experts, *layer):
+    """`attention_route(*layer)`, then the routed experts' weighted sum when every one is in
+    `arena` (`table[e]`: expert e's byte offset, -1 if absent; `experts`: `quant.experts_args`
+    and the experts' inner size, as `ResidentExperts.kernel_args`), on this thread, by the
+    very kernel `LocalExperts` calls for a decode row, on the same inputs: the same bits.
     -> (h2 [1, H], ids [1, k], weights [1, k], the experts' output float32 [1, H], or [0, H]
     where some expert is absent or routed twice: then the caller runs them)."""
-    h2, ids, weights = attention_route(
-        x, delta, has_delta, in_norm, post_norm, eps, int8, lut,
-        qkv, q_norm, k_norm, qk_norm, clip, cos, sin, kc, vc, start, scaling, window,
-        o, gate, top_k, renorm,
-    )  # fmt: skip
-    offsets, w = _held_offsets(ids, weights, table)  # [k], [k]
+    h2, ids, weights, offsets, w = _route_held(table, layer)
+    hidden = h2.shape[1]
     if offsets.shape[0] == 0:
-        return h2, ids, weights, np.empty((0, x.shape[1]), dtype=np.float32)
+        return h2, ids, weights, np.empty((0, hidden), dtype=np.float32)
     code, nbytes, layout, glu, inter = experts
+    int8, lut = layer[6], layer[7]  # (attention_route's own)
     total = experts_b1_sum_serial_kernel(
-        code, int8, arena, offsets, nbytes, x.shape[1], inter, layout, lut, h2, w, glu
+        code, int8, arena, offsets, nbytes, hidden, inter, layout, lut, h2, w, glu
     )  # [H] float64
     return h2, ids, weights, _rounded(total)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def decode_layer_pool(
-    x, delta, has_delta, in_norm, post_norm, eps, int8, lut,
-    qkv, q_norm, k_norm, qk_norm, clip, cos, sin, kc, vc, start, scaling, window,
-    o, gate, top_k, renorm, table, arena, experts,
-):  # fmt: skip
+def decode_layer_pool(table, arena, experts, *layer):
     """`decode_layer` with the experts split across the pool's threads, as
     `entry.experts_b1_sum_kernel` splits them (its loop, repeated here: a prange cannot be
     called, and an njit function calling a parallel one breaks numba's cache): the same bits.
     Where the pool's threads spin (`generate`), this also keeps them awake for the head's
     product at the token's end, which otherwise finds them asleep (a wake-up costs ~50 us)."""
-    h2, ids, weights = attention_route(
-        x, delta, has_delta, in_norm, post_norm, eps, int8, lut,
-        qkv, q_norm, k_norm, qk_norm, clip, cos, sin, kc, vc, start, scaling, window,
-        o, gate, top_k, renorm,
-    )  # fmt: skip
-    offsets, w = _held_offsets(ids, weights, table)  # [k], [k]
-    hidden = x.shape[1]
+    h2, ids, weights, offsets, w = _route_held(table, layer)
+    hidden = h2.shape[1]
     if offsets.shape[0] == 0:
         return h2, ids, weights, np.empty((0, hidden), dtype=np.float32)
     code, nbytes, layout, glu, inter = experts
+    int8, lut = layer[6], layer[7]  # (attention_route's own)
     y = np.empty((offsets.shape[0], hidden), dtype=np.float32)  # [k, H]
     act = _activations(_halves(code)[0], int8, h2)  # h2 quantised once for every expert
     for e in prange(offsets.shape[0]):
@@ -222,5 +216,5 @@ def warmup() -> None:
     arena.flags.writeable = False
     absent = np.full(h, -1, dtype=np.int64)  # [E]
     held = ResidentExperts.of(arena, absent, "q4_0", 32, 32, quant.SWIGLU)
-    decode_layer(*args, held.table, held.arena, held.kernel_args)
-    decode_layer_pool(*args, held.table, held.arena, held.kernel_args)
+    decode_layer(held.table, held.arena, held.kernel_args, *args)
+    decode_layer_pool(held.table, held.arena, held.kernel_args, *args)

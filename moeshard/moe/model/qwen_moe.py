@@ -365,12 +365,10 @@ class Transformer:
         if held is None:
             h, ids, weights = attention_route(*args)
             return self._routed(i, ly, h, ids, weights, hints)
-        args += (held.table, held.arena, held.kernel_args)
-        threads = quant.threads_for(self.config.top_k * held.weights_per_expert)
-        if threads == 1:
-            h, ids, weights, out = decode_layer(*args)
-        else:
-            h, ids, weights, out = quant.launch(decode_layer_pool, threads, args)
+        h, ids, weights, out = quant.run_kernel(
+            decode_layer_pool, self.config.top_k * held.weights_per_expert,
+            held.table, held.arena, held.kernel_args, *args, serial=decode_layer,
+        )  # fmt: skip
         if out.shape[0] == 0:  # an expert not read yet: the backend's own call reads it
             return self._routed(i, ly, h, ids, weights, hints)
         return out  # (a layer with a fused plan has no shared expert: `_Layer.moe_parts`)
