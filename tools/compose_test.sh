@@ -216,7 +216,10 @@ say "no container compiled a kernel at run time (coordinator and nodes: numba ca
 
 # ---- the wide-area registry ---------------------------------------------------------------
 step "generate through the bootstrap peer's registry (--bootstrap, no zeroconf)"
+# The lookup ends as soon as all $NODES nodes are found; 30 s covers a swarm whose DHT is
+# still settling on a loaded CI host (10 s once gave 2 of 3).
 dc run --rm -T coordinator sh -c 'exec moeshard generate /data/model --expect '"$NODES"' \
+    --discover-timeout 30 \
     --bootstrap "$(head -1 /p2p/bootstrap.addr)" --prompt "$0" --max-tokens "$1"' \
     "$PROMPT" "$TOKENS" </dev/null >"$work/wide.out" 2>"$work/wide.err" \
     || { cat "$work/wide.err"; fail "generate --bootstrap"; }
