@@ -49,8 +49,9 @@ def _both(transformer, monkeypatch):
 
 def _count_decode_layers(monkeypatch) -> None:
     """`decode_layer` and its pool twin, counting in EXPERTS_IN_CALL how often the experts
-    ran in their call and how often they were handed back (an expert not read yet)."""
-    counts = {"in call": 0, "handed back": 0, "pool": 0}
+    ran in their call and how often they were handed back (an expert not read yet), and by
+    the pool variant what it split (its `split` argument: products, attention)."""
+    counts = {"in call": 0, "handed back": 0, "pool": 0, "split products": 0, "split heads": 0}
     monkeypatch.setattr(sys.modules[__name__], "EXPERTS_IN_CALL", counts)
     for name in ("decode_layer", "decode_layer_pool"):
         real = getattr(fused_layer, name)
@@ -58,7 +59,10 @@ def _count_decode_layers(monkeypatch) -> None:
         def counting(*args, real=real, name=name):
             out = real(*args)
             counts["in call" if out[3].shape[0] else "handed back"] += 1
-            counts["pool"] += name == "decode_layer_pool"
+            if name == "decode_layer_pool":
+                counts["pool"] += 1
+                counts["split products"] += args[3][0]
+                counts["split heads"] += args[3][1]
             return out
 
         monkeypatch.setattr(qwen_moe, name, counting)
@@ -100,25 +104,38 @@ def test_fused_decode_layer_gives_the_step_by_step_bits(
         rt.close()
 
 
-@pytest.mark.parametrize("pool", [False, True])
-def test_experts_in_the_layers_call_give_the_backends_bits(converted, monkeypatch, pool):
+@pytest.mark.parametrize("mode", ["serial", "pool", "split"])
+def test_experts_in_the_layers_call_give_the_backends_bits(converted, monkeypatch, mode):
     """Every record read: each decode layer's experts run inside `decode_layer` (or, split
-    across the pool's threads, `decode_layer_pool`); the tokens, logits and cache are those
-    of the same model whose experts go through `LocalExperts`' own call (`resident` None)."""
+    across the pool's threads, `decode_layer_pool`; "split": with its products' rows and its
+    attention's heads split too, as a big model's are); the tokens, logits and cache are
+    those of the same model whose experts go through `LocalExperts`' own call (`resident`
+    None), step by step."""
     path = converted("qwen3_moe", experts="q4_0", trunk="bf16")
     rt = open_local(path)
     try:
         rt.experts.preload()
-        if pool:  # the trunk's products on this thread, experts in the pool (as where the
-            # pool's threads spin: `quant.spin_while_waiting`, `quant.calibrate_matmul`)
+        if mode != "serial":  # experts in the pool (as where its threads spin:
+            # `quant.spin_while_waiting`, `quant.calibrate_matmul`); the trunk's products
+            # on this thread, or ("split") in the pool too, and the attention's heads
             monkeypatch.setattr(quant, "PARALLEL_MIN_WEIGHTS", 1)
-            monkeypatch.setattr(quant, "MATMUL_PARALLEL_FACTOR", 1 << 40)
-        assert (quant._threads_for(1) > 1) == pool or quant.threads() == 1
+            monkeypatch.setattr(quant, "MATMUL_PARALLEL_FACTOR", 1 << 40 if mode == "pool" else 1)
+        if mode == "split":
+            monkeypatch.setattr(quant, "PARALLEL_MIN_WORK", 1)
+        pool = mode != "serial" and quant.threads() > 1
+        assert quant._threads_for(1) > 1 or not pool
         _count_decode_layers(monkeypatch)
         inside = _decode(rt.transformer)
         layers = len(rt.transformer.config.moe_layers)
-        pooled = STEPS * layers if pool and quant.threads() > 1 else 0
-        assert EXPERTS_IN_CALL == {"in call": STEPS * layers, "handed back": 0, "pool": pooled}
+        pooled = STEPS * layers if pool else 0
+        split = pooled if mode == "split" else 0
+        assert EXPERTS_IN_CALL == {
+            "in call": STEPS * layers,
+            "handed back": 0,
+            "pool": pooled,
+            "split products": split,
+            "split heads": split,
+        }
         monkeypatch.setattr(type(rt.experts), "resident", lambda self, layer: None)
         _same(inside, _decode(rt.transformer))
     finally:

@@ -370,26 +370,31 @@ def _clip(z, clip):
 def attend_cache_parallel(q, kc, vc, start, scaling, window, sinks, out):
     """`attend_cache` with its (query, head) pairs split across numba's threads (a prefill,
     a long context): each pair gets the same `_attend_head`, so the same bits."""
-    t_n = q.shape[0]
+    for it in prange(q.shape[0] * (q.shape[1] // kc.shape[2])):
+        attend_pair(q, kc, vc, start, scaling, window, sinks, out, np.int64(it))
+
+
+@njit(cache=True, nogil=True)
+def attend_pair(q, kc, vc, start, scaling, window, sinks, out, i):
+    """Pair i = t * heads + h of `attend_cache_parallel`: query row t's head h against the
+    cache (`_attend_head`, as `attend_cache` gives it), into out[t]."""
     n_kv, d, dv = kc.shape[1], kc.shape[2], vc.shape[2]
     n_q = q.shape[1] // d
     group = n_q // n_kv
     scale = np.float32(scaling)
-    for it in prange(t_n * n_q):
-        i = np.int64(it)  # (prange counts in uint64)
-        t, h = i // n_q, i % n_q
-        pos = start + t
-        lo = max(0, pos - window + 1) if window > 0 else 0
-        scores = np.empty(pos + 1, dtype=np.float32)  # [S]: this pair's scratch
-        a0, kv, o0 = h * d, h // group, h * dv
-        sink = sinks[h] if sinks.shape[0] else np.float32(-np.inf)
-        qt, ot = q[t], out[t]
-        if d == 64 and dv == 64:
-            _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, 64, 64)
-        elif d == 128 and dv == 128:
-            _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, 128, 128)
-        else:
-            _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, d, dv)
+    t, h = i // n_q, i % n_q
+    pos = start + t
+    lo = max(0, pos - window + 1) if window > 0 else 0
+    scores = np.empty(pos + 1, dtype=np.float32)  # [S]: this pair's scratch
+    a0, kv, o0 = h * d, h // group, h * dv
+    sink = sinks[h] if sinks.shape[0] else np.float32(-np.inf)
+    qt, ot = q[t], out[t]
+    if d == 64 and dv == 64:
+        _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, 64, 64)
+    elif d == 128 and dv == 128:
+        _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, 128, 128)
+    else:
+        _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, d, dv)
 
 
 @njit(cache=True, nogil=True)

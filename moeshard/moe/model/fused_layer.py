@@ -26,15 +26,30 @@ from numba import njit, prange
 from moeshard.moe.experts.backend import ResidentExperts
 from moeshard.moe.kernels import quant
 from moeshard.moe.kernels.entry import (
+    ROWS_PER_ITEM,
     _activations,
     _expert_b1,
+    _group_item,
+    _group_items,
+    _group_out,
+    _group_rows,
     _halves,
+    _item,
+    _matrix_views,
+    _rows,
     _weighted_total,
     experts_b1_sum_serial_kernel,
     matmul_group_serial_kernel,
     matmul_serial_kernel,
 )
-from moeshard.moe.model.fused import add_rms_norm, gqa_attention, rms_norm_rows, route_softmax_topk
+from moeshard.moe.model.fused import (
+    add_rms_norm,
+    attend_pair,
+    gqa_attention,
+    gqa_prepare,
+    rms_norm_rows,
+    route_softmax_topk,
+)
 
 
 @njit(cache=True, nogil=True)
@@ -48,17 +63,10 @@ def attention_route(
     `start`); x += o_proj(attention); h2 = norm(x); the router's top-k of h2 (`gate`: fmt,
     data, rows, cols, row_bytes, scale_off, like `o`).  x [1, H] float32 is updated in place;
     -> (h2 [1, H], expert ids int64 [1, k], weights float32 [1, k])."""
-    h = np.empty_like(x)  # [1, H]
-    if has_delta:
-        add_rms_norm(x, delta, in_norm, eps, h)
-    else:
-        rms_norm_rows(x, in_norm, eps, h)
+    h = _norm_in(x, delta, has_delta, in_norm, eps)  # [1, H]
     fmt, datas, rows, cols, row_bytes, scale_offs = qkv
     flat = matmul_group_serial_kernel(fmt, int8, datas, rows, cols, row_bytes, scale_offs, lut, h)
-    nq, nk = rows[0], rows[1]
-    q = flat[:nq].reshape((1, nq))  # [1, Hq*D]
-    k = flat[nq : nq + nk].reshape((1, nk))  # [1, Hkv*D]
-    v = flat[nq + nk : nq + nk + rows[2]].reshape((1, rows[2]))  # [1, Hkv*D]
+    q, k, v = _qkv_views(flat, rows)
     att = np.empty_like(q)  # [1, Hq*D]
     gqa_attention(
         q,
@@ -81,6 +89,33 @@ def attention_route(
     )  # fmt: skip (no attention sinks: a layer with them has biases, so no fused plan)
     fmt, data, rows_o, cols_o, rb, so = o
     mixed = matmul_serial_kernel(fmt, int8, data, rows_o, cols_o, rb, so, lut, att)  # [1, H]
+    return _route(x, mixed, post_norm, eps, int8, lut, gate, top_k, renorm)
+
+
+@njit(cache=True, nogil=True)
+def _norm_in(x, delta, has_delta, in_norm, eps):
+    """x += delta (if has_delta) in place -> norm(x) [1, H]."""
+    h = np.empty_like(x)  # [1, H]
+    if has_delta:
+        add_rms_norm(x, delta, in_norm, eps, h)
+    else:
+        rms_norm_rows(x, in_norm, eps, h)
+    return h
+
+
+@njit(cache=True, nogil=True)
+def _qkv_views(flat, rows):
+    """The q, k and v rows [1, rows[m]] of a q/k/v group's flat product [sum(rows)]."""
+    nq, nk = rows[0], rows[1]
+    q = flat[:nq].reshape((1, nq))  # [1, Hq*D]
+    k = flat[nq : nq + nk].reshape((1, nk))  # [1, Hkv*D]
+    v = flat[nq + nk : nq + nk + rows[2]].reshape((1, rows[2]))  # [1, Hkv*D]
+    return q, k, v
+
+
+@njit(cache=True, nogil=True)
+def _route(x, mixed, post_norm, eps, int8, lut, gate, top_k, renorm):
+    """x += mixed in place; h2 = norm(x); the router's top-k of h2 -> (h2, ids, weights)."""
     h2 = np.empty_like(x)  # [1, H]
     add_rms_norm(x, mixed, post_norm, eps, h2)
     fmt, data, rows_g, cols_g, rb, so = gate
@@ -126,11 +161,12 @@ def _route_held(table, layer):
 
 
 @njit(cache=True, nogil=True)
-def decode_layer(table, arena, experts, *layer):
+def decode_layer(table, arena, experts, split, *layer):
     """`attention_route(*layer)`, then the routed experts' weighted sum when every one is in
     `arena` (`table[e]`: expert e's byte offset, -1 if absent; `experts`: `quant.experts_args`
     and the experts' inner size, as `ResidentExperts.kernel_args`), on this thread, by the
     very kernel `LocalExperts` calls for a decode row, on the same inputs: the same bits.
+    `split` is `decode_layer_pool`'s (this is its one-thread twin: nothing is split).
     -> (h2 [1, H], ids [1, k], weights [1, k], the experts' output float32 [1, H], or [0, H]
     where some expert is absent or routed twice: then the caller runs them)."""
     h2, ids, weights, offsets, w = _route_held(table, layer)
@@ -146,23 +182,68 @@ def decode_layer(table, arena, experts, *layer):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def decode_layer_pool(table, arena, experts, *layer):
+def decode_layer_pool(table, arena, experts, split, *layer):
     """`decode_layer` with the experts split across the pool's threads, as
-    `entry.experts_b1_sum_kernel` splits them (its loop, repeated here: a prange cannot be
-    called, and an njit function calling a parallel one breaks numba's cache): the same bits.
-    Where the pool's threads spin (`generate`), this also keeps them awake for the head's
-    product at the token's end, which otherwise finds them asleep (a wake-up costs ~50 us)."""
-    h2, ids, weights, offsets, w = _route_held(table, layer)
+    `entry.experts_b1_sum_kernel` splits them, and, as `split` (products, attention) says,
+    the q/k/v group's and o_proj's rows as `entry.matmul_group_kernel` and `matmul_kernel`
+    split them, and the attention's heads as `fused.attend_cache_parallel` does: the same
+    row kernels on the same inputs, so the same bits (the loops are repeated here: a prange
+    cannot be called, and an njit function calling a parallel one breaks numba's cache).
+
+    A big model's layer is then one call of four parallel regions instead of about ten
+    kernel calls and the Python between them.  Where the pool's threads spin (`generate`),
+    this also keeps them awake for the head's product at the token's end, which otherwise
+    finds them asleep (a wake-up costs ~50 us)."""
+    x, delta, has_delta, in_norm, post_norm, eps, int8, lut = layer[:8]
+    qkv, q_norm, k_norm, qk_norm, clip, cos, sin, kc, vc, start, scaling, window = layer[8:20]
+    o, gate, top_k, renorm = layer[20:]
+    split_products, split_attention = split
+    h = _norm_in(x, delta, has_delta, in_norm, eps)  # [1, H]
+    fmt, datas, rows, cols, row_bytes, scale_offs = qkv
+    if split_products:
+        flat = np.empty(_group_rows(rows), dtype=np.float32)  # [sum(rows)]
+        act = _activations(fmt, int8, h)
+        for it in prange(_group_items(rows)):
+            m, r0, r1 = _group_item(rows, np.int64(it))  # (prange counts in uint64)
+            wq, ws = _matrix_views(fmt, datas[m], rows[m], cols, row_bytes[m], scale_offs[m])
+            _rows(fmt, wq, ws, lut, h, act, _group_out(flat, rows, m, 1), r0, r1)
+    else:
+        flat = matmul_group_serial_kernel(
+            fmt, int8, datas, rows, cols, row_bytes, scale_offs, lut, h
+        )  # [sum(rows)]
+    q, k, v = _qkv_views(flat, rows)
+    att = np.empty_like(q)  # [1, Hq*D]
+    none = np.empty(0, dtype=np.float32)  # (no attention sinks, as `attention_route`)
+    if split_attention:
+        gqa_prepare(q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, kc, vc, start)
+        for it in prange(q.shape[1] // kc.shape[2]):
+            attend_pair(q, kc, vc, start, scaling, window, none, att, np.int64(it))
+    else:
+        gqa_attention(
+            q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, kc, vc, start, scaling,
+            window, none, att,
+        )  # fmt: skip
+    fmt, data, rows_o, cols_o, rb, so = o
+    if split_products:
+        mixed = np.empty((1, rows_o), dtype=np.float32)  # [1, H]
+        wq, ws = _matrix_views(fmt, data, rows_o, cols_o, rb, so)
+        act_o = _activations(fmt, int8, att)
+        for it in prange((rows_o + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
+            r0, r1 = _item(np.int64(it), rows_o)
+            _rows(fmt, wq, ws, lut, att, act_o, mixed, r0, r1)
+    else:
+        mixed = matmul_serial_kernel(fmt, int8, data, rows_o, cols_o, rb, so, lut, att)
+    h2, ids, weights = _route(x, mixed, post_norm, eps, int8, lut, gate, top_k, renorm)
+    offsets, w = _held_offsets(ids, weights, table)  # [k], [k]
     hidden = h2.shape[1]
     if offsets.shape[0] == 0:
         return h2, ids, weights, np.empty((0, hidden), dtype=np.float32)
     code, nbytes, layout, glu, inter = experts
-    int8, lut = layer[6], layer[7]  # (attention_route's own)
     y = np.empty((offsets.shape[0], hidden), dtype=np.float32)  # [k, H]
-    act = _activations(_halves(code)[0], int8, h2)  # h2 quantised once for every expert
+    act_e = _activations(_halves(code)[0], int8, h2)  # h2 quantised once for every expert
     for e in prange(offsets.shape[0]):
         record = arena[offsets[e] : offsets[e] + nbytes]
-        _expert_b1(code, int8, record, hidden, inter, layout, lut, h2, act, y[e], glu)
+        _expert_b1(code, int8, record, hidden, inter, layout, lut, h2, act_e, y[e], glu)
     return h2, ids, weights, _rounded(_weighted_total(y, w))
 
 
@@ -216,5 +297,6 @@ def warmup() -> None:
     arena.flags.writeable = False
     absent = np.full(h, -1, dtype=np.int64)  # [E]
     held = ResidentExperts.of(arena, absent, "q4_0", 32, 32, quant.SWIGLU)
-    decode_layer(held.table, held.arena, held.kernel_args, *args)
-    decode_layer_pool(held.table, held.arena, held.kernel_args, *args)
+    for split in ((False, False), (True, True)):
+        decode_layer(held.table, held.arena, held.kernel_args, split, *args)
+        decode_layer_pool(held.table, held.arena, held.kernel_args, split, *args)

@@ -335,21 +335,29 @@ class Transformer:
 
         fused = None
         if len(seq.ids) == 1 and self.fused_decode:  # one decode row: a layer's calls fused
-            q_cols = self.config.num_attention_heads * self.config.head_dim
-            if (caches[0].length + 1) * q_cols * 2 < quant.PARALLEL_MIN_WORK:  # (its attention
-                # runs on this thread, as in `_attention`)
 
-                def fused(i: int, x: np.ndarray, delta: np.ndarray | None) -> np.ndarray | None:
-                    return self._fused_layer(i, x, delta, rope, caches[0], hints)
+            def fused(i: int, x: np.ndarray, delta: np.ndarray | None) -> np.ndarray | None:
+                return self._fused_layer(i, x, delta, rope, caches[0], hints)
 
         return prenorm_forward_batch(self, seq, mix, mlp, norms, self._head, last_only, fused)
 
     def _fused_layer(self, i: int, x, delta, rope, cache: KVCache, hints: bool):
-        """Layer i of one decode row through `fused_layer.attention_route` and the experts
-        (x += delta first) -> the experts' output; None when the plan does not apply."""
+        """Layer i of one decode row in one kernel call (x += delta first) -> the experts'
+        output; None when no fused form applies (then the step-by-step path runs).
+
+        With the experts in RAM (`_resident`): `decode_layer_pool` (or its one-thread twin),
+        whose products and attention split across the pool's threads where they would in the
+        step-by-step path (`FusedPlan.applies`; `_attention`'s PARALLEL_MIN_WORK). Else
+        `attention_route` up to the router, where all of that runs on this thread anyway,
+        and the experts backend's own call."""
         ly = self._layer(i)
         plan = ly.fused
-        if plan is None or not plan.applies():
+        if plan is None:
+            return None
+        q_cols = self.config.num_attention_heads * self.config.head_dim
+        split = (not plan.applies(), (cache.length + 1) * q_cols * 2 >= quant.PARALLEL_MIN_WORK)
+        held = self._resident(i)
+        if held is None and any(split):
             return None
         if delta is not None and not delta.flags.writeable:
             delta = delta.copy()  # (one compiled signature: a writable delta)
@@ -361,29 +369,29 @@ class Transformer:
             cache.k[i], cache.v[i], cache.length, self.scaling, ly.window,
             plan.o, plan.gate, self.config.top_k, self.config.norm_topk_prob,
         )  # fmt: skip
-        held = self._resident(i)
         if held is None:
             h, ids, weights = attention_route(*args)
             return self._routed(i, ly, h, ids, weights, hints)
+        weights_read = self.config.top_k * held.weights_per_expert
+        if any(split):  # (something in the layer is worth the pool's threads)
+            weights_read = max(weights_read, quant.PARALLEL_MIN_WEIGHTS)
         h, ids, weights, out = quant.run_kernel(
-            decode_layer_pool, self.config.top_k * held.weights_per_expert,
-            held.table, held.arena, held.kernel_args, *args, serial=decode_layer,
+            decode_layer_pool, weights_read, held.table, held.arena, held.kernel_args, split,
+            *args, serial=decode_layer,
         )  # fmt: skip
         if out.shape[0] == 0:  # an expert not read yet: the backend's own call reads it
             return self._routed(i, ly, h, ids, weights, hints)
         return out  # (a layer with a fused plan has no shared expert: `_Layer.moe_parts`)
 
     def _resident(self, i: int) -> ResidentExperts | None:
-        """Layer i's in-RAM experts where a decode row's may run in `decode_layer`'s call:
-        the backend holds them in one arena (`ExpertsBackend.resident`), a row routes to two
-        or more (as `decode_weighted_sum`), and they are small: below the product size from
-        which two threads pay (`quant.calibrate_matmul`), as the layer's other products are.
-        (The embedded model's four experts: 9 us in the pool, 12 on one thread, against 24
-        through `LocalExperts.__call__`'s Python; a 2-core AMD EPYC, Zen 4.)"""
+        """Layer i's in-RAM experts, where a decode row's may run in `decode_layer`'s call:
+        the backend holds them in one arena (`ExpertsBackend.resident`) and a row routes to
+        two or more (as `decode_weighted_sum`).  (The embedded model's four experts: 9 us in
+        the pool, 12 on one thread, against 24 through `LocalExperts.__call__`'s Python; a
+        2-core AMD EPYC, Zen 4.)"""
         resident = getattr(self.experts, "resident", None)  # (optional: a wrapper may lack it)
         held = resident(i) if resident is not None else None
-        k = self.config.top_k
-        if held is None or k < 2 or not quant.matmul_runs_serial(k * held.weights_per_expert):
+        if held is None or self.config.top_k < 2:
             return None
         return held
 
