@@ -90,9 +90,13 @@ def _pairwise_sum(a):
     to a multiple of 8 and the rest are summed separately and added. Here the same tree is
     walked with an explicit stack (numba's cache and recursive functions do not mix). No
     constant is passed to a helper: numba would compile a variant per literal value.
-    A leaf (every head, router and small row) allocates nothing."""
-    if a.shape[0] <= PAIRWISE_BLOCK:  # the tree is one leaf
-        return _block_sum(a, 0, a.shape[0])
+    A leaf (every head, router and small row) or two (rows up to 256 wide) allocates nothing."""
+    n = a.shape[0]
+    if n <= PAIRWISE_BLOCK:  # the tree is one leaf
+        return _block_sum(a, 0, n)
+    half = n // 2 - n // 2 % 8
+    if n - half <= PAIRWISE_BLOCK:  # two leaves
+        return _block_sum(a, 0, half) + _block_sum(a, half, n - half)
     los = np.empty(64, dtype=np.int64)  # pending nodes: start, length, halves queued
     ns = np.empty(64, dtype=np.int64)
     queued = np.zeros(64, dtype=np.bool_)
@@ -121,13 +125,23 @@ def _pairwise_sum(a):
 @njit(cache=True, nogil=True)
 def _norm_row(x, lo, d, weight, eps, out, squares):
     """out[lo:lo+d] = weight * (x / sqrt(mean(x^2) + eps)) for x = x[lo:lo+d] (out may be x);
-    squares float32 [d] is scratch (the caller's, made once for all its rows)."""
+    squares float32 [d] is scratch (the caller's, made once for all its rows).  The loops
+    index slices from 0 (with x[lo + j] numba's negative-index check stayed in the loop and
+    kept it scalar) and, in place (out is x), the result goes through the scratch (LLVM's
+    vector loop is skipped when the arrays it writes and reads overlap): 2-3x faster, the
+    same bits."""
+    xs, outs = x[lo : lo + d], out[lo : lo + d]  # [d] each
     for j in range(d):
-        squares[j] = x[lo + j] * x[lo + j]
+        squares[j] = xs[j] * xs[j]
     variance = _pairwise_sum(squares) / np.float32(d)
     denom = np.sqrt(variance + eps)
+    if xs.ctypes.data != outs.ctypes.data:
+        for j in range(d):
+            outs[j] = weight[j] * (xs[j] / denom)
+        return
     for j in range(d):
-        out[lo + j] = weight[j] * (x[lo + j] / denom)
+        squares[j] = weight[j] * (xs[j] / denom)
+    outs[:] = squares
 
 
 @njit(cache=True, nogil=True)
@@ -166,18 +180,21 @@ def rope_inplace(x, dim, cos, sin, interleave):
     half = cos.shape[1]
     tmp = np.empty(2 * half, dtype=np.float32)  # [rot]
     for t in range(x.shape[0]):
-        row = x[t]
+        row, ct, st = x[t], cos[t], sin[t]
         for lo in range(0, x.shape[1], dim):
+            head = row[lo : lo + 2 * half]  # [rot] (slices indexed from 0: see `_norm_row`)
             for j in range(2 * half):
-                tmp[j] = row[lo + j]
-            for i in range(half):
-                c, s = cos[t, i], sin[t, i]
-                if interleave:
+                tmp[j] = head[j]
+            if interleave:
+                for i in range(half):
                     x1, x2 = tmp[2 * i], tmp[2 * i + 1]
-                else:
+                    head[i] = x1 * ct[i] - x2 * st[i]
+                    head[i + half] = x2 * ct[i] + x1 * st[i]
+            else:
+                for i in range(half):
                     x1, x2 = tmp[i], tmp[i + half]
-                row[lo + i] = x1 * c - x2 * s
-                row[lo + i + half] = x2 * c + x1 * s
+                    head[i] = x1 * ct[i] - x2 * st[i]
+                    head[i + half] = x2 * ct[i] + x1 * st[i]
 
 
 @intrinsic
@@ -434,9 +451,8 @@ def gqa_prepare(q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, kc, vc, s
     rope_inplace(k, d, cos, sin, interleave)
     for t in range(q.shape[0]):
         for h in range(n_kv):
-            for j in range(d):
-                kc[start + t, h, j] = k[t, h * d + j]
-                vc[start + t, h, j] = v[t, h * d + j]
+            kc[start + t, h, :d] = k[t, h * d : (h + 1) * d]
+            vc[start + t, h, :d] = v[t, h * d : (h + 1) * d]
 
 
 @njit(cache=True, nogil=True, parallel=True)
