@@ -354,24 +354,30 @@ def attend_cache(q, kc, vc, start, scaling, window, sinks, out):
     The usual head sizes (64, 128) get `_attend_head` compiled for that size: its loops with
     a known trip count ran 2-3x faster than the same loops over a size known only at run time."""
     t_n = q.shape[0]
-    n_kv, d, dv = kc.shape[1], kc.shape[2], vc.shape[2]
-    n_q = q.shape[1] // d
-    group = n_q // n_kv
+    n_q = q.shape[1] // kc.shape[2]
+    group = n_q // kc.shape[1]
     scale = np.float32(scaling)
     scores = np.empty(start + t_n, dtype=np.float32)  # [S]
     for t in range(t_n):
         pos = start + t
         lo = max(0, pos - window + 1) if window > 0 else 0
-        qt, ot = q[t], out[t]
         for h in range(n_q):
-            a0, kv, o0 = h * d, h // group, h * dv
-            sink = sinks[h] if sinks.shape[0] else np.float32(-np.inf)
-            if d == 64 and dv == 64:
-                _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, 64, 64)
-            elif d == 128 and dv == 128:
-                _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, 128, 128)
-            else:
-                _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, d, dv)
+            _attend_one(q[t], kc, vc, h, group, lo, pos, scale, sinks, scores, out[t])
+
+
+@njit(cache=True, nogil=True)
+def _attend_one(qt, kc, vc, h, group, lo, pos, scale, sinks, scores, ot):
+    """Query head h of one row qt against kv head h // group at positions lo..pos -> ot's
+    head h, by `_attend_head` compiled for the usual head sizes (see `attend_cache`)."""
+    d, dv = kc.shape[2], vc.shape[2]
+    a0, kv, o0 = h * d, h // group, h * dv
+    sink = sinks[h] if sinks.shape[0] else np.float32(-np.inf)
+    if d == 64 and dv == 64:
+        _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, 64, 64)
+    elif d == 128 and dv == 128:
+        _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, 128, 128)
+    else:
+        _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, d, dv)
 
 
 @njit(cache=True, nogil=True)
@@ -395,23 +401,13 @@ def attend_cache_parallel(q, kc, vc, start, scaling, window, sinks, out):
 def attend_pair(q, kc, vc, start, scaling, window, sinks, out, i):
     """Pair i = t * heads + h of `attend_cache_parallel`: query row t's head h against the
     cache (`_attend_head`, as `attend_cache` gives it), into out[t]."""
-    n_kv, d, dv = kc.shape[1], kc.shape[2], vc.shape[2]
-    n_q = q.shape[1] // d
-    group = n_q // n_kv
-    scale = np.float32(scaling)
+    n_q = q.shape[1] // kc.shape[2]
     t, h = i // n_q, i % n_q
     pos = start + t
     lo = max(0, pos - window + 1) if window > 0 else 0
     scores = np.empty(pos + 1, dtype=np.float32)  # [S]: this pair's scratch
-    a0, kv, o0 = h * d, h // group, h * dv
-    sink = sinks[h] if sinks.shape[0] else np.float32(-np.inf)
-    qt, ot = q[t], out[t]
-    if d == 64 and dv == 64:
-        _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, 64, 64)
-    elif d == 128 and dv == 128:
-        _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, 128, 128)
-    else:
-        _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, d, dv)
+    group = n_q // kc.shape[1]
+    _attend_one(q[t], kc, vc, h, group, lo, pos, np.float32(scaling), sinks, scores, out[t])
 
 
 @njit(cache=True, nogil=True)
