@@ -98,6 +98,25 @@ def test_attend_cache_matches_attend(t, start, hq, hkv, d, window):
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("t,start,hq,hkv,d,window", ATTENTION_CASES + [(1, 70, 8, 2, 128, 0)])
+def test_attention_split_by_heads_gives_the_same_bits(t, start, hq, hkv, d, window, sinks):
+    """`attend_cache_parallel` (a prefill, a long context) and `attend_pair` (a decode layer's
+    heads split in `fused_layer.decode_layer_pool`) give each (query, head) pair exactly the
+    bits `attend_cache` gives it."""
+    s = start + t
+    q, kc, vc = randn(t, hq * d), randn(s, hkv, d), randn(s, hkv, d)
+    heads_sinks = randn(hq, scale=2.0) if sinks else NO_SINKS  # [Hq] or none
+    want, split = np.empty((t, hq * d), np.float32), np.empty((t, hq * d), np.float32)
+    fused.attend_cache(q, kc, vc, start, d**-0.5, window or 0, heads_sinks, want)
+    fused.attend_cache_parallel(q, kc, vc, start, d**-0.5, window or 0, heads_sinks, split)
+    np.testing.assert_array_equal(split, want)
+    one = np.full((t, hq * d), np.nan, np.float32)
+    for pair in reversed(range(t * hq)):  # each pair on its own, in any order
+        fused.attend_pair(q, kc, vc, start, d**-0.5, window or 0, heads_sinks, one, pair)
+    np.testing.assert_array_equal(one, want)
+
+
 @pytest.mark.parametrize("t,start,window", [(1, 0, 0), (5, 3, 0), (4, 40, 8), (1, 200, 128)])
 def test_attention_sinks_take_their_share_of_the_softmax(t, start, window):
     """gpt-oss: each head's sink is one more logit in the softmax, with no value (as
