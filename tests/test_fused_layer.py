@@ -29,9 +29,12 @@ def _decode(transformer, steps: int = STEPS):
 
 
 def _both(transformer, monkeypatch):
-    """(fused logits, cache), (step-by-step logits, cache), and how many layers ran fused."""
+    """Greedy decodes three ways: fused as the model chooses, fused with every product split
+    across the pool (`FusedPlan.products_serial` False: `decode_layer_pool`'s split where
+    the experts are resident, else the steps), and step by step (`fused_decode` off) ->
+    ((logits, cache) of each, how many layers' plans put their products on this thread)."""
     ran = []
-    real = fused_layer.FusedPlan.applies
+    real = fused_layer.FusedPlan.products_serial
     _count_decode_layers(monkeypatch)
 
     def counting(self):
@@ -39,12 +42,15 @@ def _both(transformer, monkeypatch):
         ran.append(ok)
         return ok
 
-    monkeypatch.setattr(fused_layer.FusedPlan, "applies", counting)
+    monkeypatch.setattr(fused_layer.FusedPlan, "products_serial", counting)
     fused = _decode(transformer)
-    monkeypatch.setattr(fused_layer.FusedPlan, "applies", lambda self: False)
+    monkeypatch.setattr(fused_layer.FusedPlan, "products_serial", lambda self: False)
+    split = _decode(transformer)
+    monkeypatch.setattr(fused_layer.FusedPlan, "products_serial", real)
+    monkeypatch.setattr(transformer, "fused_decode", False)
     steps = _decode(transformer)
-    monkeypatch.setattr(fused_layer.FusedPlan, "applies", real)
-    return fused, steps, sum(ran)
+    monkeypatch.setattr(transformer, "fused_decode", True)
+    return fused, split, steps, sum(ran)
 
 
 def _count_decode_layers(monkeypatch) -> None:
@@ -94,12 +100,13 @@ def test_fused_decode_layer_gives_the_step_by_step_bits(
 ):
     rt = open_local(converted(family, experts=experts, trunk=trunk))
     try:
-        fused, steps, ran = _both(rt.transformer, monkeypatch)
+        fused, split, steps, ran = _both(rt.transformer, monkeypatch)
         assert ran >= STEPS * len(rt.transformer.config.moe_layers)  # the fused path ran
         # the in-RAM experts ran in decode_layer's call, and (records read on first use) some
         # came back to LocalExperts to be read: both ways give the step-by-step bits
         assert EXPERTS_IN_CALL["in call"] > 0 and EXPERTS_IN_CALL["handed back"] > 0
         _same(fused, steps)
+        _same(split, steps)
     finally:
         rt.close()
 
@@ -148,9 +155,10 @@ def test_a_layer_with_a_shared_expert_or_biases_keeps_the_steps(converted, monke
     try:
         layers = [rt.transformer._layer(i) for i in range(rt.transformer.config.num_hidden_layers)]
         assert all(ly.fused is None for ly in layers)
-        fused, steps, ran = _both(rt.transformer, monkeypatch)
+        fused, split, steps, ran = _both(rt.transformer, monkeypatch)
         assert ran == 0
         _same(fused, steps)
+        _same(split, steps)
     finally:
         rt.close()
 
@@ -167,9 +175,10 @@ def test_fused_decode_under_a_ram_budget_streams_the_same_bits(converted, monkey
     minimum = plan_budget(ModelDir(path), 1 << 40, 64).minimum
     rt = open_streaming(path, minimum, 64)
     try:
-        fused, steps, ran = _both(rt.transformer, monkeypatch)
+        fused, split, steps, ran = _both(rt.transformer, monkeypatch)
         assert ran > 0
         _same(fused, steps)
+        _same(split, steps)
         assert fused[0].tobytes() == want.tobytes()
     finally:
         rt.close()

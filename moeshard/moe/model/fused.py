@@ -28,11 +28,12 @@ Heads stay packed in rows: q [T, Hq*D], k and v [T, Hkv*D], as the projections m
 the KV cache is [S, Hkv, D]. T = tokens in the call, S = positions, D = head size.
 
 Kernels are serial (nogil; no parallel=True: with cache=True an njit function must not call
-a parallel one, and these are microseconds of work), but for `gqa_attention_many`, which
-Python calls: its sequences are independent, and at 16 sequences their attention is a sixth
-of a decode step, so they share numba's threads. Compile time matters (the first run on
-a machine compiles them): no array-to-array slice assignment, no reshape, and no constant
-passed to a helper (numba compiles one variant per literal value).
+a parallel one, and these are microseconds of work), but for `gqa_attention_many` and
+`attend_cache_parallel`, which Python calls: sequences, and a prefill's (query, head) pairs,
+are independent, and at 16 sequences their attention is a sixth of a decode step, so they
+share numba's threads. Compile time matters (the first run on a machine compiles them): no
+array-to-array slice assignment, no reshape, and no constant passed to a helper (numba
+compiles one variant per literal value). Loops index slices from 0 (`_norm_row` says why).
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def _pairwise_sum(a):
     to a multiple of 8 and the rest are summed separately and added. Here the same tree is
     walked with an explicit stack (numba's cache and recursive functions do not mix). No
     constant is passed to a helper: numba would compile a variant per literal value.
-    A leaf (every head, router and small row) or two (rows up to 256 wide) allocates nothing."""
+    A tree of one leaf (every head, router and small row) or two (a row of 129-248 or 256)
+    allocates nothing."""
     n = a.shape[0]
     if n <= PAIRWISE_BLOCK:  # the tree is one leaf
         return _block_sum(a, 0, n)
@@ -127,9 +129,9 @@ def _norm_row(x, lo, d, weight, eps, out, squares):
     """out[lo:lo+d] = weight * (x / sqrt(mean(x^2) + eps)) for x = x[lo:lo+d] (out may be x);
     squares float32 [d] is scratch (the caller's, made once for all its rows).  The loops
     index slices from 0 (with x[lo + j] numba's negative-index check stayed in the loop and
-    kept it scalar) and, in place (out is x), the result goes through the scratch (LLVM's
-    vector loop is skipped when the arrays it writes and reads overlap): 2-3x faster, the
-    same bits."""
+    kept it scalar) and, in place, the result goes through the scratch (LLVM's vector loop
+    is skipped when the arrays it writes and reads overlap): 2-3x faster, the same bits.
+    out is x or disjoint from it (every caller's)."""
     xs, outs = x[lo : lo + d], out[lo : lo + d]  # [d] each
     for j in range(d):
         squares[j] = xs[j] * xs[j]
@@ -141,7 +143,8 @@ def _norm_row(x, lo, d, weight, eps, out, squares):
         return
     for j in range(d):
         squares[j] = weight[j] * (xs[j] / denom)
-    outs[:] = squares
+    for j in range(d):
+        outs[j] = squares[j]
 
 
 @njit(cache=True, nogil=True)
@@ -447,8 +450,11 @@ def gqa_prepare(q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, kc, vc, s
     rope_inplace(k, d, cos, sin, interleave)
     for t in range(q.shape[0]):
         for h in range(n_kv):
-            kc[start + t, h, :d] = k[t, h * d : (h + 1) * d]
-            vc[start + t, h, :d] = v[t, h * d : (h + 1) * d]
+            k_at, v_at = kc[start + t, h], vc[start + t, h]  # [D] each
+            k_head, v_head = k[t, h * d : (h + 1) * d], v[t, h * d : (h + 1) * d]  # [D] each
+            for j in range(d):
+                k_at[j] = k_head[j]
+                v_at[j] = v_head[j]
 
 
 @njit(cache=True, nogil=True, parallel=True)

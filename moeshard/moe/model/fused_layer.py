@@ -1,19 +1,25 @@
-"""A decode row's way through a GQA layer up to its experts, in one kernel call.
+"""A decode row's way through a GQA layer, in one kernel call.
 
 A small model's decode token was mostly calls, not arithmetic: per layer the residual add and
 norm, the q/k/v group, the attention, o_proj, the second add and norm, the router's product and
 its top-k are seven kernel calls of a few microseconds each, and each cost 4-5 us more in
 numba's dispatch and the Python around it (fused, the embedded demo model's token took 715-739
 against 796-820 us).
-When every one of those would run on the calling thread anyway (products below the pool's
-measured threshold, attention below PARALLEL_MIN_WORK: `FusedPlan.applies`),
-`attention_route` runs them as one call of the very same kernels on the same inputs, so the
-hidden state, the KV cache and the routing are the same bits as the step-by-step path
-(tests/test_fused_layer.py). The experts stay behind the experts interface (local, --ram,
-nodes), called once per layer as before, except where the backend holds the layer's records
-in one arena in RAM (`ExpertsBackend.resident`: `LocalExperts`) and they are small: then
-`decode_layer` runs them too, in the same call, by the kernel `LocalExperts` would call (the
-embedded model's token: 13% faster, docs/results.md).
+
+* `attention_route` runs them as one call of the very same kernels on the same inputs, where
+  every one would run on the calling thread anyway (products below the pool's measured
+  threshold, attention below PARALLEL_MIN_WORK: `FusedPlan.products_serial`); the experts
+  stay behind the experts interface (local, --ram, nodes), called once per layer as before.
+* Where the backend holds the layer's records in one arena in RAM (`ExpertsBackend.resident`:
+  `LocalExperts`), `decode_layer` runs the experts too, in the same call, by the kernel
+  `LocalExperts` would call (the embedded model's token: 13% faster), and
+  `decode_layer_pool` splits them across the pool's threads; it also splits the products'
+  rows and the attention's heads where the step-by-step path would have (`split`: a big
+  model's layer, one call of up to four parallel regions instead of about ten calls).
+
+In every case the hidden state, the KV cache and the routing are the same bits as the
+step-by-step path (tests/test_fused_layer.py). The router's product stays on the calling
+thread (a model's router is a few hundred KB at most; its bits do not depend on the split).
 """
 
 from __future__ import annotations
@@ -86,7 +92,7 @@ def attention_route(
         window,
         np.empty(0, dtype=np.float32),
         att,
-    )  # fmt: skip (no attention sinks: a layer with them has biases, so no fused plan)
+    )  # fmt: skip (no attention sinks: a layer with them has no fused plan)
     fmt, data, rows_o, cols_o, rb, so = o
     mixed = matmul_serial_kernel(fmt, int8, data, rows_o, cols_o, rb, so, lut, att)  # [1, H]
     return _route(x, mixed, post_norm, eps, int8, lut, gate, top_k, renorm)
@@ -194,6 +200,7 @@ def decode_layer_pool(table, arena, experts, split, *layer):
     kernel calls and the Python between them.  Where the pool's threads spin (`generate`),
     this also keeps them awake for the head's product at the token's end, which otherwise
     finds them asleep (a wake-up costs ~50 us)."""
+    # `attention_route`'s arguments, in its order
     x, delta, has_delta, in_norm, post_norm, eps, int8, lut = layer[:8]
     qkv, q_norm, k_norm, qk_norm, clip, cos, sin, kc, vc, start, scaling, window = layer[8:20]
     o, gate, top_k, renorm = layer[20:]
@@ -213,15 +220,15 @@ def decode_layer_pool(table, arena, experts, split, *layer):
         )  # [sum(rows)]
     q, k, v = _qkv_views(flat, rows)
     att = np.empty_like(q)  # [1, Hq*D]
-    none = np.empty(0, dtype=np.float32)  # (no attention sinks, as `attention_route`)
+    no_sinks = np.empty(0, dtype=np.float32)  # (a layer with sinks has no plan: `FusedPlan`)
     if split_attention:
         gqa_prepare(q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, kc, vc, start)
         for it in prange(q.shape[1] // kc.shape[2]):
-            attend_pair(q, kc, vc, start, scaling, window, none, att, np.int64(it))
+            attend_pair(q, kc, vc, start, scaling, window, no_sinks, att, np.int64(it))
     else:
         gqa_attention(
             q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, kc, vc, start, scaling,
-            window, none, att,
+            window, no_sinks, att,
         )  # fmt: skip
     fmt, data, rows_o, cols_o, rb, so = o
     if split_products:
@@ -268,7 +275,7 @@ class FusedPlan:
         works = (sum(group.rows) * group.cols, o.rows * o.cols, gate.rows * gate.cols)
         return FusedPlan(group.fused_args(), o.packed.fused_args(), gate.packed.fused_args(), works)
 
-    def applies(self) -> bool:
+    def products_serial(self) -> bool:
         """Whether each of the layer's products would run on the calling thread now."""
         return all(quant.matmul_runs_serial(work) for work in self.works)
 
@@ -297,6 +304,6 @@ def warmup() -> None:
     arena.flags.writeable = False
     absent = np.full(h, -1, dtype=np.int64)  # [E]
     held = ResidentExperts.of(arena, absent, "q4_0", 32, 32, quant.SWIGLU)
-    for split in ((False, False), (True, True)):
+    for split in ((False, False), (True, True)):  # (one compiled signature; each run once)
         decode_layer(held.table, held.arena, held.kernel_args, split, *args)
         decode_layer_pool(held.table, held.arena, held.kernel_args, split, *args)

@@ -253,7 +253,8 @@ class _Layer:
             s = m + "shared_expert."
             self.shared = tuple(w.linear(s + n) for n in ("gate_proj", "up_proj", "down_proj"))
             self.shared_gate = w.linear(m + "shared_expert_gate")
-        else:  # a decode row's calls, fused
+        elif not c.attention_sinks:  # a decode row's calls, fused (the fused kernels take
+            # no sinks: gpt-oss's layers go step by step)
             self.fused = FusedPlan.of(self.qkv, self.o, w.linear(m + "gate"))
 
 
@@ -346,8 +347,9 @@ class Transformer:
         output; None when no fused form applies (then the step-by-step path runs).
 
         With the experts in RAM (`_resident`): `decode_layer_pool` (or its one-thread twin),
-        whose products and attention split across the pool's threads where they would in the
-        step-by-step path (`FusedPlan.applies`; `_attention`'s PARALLEL_MIN_WORK). Else
+        whose q/k/v and o products and attention split across the pool's threads where they
+        would in the step-by-step path (`FusedPlan.products_serial`; `_attention`'s
+        PARALLEL_MIN_WORK; the router's product stays on this thread, the same bits). Else
         `attention_route` up to the router, where all of that runs on this thread anyway,
         and the experts backend's own call."""
         ly = self._layer(i)
@@ -355,7 +357,10 @@ class Transformer:
         if plan is None:
             return None
         q_cols = self.config.num_attention_heads * self.config.head_dim
-        split = (not plan.applies(), (cache.length + 1) * q_cols * 2 >= quant.PARALLEL_MIN_WORK)
+        split = (
+            not plan.products_serial(),
+            (cache.length + 1) * q_cols * 2 >= quant.PARALLEL_MIN_WORK,
+        )
         held = self._resident(i)
         if held is None and any(split):
             return None
