@@ -158,15 +158,6 @@ def _rounded(total):
 
 
 @njit(cache=True, nogil=True)
-def _route_held(table, layer):
-    """`attention_route(*layer)`, and the offsets and weights of the experts it routed to
-    (`_held_offsets`): -> (h2 [1, H], ids [1, k], weights [1, k], offsets [k] or [0], w)."""
-    h2, ids, weights = attention_route(*layer)
-    offsets, w = _held_offsets(ids, weights, table)  # [k], [k]
-    return h2, ids, weights, offsets, w
-
-
-@njit(cache=True, nogil=True)
 def decode_layer(table, arena, experts, split, *layer):
     """`attention_route(*layer)`, then the routed experts' weighted sum when every one is in
     `arena` (`table[e]`: expert e's byte offset, -1 if absent; `experts`: `quant.experts_args`
@@ -175,7 +166,8 @@ def decode_layer(table, arena, experts, split, *layer):
     `split` is `decode_layer_pool`'s (this is its one-thread twin: nothing is split).
     -> (h2 [1, H], ids [1, k], weights [1, k], the experts' output float32 [1, H], or [0, H]
     where some expert is absent or routed twice: then the caller runs them)."""
-    h2, ids, weights, offsets, w = _route_held(table, layer)
+    h2, ids, weights = attention_route(*layer)
+    offsets, w = _held_offsets(ids, weights, table)  # [k], [k]
     hidden = h2.shape[1]
     if offsets.shape[0] == 0:
         return h2, ids, weights, np.empty((0, hidden), dtype=np.float32)

@@ -258,6 +258,13 @@ class _Layer:
             self.fused = FusedPlan.of(self.qkv, self.o, w.linear(m + "gate"))
 
 
+def _attention_work(rows: int, cached: int, q_cols: int) -> int:
+    """Multiply-adds of `rows` new rows' attention over `cached` positions and themselves
+    (q_cols = query heads x head size): what `_attention` and a fused decode layer compare
+    with PARALLEL_MIN_WORK to split the heads across the threads."""
+    return rows * (cached + rows) * q_cols * 2
+
+
 class Transformer:
     """The trunk's forward pass; routed experts go to `experts` (local or remote).
 
@@ -359,7 +366,7 @@ class Transformer:
         q_cols = self.config.num_attention_heads * self.config.head_dim
         split = (
             not plan.products_serial(),
-            (cache.length + 1) * q_cols * 2 >= quant.PARALLEL_MIN_WORK,
+            _attention_work(1, cache.length, q_cols) >= quant.PARALLEL_MIN_WORK,
         )
         held = self._resident(i)
         if held is None and any(split):
@@ -413,7 +420,7 @@ class Transformer:
             cache, n = caches[0], q.shape[0]
             # the new rows' query heads against the keys and values so far (a prefill, a long
             # context) split across the threads when that pays
-            work = n * (cache.length + n) * q.shape[1] * 2
+            work = _attention_work(n, cache.length, q.shape[1])
             if work < quant.PARALLEL_MIN_WORK:
                 gqa_attention(
                     q, k, v, *args, cos, sin, cache.k[i], cache.v[i], cache.length,
