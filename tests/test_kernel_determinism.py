@@ -262,14 +262,42 @@ def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     b, cols = x.shape
     xb = x.reshape(b, cols // 32, 32)  # [b, nb, 32]
     amax = np.abs(xb).max(axis=2)  # [b, nb]; nan if the block holds a nan
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         dx = amax / np.float32(127.0)  # [b, nb]
         q = np.clip(np.rint(xb * (np.float32(1.0) / dx)[..., None]), -127, 127)  # [b, nb, 32]
-    zero, bad = amax == 0, ~np.isfinite(amax)
+    zero, bad = dx == 0, ~np.isfinite(amax)  # (zero: amax 0, or below 127 x 2^-149)
     q[zero | bad] = 0
     dx[zero] = 0.0
     dx[bad] = np.nan
     return q.astype(np.int64).reshape(b, cols), dx.astype(np.float32)
+
+
+def test_activation_quantisation_equals_numpy_emulation():
+    """Step 1 alone, codes, scales and the codes' sums, on blocks of every kind: ordinary,
+    all zero (either sign), holding a nan or an inf, so small that the scale rounds to 0 (such
+    a block once raised ZeroDivisionError), subnormal, and codes that round half to even."""
+    from moeshard.moe.kernels.activations import activation_buffers, quantize_activations
+
+    rng = np.random.default_rng(11)
+    b, nb = 7, 24
+    scale = 10.0 ** rng.uniform(-38, 30, (b, nb, 1))  # [b, nb, 1]: a magnitude per block
+    x = (rng.standard_normal((b, nb, 32)) * scale).astype(np.float32)  # [b, nb, 32]
+    x[0, 0], x[0, 1] = 0.0, -0.0
+    x[1, 2, 5], x[1, 3, 31], x[1, 4, 0] = np.nan, np.inf, -np.inf
+    x[2, 5] = np.float32(1e-44)  # 7 x 2^-149: its scale rounds to 0
+    x[2, 6] = rng.standard_normal(32) * np.float32(1e-39)  # subnormal, with a scale
+    x[3, 7] = rng.integers(-127, 128, 32)  # amax 127: scale 1, codes the values
+    x[3, 8] = rng.integers(-127, 128, 32) + np.float32(0.5)  # ties, to even
+    x = x.reshape(b, nb * 32)  # [b, cols]
+    xq, xd, xc = activation_buffers(b, nb * 32)
+    quantize_activations(x, xq, xd, xc)
+    q, dx = quantize_x(x)  # [b, cols], [b, nb]
+    assert np.array_equal(xq.astype(np.int64), q)
+    assert xd.tobytes() == dx.tobytes()
+    blocks = q.reshape(b, nb, 32)  # [b, nb, 32]
+    assert np.array_equal(xc[:, 0::2], 8 * blocks.sum(axis=2))
+    assert np.array_equal(xc[:, 1::2], blocks[:, :, :16].sum(axis=2))
+    assert xd[2, 5] == 0 and not xq[2, 160:192].any() and np.isnan(xd[1, 2:5]).all()
 
 
 def int_emulation(e: np.ndarray, d: np.ndarray, x: np.ndarray) -> np.ndarray:

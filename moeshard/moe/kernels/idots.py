@@ -8,8 +8,9 @@ split (tests/test_kernel_determinism.py emulates it in numpy bit for bit):
 
 1. x is quantised per 32-column block k (`quantize_activations`): ``amax = max |x_c|``,
    ``dx_k = amax / 127`` and ``xq_c = rint(x_c * (1 / dx_k))`` (round half to even, always
-   within -127..127), all float32; an all-zero block gets ``dx_k = 0`` and zero codes, a block
-   holding a nan or an inf gets ``dx_k = nan`` (its row's outputs become nan).
+   within -127..127), all float32; a block whose dx_k rounds to 0 (all zero, or amax below 127
+   x 2^-149) gets ``dx_k = 0`` and zero codes, a block holding a nan or an inf gets
+   ``dx_k = nan`` (its row's outputs become nan).
 2. per block k, the 32 products summed exactly as integers: ``t_k = sum e_c xq_c``;
 3. ``a = fma(dw_k * dx_k, float(t_k), a)`` from ``a = +0``: the scales' product rounded to
    float32, then one fused multiply-add (IEEE, one rounding: `llvm.fma`, the C library's fmaf
