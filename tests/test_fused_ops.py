@@ -157,7 +157,7 @@ def attend_position_by_position(q, kc, vc, start, scale, window, out):
             kv = h // (n_q // n_kv)
             best = np.float32(-np.inf)
             for s in range(lo, pos + 1):
-                scores[s] = fused._dot(q[t], h * d, kc[s, kv], d) * np.float32(scale)
+                scores[s] = fused._dot(q[t], h * d, kc, s, kv, d) * np.float32(scale)
                 best = max(best, scores[s])
             total = 0.0
             for s in range(lo, pos + 1):
@@ -165,7 +165,7 @@ def attend_position_by_position(q, kc, vc, start, scale, window, out):
                 total += scores[s]
             out[t, h * dv : (h + 1) * dv] = 0.0
             for s in range(lo, pos + 1):
-                fused._add_scaled(out[t], h * dv, np.float32(scores[s] / total), vc[s, kv], dv)
+                fused._add_scaled(out[t], h * dv, np.float32(scores[s] / total), vc, s, kv, dv)
 
 
 @pytest.mark.parametrize(
