@@ -16,7 +16,7 @@ import numba
 import numpy as np
 import pytest
 
-from moeshard.moe.kernels import quant
+from moeshard.moe.kernels import entry, quant
 
 BATCHES = (1, 2, 3, 4, 5, 7, 8, 17, 33)
 # (rows, cols): one block; odd block counts (3, 5, 65, 129: the q4_0 tail block, also after
@@ -448,6 +448,36 @@ def test_experts_on_their_rows_equal_expert_ffn(fmt):
             if starts[e + 1] > starts[e]:
                 want = quant.expert_ffn(recs[e], fmt, hidden, inter, x[rows], glu)
                 np.testing.assert_array_equal(y[rows], want)
+        # on every thread numba has (this call is below the pool's threshold): the experts
+        # dealt to the threads by their rows (`entry._deal`), the same bits
+        code, nbytes, layout, glu_code = quant.experts_args(fmt, hidden, inter, glu)
+        pooled = quant._launch(
+            entry.experts_rows_kernel,
+            numba.config.NUMBA_NUM_THREADS,
+            (code, quant._int8(), arena, np.arange(m) * recs[0].size, nbytes, hidden, inter,
+             layout, quant.dots.F16_LUT, x, starts, glu_code, numba.config.NUMBA_NUM_THREADS),
+        )  # fmt: skip
+        np.testing.assert_array_equal(pooled, y)
+
+
+def test_experts_are_dealt_to_threads_by_rows():
+    """`entry._deal`: every expert in exactly one share, each share ascending, and no share
+    more than one expert's work above another's (largest first, to the least loaded)."""
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        m, bins = int(rng.integers(0, 40)), int(rng.integers(1, 6))
+        rows = rng.integers(0, 30, m) * (rng.random(m) < 0.8)  # [m], some experts without rows
+        starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)  # [m + 1]
+        order, bounds = entry._deal(starts, bins)
+        assert sorted(order.tolist()) == list(range(m))
+        assert bounds[0] == 0 and bounds[-1] == m and len(bounds) == bins + 1
+        loads = []
+        for b in range(bins):
+            share = order[bounds[b] : bounds[b + 1]]
+            assert (np.diff(share) > 0).all()
+            loads.append(int((rows[share] + 1).sum()))
+        if m:
+            assert max(loads) - min(loads) <= int(rows.max()) + 1
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "bf16"])

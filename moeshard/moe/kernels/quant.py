@@ -545,8 +545,9 @@ def experts_ffn_rows(
     if (np.diff(starts) < 0).any():
         raise ValueError("starts must not decrease")
     args = (_record_code(fmt), _int8(), _readonly(arena), _readonly(offsets), nbytes, hidden)
-    args += (inter, layout, dots.F16_LUT, x, _readonly(starts), _glu(glu))
-    return _run(entry.experts_rows_kernel, x.shape[0] * inter * hidden, *args)
+    n_weights = x.shape[0] * inter * hidden
+    args += (inter, layout, dots.F16_LUT, x, _readonly(starts), _glu(glu), _threads_for(n_weights))
+    return _run(entry.experts_rows_kernel, n_weights, *args)
 
 
 def group_by_expert(ids: np.ndarray, weights: np.ndarray, hidden: np.ndarray):
@@ -673,7 +674,7 @@ def warmup() -> float:
     group_by_expert(ids, np.ones((2, 2), dtype=np.float32), np.zeros((2, hidden), np.float32))
     starts = _readonly(np.array([0, 1, 2], dtype=np.int64))
     entry.experts_rows_kernel(
-        code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x, starts, glu
+        code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x, starts, glu, 2
     )
     w = _readonly(np.ones(2, dtype=np.float32))
     sum_args = (code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x[:1], w, glu)

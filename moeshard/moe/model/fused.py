@@ -427,9 +427,18 @@ def _clip(z, clip):
 @njit(cache=True, nogil=True, parallel=True)
 def attend_cache_parallel(q, kc, vc, start, scaling, window, sinks, out):
     """`attend_cache` with its (query, head) pairs split across numba's threads (a prefill,
-    a long context): each pair gets the same `_attend_head`, so the same bits."""
-    for it in prange(q.shape[0] * (q.shape[1] // kc.shape[2])):
-        attend_pair(q, kc, vc, start, scaling, window, sinks, out, np.int64(it))
+    a long context): each pair gets the same `_attend_head`, so the same bits.
+
+    numba gives each thread one contiguous share of a prange, and a later query attends to
+    more positions: in query order, the second of two threads had three times the first's
+    work.  Iteration 2i runs pair i and 2i + 1 pair n - 1 - i, so every two iterations
+    together attend to the same number of positions (without a window; about the same with
+    one), whatever the shares."""
+    n = q.shape[0] * (q.shape[1] // kc.shape[2])
+    for it in prange(n):
+        i = np.int64(it)  # (prange counts in uint64)
+        pair = i // 2 if i % 2 == 0 else n - 1 - i // 2
+        attend_pair(q, kc, vc, start, scaling, window, sinks, out, pair)
 
 
 @njit(cache=True, nogil=True)
