@@ -53,18 +53,6 @@ def _magnitude_bits(typingctx, ary, r, j):
 
 
 @intrinsic
-def _float_of_bits(typingctx, bits):
-    """The float32 whose bits are the int32 `bits`."""
-    if bits != types.int32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(bits), codegen
-
-
-@intrinsic
 def _code_sums(typingctx, ary, r, j):
     """(sum of ary[r, j : j + 16], sum of ary[r, j + 16 : j + 32]) of an int8 matrix, int32."""
     if not _matrix_at(ary, r, j, types.int8):
@@ -95,7 +83,7 @@ def quantize_activations(x, xq, xd, xc):
         for k in range(x.shape[1] // QK):
             c0 = QK * k
             top = _magnitude_bits(x, u, c0)
-            d = _float_of_bits(top) / np.float32(127.0)
+            d = np.int32(top).view(np.float32) / np.float32(127.0)  # (top's bits as a float32)
             if top >= _INF_BITS or d == 0:
                 xd[u, k] = np.float32(np.nan) if top >= _INF_BITS else np.float32(0.0)
                 for c in range(QK):

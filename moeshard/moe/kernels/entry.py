@@ -388,26 +388,17 @@ def _deal(starts, bins):
     first, each to the least loaded share so far. -> (order [m], bounds [bins + 1]): share b
     runs the experts order[bounds[b]:bounds[b + 1]], ascending.  Where each expert runs
     changes no bits: its rows are its alone."""
-    m = starts.shape[0] - 1
     bins = max(bins, 1)
-    cost = np.empty(m, dtype=np.int64)  # [m]
-    for e in range(m):
-        cost[e] = starts[e + 1] - starts[e] + 1
-    owner = np.empty(m, dtype=np.int64)  # [m]: each expert's share
+    cost = np.diff(starts) + 1  # [m]
+    owner = np.empty(cost.shape[0], dtype=np.int64)  # [m]: each expert's share
     load = np.zeros(bins, dtype=np.int64)  # [bins]
     for e in np.argsort(-cost, kind="mergesort"):
         b = np.argmin(load)
         owner[e] = b
         load[b] += cost[e]
+    order = np.argsort(owner, kind="mergesort")  # [m]: by share, ascending within one
     bounds = np.zeros(bins + 1, dtype=np.int64)  # [bins + 1]
-    for e in range(m):
-        bounds[owner[e] + 1] += 1
-    bounds = np.cumsum(bounds)
-    fill = bounds[:-1].copy()  # [bins]
-    order = np.empty(m, dtype=np.int64)  # [m]
-    for e in range(m):
-        order[fill[owner[e]]] = e
-        fill[owner[e]] += 1
+    bounds[1:] = np.cumsum(np.bincount(owner, minlength=bins))
     return order, bounds
 
 
