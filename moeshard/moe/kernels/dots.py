@@ -341,3 +341,30 @@ def prefetch_line(builder, ptr):
         builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0i8"
     )
     builder.call(fn, [ptr, i32(0), i32(2), i32(1)])
+
+
+@intrinsic
+def _prefetch_byte(typingctx, ary, i):
+    """`prefetch_line` of byte i of a C-contiguous array's data (any dtype, any rank)."""
+    if not (isinstance(ary, types.Array) and ary.layout == "C" and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        i8p = builder.bitcast(data, ir.IntType(8).as_pointer())
+        index = context.cast(builder, args[1], sig.args[1], types.intp)
+        prefetch_line(builder, builder.gep(i8p, [index]))
+        return context.get_dummy_value()
+
+    return types.none(ary, i), codegen
+
+
+@njit(cache=True, nogil=True)
+def prefetch_span(ary, begin, end):
+    """Ask for bytes begin..end of a C-contiguous array's data (clipped to the array) in
+    cache, a line at a time, and return at once: for data a kernel will read soon, asked for
+    while the bus is busy with other reads, so a phase that would wait on memory (a decode
+    layer's attention and router: `model.fused_layer.decode_layer_pool`) finds it near.
+    Changes no value."""
+    for i in range(max(begin, 0), min(end, ary.nbytes), 64):
+        _prefetch_byte(ary, i)
