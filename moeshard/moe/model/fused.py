@@ -47,7 +47,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.typed import List
 
-from moeshard.moe.kernels.dots import _V8F, F32X8, _splat, _vload, _vstore, _vzero
+from moeshard.moe.kernels.dots import _V8F, F32X8, _splat, _vload, _vstore, _vzero, prefetch_span
 
 QK_NORM_NONE, QK_NORM_HEAD, QK_NORM_FULL = 0, 1, 2  # gqa_attention's qk_norm
 QK_NORM_CODES = {"none": QK_NORM_NONE, "head": QK_NORM_HEAD, "full": QK_NORM_FULL}
@@ -523,14 +523,38 @@ def gqa_attention_many(
     is rows bounds[s]:bounds[s + 1] of q, k, v, cos, sin and out, with its own cache kcs[s],
     vcs[s] (numba typed lists) filled to starts[s].  Each sequence's rows get exactly what
     `gqa_attention` gives them alone: one call instead of one per sequence and layer, the
-    sequences split among numba's threads (the caller sets how many)."""
-    for it in prange(bounds.shape[0] - 1):
+    sequences split among numba's threads (the caller sets how many).
+
+    Each sequence's cache rows were last read a whole step ago, so they come from DRAM, a
+    position at a time; the next sequence's are asked for (`prefetch_cached`) while this
+    one's attention runs."""
+    n = bounds.shape[0] - 1
+    for it in prange(n):
         s = np.int64(it)  # (prange counts in uint64)
+        if s + 1 < n:
+            prefetch_cached(kcs[s + 1], vcs[s + 1], starts[s + 1], window)
         r0, r1 = bounds[s], bounds[s + 1]
         gqa_attention(
             q[r0:r1], k[r0:r1], v[r0:r1], q_norm, k_norm, qk_norm, eps, clip, cos[r0:r1],
             sin[r0:r1], kcs[s], vcs[s], starts[s], scaling, window, sinks, out[r0:r1],
         )  # fmt: skip
+
+
+# How much of a KV cache (each of k and v) `prefetch_cached` asks for: the attention's
+# first positions; beyond them the reads stream well enough on their own.
+PREFETCH_KV_BYTES = 1 << 18
+
+
+@njit(cache=True, nogil=True)
+def prefetch_cached(kc, vc, start, window):
+    """Ask for the cache rows kc, vc [S, Hkv, D] a decode row at position `start` attends
+    to (from its window's first position), up to PREFETCH_KV_BYTES of each, and return at
+    once: nothing changes but what is in cache."""
+    row = kc.shape[1] * kc.shape[2] * 4  # bytes of one position's keys (or values)
+    first = max(0, start - window + 1) * row if window > 0 else 0
+    end = min(start * row, first + PREFETCH_KV_BYTES)
+    prefetch_span(kc, first, end)
+    prefetch_span(vc, first, end)
 
 
 @njit(cache=True, nogil=True)

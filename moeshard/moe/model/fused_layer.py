@@ -54,6 +54,7 @@ from moeshard.moe.model.fused import (
     attend_pair,
     gqa_attention,
     gqa_prepare,
+    prefetch_cached,
     rms_norm_rows,
     route_softmax_topk,
 )
@@ -180,12 +181,12 @@ def decode_layer(table, arena, experts, split, *layer):
     return h2, ids, weights, _rounded(total)
 
 
-# How much of the layer's KV cache (each of k and v) and of the router's matrix
-# `decode_layer_pool` asks for ahead of use: the attention and the router's product are the
+# How much of the router's matrix `decode_layer_pool` asks for ahead of use (and of the KV
+# cache's rows: `fused.PREFETCH_KV_BYTES`): the attention and the router's product are a big
 # layer's phases that wait on memory with the bus idle (a few reads in flight, one thread for
 # the router), so their data is fetched while the bandwidth-bound products before them
-# stream. Beyond this the phases stream well enough themselves and the extra reads would
-# only compete.  See docs/results.md (issue 38, the layer's phases).
+# stream. Beyond this the phases stream well enough themselves.  See docs/results.md (issue
+# 38, the phases of a decode layer).
 PREFETCH_BYTES = 1 << 18
 
 
@@ -207,10 +208,8 @@ def decode_layer_pool(table, arena, experts, split, *layer):
     qkv, q_norm, k_norm, qk_norm, clip, cos, sin, kc, vc, start, scaling, window = layer[8:20]
     o, gate, top_k, renorm = layer[20:]
     split_products, split_attention = split
-    row = kc.shape[1] * kc.shape[2] * 4  # bytes of one position's keys (or values)
-    first = max(0, start - window + 1) * row if window > 0 else 0  # the attention's first
-    prefetch_span(kc, first, min(start * row, first + PREFETCH_BYTES))  # (while q, k, v
-    prefetch_span(vc, first, min(start * row, first + PREFETCH_BYTES))  # stream in)
+    if split_products:  # (a layer this big was read from DRAM; a small one is in cache)
+        prefetch_cached(kc, vc, start, window)  # (while q, k and v stream in)
     h = _norm_in(x, delta, has_delta, in_norm, eps)  # [1, H]
     fmt, datas, rows, cols, row_bytes, scale_offs = qkv
     if split_products:
@@ -227,7 +226,8 @@ def decode_layer_pool(table, arena, experts, split, *layer):
     q, k, v = _qkv_views(flat, rows)
     att = np.empty_like(q)  # [1, Hq*D]
     no_sinks = np.empty(0, dtype=np.float32)  # (a layer with sinks has no plan: `FusedPlan`)
-    prefetch_span(gate[1], 0, PREFETCH_BYTES)  # the router's rows, while the attention runs
+    if split_products:
+        prefetch_span(gate[1], 0, PREFETCH_BYTES)  # the router's rows, while attention runs
     if split_attention:
         gqa_prepare(q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, kc, vc, start)
         for it in prange(q.shape[1] // kc.shape[2]):
@@ -283,8 +283,9 @@ class FusedPlan:
         return FusedPlan(group.fused_args(), o.packed.fused_args(), gate.packed.fused_args(), works)
 
     def products_serial(self) -> bool:
-        """Whether each of the layer's products would run on the calling thread now."""
-        return all(quant.matmul_runs_serial(work) for work in self.works)
+        """Whether each of the layer's products would run on the calling thread now (the
+        largest does exactly when all do: the rule is a threshold on the work)."""
+        return quant.matmul_runs_serial(max(self.works))
 
 
 def warmup() -> None:
