@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 
+import numba
 import numpy as np
 import pytest
 
@@ -30,7 +31,7 @@ def _decode(transformer, steps: int = STEPS):
 
 def _both(transformer, monkeypatch):
     """Greedy decodes three ways: fused as the model chooses, fused with every product split
-    across the pool (`FusedPlan.products_serial` False: `decode_layer_pool`'s split where
+    across the pool (`FusedPlan.products_serial` False: `decode_layers`' split where
     the experts are resident, else the steps), and step by step (`fused_decode` off) ->
     ((logits, cache) of each, how many layers' plans put their products on this thread)."""
     ran = []
@@ -54,24 +55,27 @@ def _both(transformer, monkeypatch):
 
 
 def _count_decode_layers(monkeypatch) -> None:
-    """`decode_layer` and its pool twin, counting in EXPERTS_IN_CALL how often the experts
-    ran in their call and how often they were handed back (an expert not read yet), and by
-    the pool variant what it split (its `split` argument: products, attention)."""
+    """`decode_layers`, counting in EXPERTS_IN_CALL for how many layers the experts ran in
+    its call and how many were handed back (an expert not read yet), and, for the layers it
+    ran on more than one thread, how many of those it split (its `splits`: products,
+    attention)."""
     counts = {"in call": 0, "handed back": 0, "pool": 0, "split products": 0, "split heads": 0}
     monkeypatch.setattr(sys.modules[__name__], "EXPERTS_IN_CALL", counts)
-    for name in ("decode_layer", "decode_layer_pool"):
-        real = getattr(fused_layer, name)
+    real = fused_layer.decode_layers
 
-        def counting(*args, real=real, name=name):
-            out = real(*args)
-            counts["in call" if out[3].shape[0] else "handed back"] += 1
-            if name == "decode_layer_pool":
-                counts["pool"] += 1
-                counts["split products"] += args[3][0]
-                counts["split heads"] += args[3][1]
-            return out
+    def counting(*args):
+        out = real(*args)
+        first, last, splits, stop = args[1], args[2], args[3], out[0]
+        ran = stop - first + (stop < last)  # (a handed-back layer ran up to its router)
+        counts["in call"] += stop - first
+        counts["handed back"] += stop < last
+        if numba.get_num_threads() > 1:  # (as `quant._launch` set it for this call)
+            counts["pool"] += ran
+            counts["split products"] += int(splits[first : first + ran, 0].sum())
+            counts["split heads"] += int(splits[first : first + ran, 1].sum())
+        return out
 
-        monkeypatch.setattr(qwen_moe, name, counting)
+    monkeypatch.setattr(qwen_moe, "decode_layers", counting)
 
 
 EXPERTS_IN_CALL: dict[str, int] = {}
@@ -102,7 +106,7 @@ def test_fused_decode_layer_gives_the_step_by_step_bits(
     try:
         fused, split, steps, ran = _both(rt.transformer, monkeypatch)
         assert ran >= STEPS * len(rt.transformer.config.moe_layers)  # the fused path ran
-        # the in-RAM experts ran in decode_layer's call, and (records read on first use) some
+        # the in-RAM experts ran in decode_layers' call, and (records read on first use) some
         # came back to LocalExperts to be read: both ways give the step-by-step bits
         assert EXPERTS_IN_CALL["in call"] > 0 and EXPERTS_IN_CALL["handed back"] > 0
         _same(fused, steps)
@@ -113,8 +117,8 @@ def test_fused_decode_layer_gives_the_step_by_step_bits(
 
 @pytest.mark.parametrize("mode", ["serial", "pool", "split"])
 def test_experts_in_the_layers_call_give_the_backends_bits(converted, monkeypatch, mode):
-    """Every record read: each decode layer's experts run inside `decode_layer` (or, split
-    across the pool's threads, `decode_layer_pool`; "split": with its products' rows and its
+    """Every record read: each decode layer's experts run inside `decode_layers`' call (on
+    one thread, or split across the pool's threads; "split": with its products' rows and its
     attention's heads split too, as a big model's are); the tokens, logits and cache are
     those of the same model whose experts go through `LocalExperts`' own call (`resident`
     None), step by step."""

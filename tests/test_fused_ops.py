@@ -102,7 +102,7 @@ def test_attend_cache_matches_attend(t, start, hq, hkv, d, window):
 @pytest.mark.parametrize("t,start,hq,hkv,d,window", ATTENTION_CASES + [(1, 70, 8, 2, 128, 0)])
 def test_attention_split_by_heads_gives_the_same_bits(t, start, hq, hkv, d, window, sinks):
     """`attend_cache_parallel` (a prefill, a long context) and `attend_pair` (a decode layer's
-    heads split in `fused_layer.decode_layer_pool`) give each (query, head) pair exactly the
+    heads split in `fused_layer.decode_layers`) give each (query, head) pair exactly the
     bits `attend_cache` gives it."""
     s = start + t
     q, kc, vc = randn(t, hq * d), randn(s, hkv, d), randn(s, hkv, d)

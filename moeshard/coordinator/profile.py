@@ -138,7 +138,7 @@ class _TimedExperts:
 
     def resident(self, layer: int):
         """None: a decode row's experts stay a call of their own, so they can be timed
-        (`decode_layer` would run them inside the attention's kernel call)."""
+        (`decode_layers` would run them inside the attention's kernel call)."""
         return None
 
     def __getattr__(self, name: str):

@@ -70,7 +70,7 @@ class LocalExperts(ExpertsBase):
 
     def resident(self, layer: int) -> ResidentExperts | None:
         """Layer `layer`'s arena and offset table, for a decode row's experts computed in the
-        same kernel call as its attention (`fused_layer.decode_layer`); records not read yet
+        same kernel call as its attention (`fused_layer.decode_layers`); records not read yet
         are -1 in the table, and a row routed to one comes back here through `__call__`."""
         held = self.held.get(layer)
         if held is None:

@@ -364,7 +364,7 @@ def prefetch_span(ary, begin, end):
     """Ask for bytes begin..end of a C-contiguous array's data (clipped to the array) in
     cache, a line at a time, and return at once: for data a kernel will read soon, asked for
     while the bus is busy with other reads, so a phase that would wait on memory (a decode
-    layer's attention and router: `model.fused_layer.decode_layer_pool`) finds it near.
+    layer's attention and router: `model.fused_layer.decode_layers`) finds it near.
     Changes no value."""
     for i in range(max(begin, 0), min(end, ary.nbytes), 64):
         _prefetch_byte(ary, i)

@@ -228,7 +228,7 @@ def _run(kernel, n_weights: int, *args, serial=None):
 
 def run_kernel(kernel, n_weights: int, *args, serial=None):
     """`_run` for a parallel kernel outside this module whose size is `n_weights` expert
-    weights (`fused_layer.decode_layer_pool`, its serial twin `decode_layer`)."""
+    weights (`fused_layer.decode_layers`)."""
     return _run(kernel, n_weights, *args, serial=serial)
 
 

@@ -36,24 +36,28 @@ def prenorm_forward_batch(
     i's token mixer and MLP over all N rows, `norms(i)` its (input, post-attention) norm
     weights, `head` the output matrix's name. -> each sequence's logits [T_s, V] (last_only:
     its last row's, [1, V]); the caches advanced.  `fused(i, x, delta)`, if given, may run
-    layer i in fewer calls (the same bits): x += delta, the layer on x (in place) -> its
-    MLP's output, the next delta; None where it does not apply (then the steps run).
+    layer i, and the layers after it, in fewer calls (the same bits): x += delta, the layers
+    on x (in place) -> (the last one's MLP output, the next delta; the next layer to run);
+    None where it does not apply (then the steps run).  `enter_layer` is called for the
+    layer a call starts at: a model whose trunk streams takes one layer per call.
     `final_norm`: the final norm's weight when it is not model.norm.weight as stored (Qwen3-Next
     stores 1 + w as w)."""
     c, w = model.config, model.trunk
     eps = c.rms_norm_eps
     x = w.embed("model.embed_tokens.weight", seq.ids)  # [N, H], the residual, in place
     delta = None  # the last block's output, added to x by the next norm
-    for i in range(c.num_hidden_layers):
+    i = 0
+    while i < c.num_hidden_layers:
         w.enter_layer(i)  # a streamed trunk makes layer i resident and starts reading i + 1
         done = fused(i, x, delta) if fused is not None else None
         if done is not None:
-            delta = done
+            delta, i = done
             continue
         before, after = norms(i)
         h = _add_norm(x, delta, before, eps)  # x += delta; h = norm(x)  [N, H]
         h = _add_norm(x, mix(i, h), after, eps)  # [N, H]
         delta = mlp(i, h)  # [N, H]
+        i += 1
     seq.advance()
     if final_norm is None:
         final_norm = w.vector("model.norm.weight")

@@ -1,4 +1,4 @@
-"""A decode row's way through a GQA layer, in one kernel call.
+"""A decode row's way through a GQA model's layers, in one kernel call.
 
 A small model's decode token was mostly calls, not arithmetic: per layer the residual add and
 norm, the q/k/v group, the attention, o_proj, the second add and norm, the router's product and
@@ -10,12 +10,14 @@ against 796-820 us).
   every one would run on the calling thread anyway (products below the pool's measured
   threshold, attention below PARALLEL_MIN_WORK: `FusedPlan.products_serial`); the experts
   stay behind the experts interface (local, --ram, nodes), called once per layer as before.
-* Where the backend holds the layer's records in one arena in RAM (`ExpertsBackend.resident`:
-  `LocalExperts`), `decode_layer` runs the experts too, in the same call, by the kernel
-  `LocalExperts` would call (the embedded model's token: 13% faster), and
-  `decode_layer_pool` splits them across the pool's threads; it also splits the products'
-  rows and the attention's heads where the step-by-step path would have (`split`: a big
-  model's layer, one call of up to four parallel regions instead of about ten calls).
+* Where the backend holds the layers' records in arenas in RAM (`ExpertsBackend.resident`:
+  `LocalExperts`), `decode_layers` runs the experts too, in the same call, by the kernel
+  `LocalExperts` would call, split across the pool's threads; it also splits the products'
+  rows and the attention's heads where the step-by-step path would have (a big model's
+  layer: up to four parallel regions instead of about ten calls); and it runs every layer
+  of the model in that one call (the layers as a numba typed list, `layer_entry`), so a
+  token is one call, not one per layer: per layer that was 4-5 us of Python and 8 of
+  dispatch, return and launch on the embedded model.
 
 In every case the hidden state, the KV cache and the routing are the same bits as the
 step-by-step path (tests/test_fused_layer.py). The router's product stays on the calling
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from numba import njit, prange
+from numba.typed import List
 
 from moeshard.moe.experts.backend import ResidentExperts
 from moeshard.moe.kernels import quant
@@ -45,7 +48,6 @@ from moeshard.moe.kernels.entry import (
     _matrix_views,
     _rows,
     _weighted_total,
-    experts_b1_sum_serial_kernel,
     matmul_group_serial_kernel,
     matmul_serial_kernel,
 )
@@ -159,29 +161,7 @@ def _rounded(total):
     return out
 
 
-@njit(cache=True, nogil=True)
-def decode_layer(table, arena, experts, split, *layer):
-    """`attention_route(*layer)`, then the routed experts' weighted sum when every one is in
-    `arena` (`table[e]`: expert e's byte offset, -1 if absent; `experts`: `quant.experts_args`
-    and the experts' inner size, as `ResidentExperts.kernel_args`), on this thread, by the
-    very kernel `LocalExperts` calls for a decode row, on the same inputs: the same bits.
-    `split` is `decode_layer_pool`'s (this is its one-thread twin: nothing is split).
-    -> (h2 [1, H], ids [1, k], weights [1, k], the experts' output float32 [1, H], or [0, H]
-    where some expert is absent or routed twice: then the caller runs them)."""
-    h2, ids, weights = attention_route(*layer)
-    offsets, w = _held_offsets(ids, weights, table)  # [k], [k]
-    hidden = h2.shape[1]
-    if offsets.shape[0] == 0:
-        return h2, ids, weights, np.empty((0, hidden), dtype=np.float32)
-    code, nbytes, layout, glu, inter = experts
-    int8, lut = layer[6], layer[7]  # (attention_route's own)
-    total = experts_b1_sum_serial_kernel(
-        code, int8, arena, offsets, nbytes, hidden, inter, layout, lut, h2, w, glu
-    )  # [H] float64
-    return h2, ids, weights, _rounded(total)
-
-
-# How much of the router's matrix `decode_layer_pool` asks for ahead of use (and of the KV
+# How much of the router's matrix `decode_layers` asks for ahead of use (and of the KV
 # cache's rows: `fused.PREFETCH_KV_BYTES`): the attention and the router's product are a big
 # layer's phases that wait on memory with the bus idle (a few reads in flight, one thread for
 # the router), so their data is fetched while the bandwidth-bound products before them
@@ -190,75 +170,99 @@ def decode_layer(table, arena, experts, split, *layer):
 PREFETCH_BYTES = 1 << 18
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def decode_layer_pool(table, arena, experts, split, *layer):
-    """`decode_layer` with the experts split across the pool's threads, as
-    `entry.experts_b1_sum_kernel` splits them, and, as `split` (products, attention) says,
-    the q/k/v group's and o_proj's rows as `entry.matmul_group_kernel` and `matmul_kernel`
-    split them, and the attention's heads as `fused.attend_cache_parallel` does: the same
-    row kernels on the same inputs, so the same bits (the loops are repeated here: a prange
-    cannot be called, and an njit function calling a parallel one breaks numba's cache).
+def layer_entry(held: ResidentExperts, in_norm, post_norm, plan, q_norm, k_norm, kc, vc, window):
+    """One layer as `decode_layers` takes it from its typed list: its experts' arena and
+    offset table (`ResidentExperts`), norms, `FusedPlan` products and KV cache (all the
+    entries of one list must have one numba type: layers of one model in the same formats)."""
+    return (
+        held.table, held.arena, held.kernel_args, in_norm, post_norm, plan.qkv, q_norm, k_norm,
+        kc, vc, window, plan.o, plan.gate,
+    )  # fmt: skip
 
-    A big model's layer is then one call of four parallel regions instead of about ten
-    kernel calls and the Python between them.  Where the pool's threads spin (`generate`),
-    this also keeps them awake for the head's product at the token's end, which otherwise
-    finds them asleep (a wake-up costs ~50 us)."""
-    # `attention_route`'s arguments, in its order
-    x, delta, has_delta, in_norm, post_norm, eps, int8, lut = layer[:8]
-    qkv, q_norm, k_norm, qk_norm, clip, cos, sin, kc, vc, start, scaling, window = layer[8:20]
-    o, gate, top_k, renorm = layer[20:]
-    split_products, split_attention = split
-    if split_products:  # (a layer this big was read from DRAM; a small one is in cache)
-        prefetch_cached(kc, vc, start, window)  # (while q, k and v stream in)
-    h = _norm_in(x, delta, has_delta, in_norm, eps)  # [1, H]
-    fmt, datas, rows, cols, row_bytes, scale_offs = qkv
-    if split_products:
-        flat = np.empty(_group_rows(rows), dtype=np.float32)  # [sum(rows)]
-        act = _activations(fmt, int8, h)
-        for it in prange(_group_items(rows)):
-            m, r0, r1 = _group_item(rows, np.int64(it))  # (prange counts in uint64)
-            wq, ws = _matrix_views(fmt, datas[m], rows[m], cols, row_bytes[m], scale_offs[m])
-            _rows(fmt, wq, ws, lut, h, act, _group_out(flat, rows, m, 1), r0, r1)
-    else:
-        flat = matmul_group_serial_kernel(
-            fmt, int8, datas, rows, cols, row_bytes, scale_offs, lut, h
-        )  # [sum(rows)]
-    q, k, v = _qkv_views(flat, rows)
-    att = np.empty_like(q)  # [1, Hq*D]
+
+@njit(cache=True, nogil=True, parallel=True)
+def decode_layers(layers, first, last, splits, x, delta, has_delta, consts, cos, sin, start):
+    """A decode row through layers[first:last] of a numba typed list of `layer_entry`s, in
+    one call, each layer as the step-by-step path computes it: x += delta (if has_delta);
+    h = norm(x); q, k, v; attention over the cache (k, v appended at `start`); x += o_proj;
+    h2 = norm(x); the router's top-k of h2; the routed experts' weighted sum, the next
+    delta.  x [1, H] float32 is updated in place.  `consts`: (eps, int8, lut, qk_norm, clip,
+    scaling, top_k, renorm), the model's; splits [n, 2] bool: per layer whether its q/k/v
+    and o_proj rows and its attention's heads go across the pool's threads (as
+    `entry.matmul_group_kernel`, `matmul_kernel` and `fused.attend_cache_parallel` split
+    them: the same row kernels on the same inputs, so the same bits; the loops are repeated
+    here because a prange cannot be called, and an njit function calling a parallel one
+    breaks numba's cache).  The experts always go across the threads the call runs on.
+
+    -> (stop, h2 [1, H], ids [1, k], weights [1, k], delta [1, H]): stop == last and the
+    last layer's experts' output; or stop < last, the layer one of whose routed experts is
+    not in its arena (`table[e]` -1) or is routed twice, with its h2, ids and weights, for
+    the caller to run them through the experts backend and go on from stop + 1.
+
+    A small model's decode token was mostly calls and the Python between them: one call for
+    all its layers instead of one per layer (the embedded model's token: see docs/results.md).
+    Where the pool's threads spin (`generate`), one call also keeps them awake throughout."""
+    eps, int8, lut, qk_norm, clip, scaling, top_k, renorm = consts
     no_sinks = np.empty(0, dtype=np.float32)  # (a layer with sinks has no plan: `FusedPlan`)
-    if split_products:
-        prefetch_span(gate[1], 0, PREFETCH_BYTES)  # the router's rows, while attention runs
-    if split_attention:
-        gqa_prepare(q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, kc, vc, start)
-        for it in prange(q.shape[1] // kc.shape[2]):
-            attend_pair(q, kc, vc, start, scaling, window, no_sinks, att, np.int64(it))
-    else:
-        gqa_attention(
-            q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, kc, vc, start, scaling,
-            window, no_sinks, att,
-        )  # fmt: skip
-    fmt, data, rows_o, cols_o, rb, so = o
-    if split_products:
-        mixed = np.empty((1, rows_o), dtype=np.float32)  # [1, H]
-        wq, ws = _matrix_views(fmt, data, rows_o, cols_o, rb, so)
-        act_o = _activations(fmt, int8, att)
-        for it in prange((rows_o + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
-            r0, r1 = _item(np.int64(it), rows_o)
-            _rows(fmt, wq, ws, lut, att, act_o, mixed, r0, r1)
-    else:
-        mixed = matmul_serial_kernel(fmt, int8, data, rows_o, cols_o, rb, so, lut, att)
-    h2, ids, weights = _route(x, mixed, post_norm, eps, int8, lut, gate, top_k, renorm)
-    offsets, w = _held_offsets(ids, weights, table)  # [k], [k]
-    hidden = h2.shape[1]
-    if offsets.shape[0] == 0:
-        return h2, ids, weights, np.empty((0, hidden), dtype=np.float32)
-    code, nbytes, layout, glu, inter = experts
-    y = np.empty((offsets.shape[0], hidden), dtype=np.float32)  # [k, H]
-    act_e = _activations(_halves(code)[0], int8, h2)  # h2 quantised once for every expert
-    for e in prange(offsets.shape[0]):
-        record = arena[offsets[e] : offsets[e] + nbytes]
-        _expert_b1(code, int8, record, hidden, inter, layout, lut, h2, act_e, y[e], glu)
-    return h2, ids, weights, _rounded(_weighted_total(y, w))
+    h2 = np.empty_like(x)  # [1, H]
+    ids = np.empty((1, top_k), dtype=np.int64)  # [1, k]
+    weights = np.empty((1, top_k), dtype=np.float32)  # [1, k]
+    for i in range(first, last):
+        table, arena, experts, in_norm, post_norm, qkv, q_norm, k_norm = layers[i][:8]
+        kc, vc, window, o, gate = layers[i][8:]
+        split_products, split_attention = splits[i, 0], splits[i, 1]
+        if split_products:  # (a layer this big was read from DRAM; a small one is in cache)
+            prefetch_cached(kc, vc, start, window)  # (while q, k and v stream in)
+        h = _norm_in(x, delta, has_delta, in_norm, eps)  # [1, H]
+        fmt, datas, rows, cols, row_bytes, scale_offs = qkv
+        if split_products:
+            flat = np.empty(_group_rows(rows), dtype=np.float32)  # [sum(rows)]
+            act = _activations(fmt, int8, h)
+            for it in prange(_group_items(rows)):
+                m, r0, r1 = _group_item(rows, np.int64(it))  # (prange counts in uint64)
+                wq, ws = _matrix_views(fmt, datas[m], rows[m], cols, row_bytes[m], scale_offs[m])
+                _rows(fmt, wq, ws, lut, h, act, _group_out(flat, rows, m, 1), r0, r1)
+        else:
+            flat = matmul_group_serial_kernel(
+                fmt, int8, datas, rows, cols, row_bytes, scale_offs, lut, h
+            )  # [sum(rows)]
+        q, k, v = _qkv_views(flat, rows)
+        att = np.empty_like(q)  # [1, Hq*D]
+        if split_products:
+            prefetch_span(gate[1], 0, PREFETCH_BYTES)  # the router's rows, while attention runs
+        if split_attention:
+            gqa_prepare(q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, kc, vc, start)
+            for it in prange(q.shape[1] // kc.shape[2]):
+                attend_pair(q, kc, vc, start, scaling, window, no_sinks, att, np.int64(it))
+        else:
+            gqa_attention(
+                q, k, v, q_norm, k_norm, qk_norm, eps, clip, cos, sin, kc, vc, start, scaling,
+                window, no_sinks, att,
+            )  # fmt: skip
+        fmt, data, rows_o, cols_o, rb, so = o
+        if split_products:
+            mixed = np.empty((1, rows_o), dtype=np.float32)  # [1, H]
+            wq, ws = _matrix_views(fmt, data, rows_o, cols_o, rb, so)
+            act_o = _activations(fmt, int8, att)
+            for it in prange((rows_o + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM):
+                r0, r1 = _item(np.int64(it), rows_o)
+                _rows(fmt, wq, ws, lut, att, act_o, mixed, r0, r1)
+        else:
+            mixed = matmul_serial_kernel(fmt, int8, data, rows_o, cols_o, rb, so, lut, att)
+        h2, ids, weights = _route(x, mixed, post_norm, eps, int8, lut, gate, top_k, renorm)
+        offsets, w = _held_offsets(ids, weights, table)  # [k], [k]
+        if offsets.shape[0] == 0:
+            return i, h2, ids, weights, delta
+        code, nbytes, layout, glu, inter = experts
+        hidden = h2.shape[1]
+        y = np.empty((offsets.shape[0], hidden), dtype=np.float32)  # [k, H]
+        act_e = _activations(_halves(code)[0], int8, h2)  # h2 quantised once for every expert
+        for e in prange(offsets.shape[0]):
+            record = arena[offsets[e] : offsets[e] + nbytes]
+            _expert_b1(code, int8, record, hidden, inter, layout, lut, h2, act_e, y[e], glu)
+        delta = _rounded(_weighted_total(y, w))  # [1, H]
+        has_delta = True
+    return last, h2, ids, weights, delta
 
 
 @dataclass(frozen=True)
@@ -289,7 +293,7 @@ class FusedPlan:
 
 
 def warmup() -> None:
-    """Compile (or load from numba's cache) `attention_route` and `decode_layer` for the
+    """Compile (or load from numba's cache) `attention_route` and `decode_layers` for the
     argument types a forward pass gives them (`fused.warmup` calls this): a 16-wide bf16
     layer, one step."""
     h, d, heads_kv = 16, 8, 2
@@ -307,11 +311,14 @@ def warmup() -> None:
         matrix.fused_args(), matrix.fused_args(), 2, True,
     )  # fmt: skip
     attention_route(*args)
-    # decode_layer's types do not depend on the record format: no expert held, it compiles
+    # decode_layers' types do not depend on the record format: no expert held, it compiles
     arena = np.zeros(64, np.uint8)
     arena.flags.writeable = False
     absent = np.full(h, -1, dtype=np.int64)  # [E]
     held = ResidentExperts.of(arena, absent, "q4_0", 32, 32, quant.SWIGLU)
-    for split in ((False, False), (True, True)):  # (one compiled signature; each run once)
-        decode_layer(held.table, held.arena, held.kernel_args, split, *args)
-        decode_layer_pool(held.table, held.arena, held.kernel_args, split, *args)
+    plan = FusedPlan(qkv, matrix.fused_args(), matrix.fused_args(), (h * h,) * 3)
+    layers = List([layer_entry(held, norm, norm, plan, none, none, kc, vc, 0)])
+    consts = (1e-6, quant._int8(), quant.dots.F16_LUT, 0, 0.0, 0.5, 2, True)
+    for split in (False, True):  # (one compiled signature; each way run once)
+        splits = np.full((1, 2), split)  # [1, 2]
+        decode_layers(layers, 0, 1, splits, x, x.copy(), True, consts, cos, sin, 0)

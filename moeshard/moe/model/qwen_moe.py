@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numba
 import numpy as np
 from numba.typed import List
 
@@ -36,8 +37,8 @@ from moeshard.moe.model.fused import (
 from moeshard.moe.model.fused_layer import (
     FusedPlan,
     attention_route,
-    decode_layer,
-    decode_layer_pool,
+    decode_layers,
+    layer_entry,
 )
 from moeshard.moe.model.layers import Segments, rope_cos_sin, sigmoid, swiglu_mlp, uses_hints
 from moeshard.moe.model.trunk import LinearGroup, Trunk
@@ -290,6 +291,8 @@ class Transformer:
             f"model.layers.{i}.self_attn.q_proj.weight" for i in range(config.num_hidden_layers)
         ]
         self._head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
+        self._runs_key: tuple | None = None  # what `_runs_by_layer` was made for
+        self._runs_by_layer: dict[int, tuple] = {}
         self._lists_key: tuple = ()  # the caches whose typed lists `_lists` holds
         self._lists: dict[int, tuple] = {}
         self._qk_norm = QK_NORM_CODES[config.qk_norm]
@@ -344,59 +347,112 @@ class Transformer:
         fused = None
         if len(seq.ids) == 1 and self.fused_decode:  # one decode row: a layer's calls fused
 
-            def fused(i: int, x: np.ndarray, delta: np.ndarray | None) -> np.ndarray | None:
-                return self._fused_layer(i, x, delta, rope, caches[0], hints)
+            def fused(i: int, x: np.ndarray, delta: np.ndarray | None):
+                return self._fused_layers(i, x, delta, rope, caches[0], hints)
 
         return prenorm_forward_batch(self, seq, mix, mlp, norms, self._head, last_only, fused)
 
-    def _fused_layer(self, i: int, x, delta, rope, cache: KVCache, hints: bool):
-        """Layer i of one decode row in one kernel call (x += delta first) -> the experts'
-        output; None when no fused form applies (then the step-by-step path runs).
+    def _fused_layers(self, i: int, x, delta, rope, cache: KVCache, hints: bool):
+        """Layer i of one decode row and as many after it as one kernel call can take (x +=
+        delta first) -> (the last one's MLP output, the next layer to run); None when no fused
+        form applies to layer i (then the step-by-step path runs).
 
-        With the experts in RAM (`_resident`): `decode_layer_pool` (or its one-thread twin),
-        whose q/k/v and o products and attention split across the pool's threads where they
-        would in the step-by-step path (`FusedPlan.products_serial`; `_attention`'s
-        PARALLEL_MIN_WORK; the router's product stays on this thread, the same bits). Else
-        `attention_route` up to the router, where all of that runs on this thread anyway,
-        and the experts backend's own call."""
+        With the experts in RAM (`_resident`): `decode_layers` over layer i's run (the
+        layers around it whose experts are resident, in one typed list: `_runs`), whose q/k/v
+        and o products and attention split across the pool's threads where they would in the
+        step-by-step path (`FusedPlan.products_serial`; `_attention`'s PARALLEL_MIN_WORK; the
+        router's product stays on this thread, the same bits); a layer whose routed expert is
+        not in RAM yet comes back here for the backend's own call, and the run goes on after
+        it.  Else `attention_route` up to the router, where all of that runs on this thread
+        anyway, and the experts backend's own call."""
         ly = self._layer(i)
         plan = ly.fused
         if plan is None:
             return None
         q_cols = self.config.num_attention_heads * self.config.head_dim
-        split = (
-            not plan.products_serial(),
-            _attention_work(1, cache.length, q_cols) >= quant.PARALLEL_MIN_WORK,
-        )
-        held = self._resident(i)
-        if held is None and any(split):
-            return None
+        split_heads = _attention_work(1, cache.length, q_cols) >= quant.PARALLEL_MIN_WORK
         if delta is not None and not delta.flags.writeable:
             delta = delta.copy()  # (one compiled signature: a writable delta)
         cos, sin = rope
-        args = (
-            x, x if delta is None else delta, delta is not None, ly.input_norm, ly.post_norm,
-            self.config.rms_norm_eps, quant._int8(), quant.dots.F16_LUT,
-            plan.qkv, ly.q_norm, ly.k_norm, self._qk_norm, self._clip, cos, sin,
-            cache.k[i], cache.v[i], cache.length, self.scaling, ly.window,
-            plan.o, plan.gate, self.config.top_k, self.config.norm_topk_prob,
-        )  # fmt: skip
-        if held is None:
+        run = self._runs(cache).get(i)
+        if run is None:
+            if split_heads or not plan.products_serial():
+                return None  # (the steps split them; attention_route runs on this thread)
+            args = (
+                x, x if delta is None else delta, delta is not None, ly.input_norm,
+                ly.post_norm, self.config.rms_norm_eps, quant._int8(), quant.dots.F16_LUT,
+                plan.qkv, ly.q_norm, ly.k_norm, self._qk_norm, self._clip, cos, sin,
+                cache.k[i], cache.v[i], cache.length, self.scaling, ly.window,
+                plan.o, plan.gate, self.config.top_k, self.config.norm_topk_prob,
+            )  # fmt: skip
             h, ids, weights = attention_route(*args)
-            return self._routed(i, ly, h, ids, weights, hints)
-        weights_read = self.config.top_k * held.weights_per_expert
-        if any(split):  # (something in the layer is worth the pool's threads)
-            weights_read = max(weights_read, quant.PARALLEL_MIN_WEIGHTS)
-        h, ids, weights, out = quant.run_kernel(
-            decode_layer_pool, weights_read, held.table, held.arena, held.kernel_args, split,
-            *args, serial=decode_layer,
+            return self._routed(i, ly, h, ids, weights, hints), i + 1
+        entries, base, helds = run
+        first, n = i - base, len(entries)
+        splits = np.zeros((n, 2), dtype=np.bool_)  # [n, 2]: each layer's products, heads
+        read = 0  # the most weights a layer of the call reads: what decides the threads
+        for j in range(first, n):
+            splits[j] = (not self._layer(base + j).fused.products_serial(), split_heads)
+            layer_read = self.config.top_k * helds[j].weights_per_expert
+            read = max(read, quant.PARALLEL_MIN_WEIGHTS if splits[j].any() else layer_read)
+        consts = (
+            self.config.rms_norm_eps, quant._int8(), quant.dots.F16_LUT, self._qk_norm,
+            self._clip, self.scaling, self.config.top_k, self.config.norm_topk_prob,
         )  # fmt: skip
-        if out.shape[0] == 0:  # an expert not read yet: the backend's own call reads it
-            return self._routed(i, ly, h, ids, weights, hints)
-        return out  # (a layer with a fused plan has no shared expert: `_Layer.moe_parts`)
+        stop, h, ids, weights, out = quant.run_kernel(
+            decode_layers, read, entries, first, n, splits, x, x if delta is None else delta,
+            delta is not None, consts, cos, sin, cache.length,
+        )  # fmt: skip
+        if stop < n:  # an expert not read yet: the backend's own call reads it
+            j = base + stop
+            return self._routed(j, self._layer(j), h, ids, weights, hints), j + 1
+        return out, base + n  # (a layer with a fused plan has no shared expert)
+
+    def _runs(self, cache: KVCache) -> dict[int, tuple]:
+        """Layer -> its run: (a typed list of `layer_entry`s for consecutive layers whose
+        decode rows `decode_layers` can take in one call, the first one's layer number, their
+        `ResidentExperts`).  Layers with a fused plan and resident experts, split where the
+        numba type changes (a layer in other formats); remade when the cache, a layer's
+        handles or a backend's arena changes (another sequence), else kept: making the lists
+        costs more than a token.  No runs for a trunk that streams its layers (under --ram,
+        where the experts are not resident either)."""
+        if getattr(self.trunk, "streamed", None):
+            return {}  # (layer i + 1 is not in RAM before `enter_layer(i + 1)`: no runs)
+        n = self.config.num_hidden_layers
+        lys = tuple(self._layer(i) for i in range(n))
+        helds = tuple(self._resident(i) if ly.fused is not None else None for i, ly in
+                      enumerate(lys))  # fmt: skip
+        key = self._runs_key
+        if (
+            key is not None and key[0] is cache
+            and all(a is b for a, b in zip(key[1], lys, strict=True))
+            and all(a is b for a, b in zip(key[2], helds, strict=True))
+        ):  # fmt: skip
+            return self._runs_by_layer
+        runs: dict[int, tuple] = {}
+        group: list[tuple[int, tuple]] = []  # (layer, its entry) of the run being gathered
+        kind = None  # their numba type
+        for i in range(n + 1):
+            entry = None
+            if i < n and helds[i] is not None:
+                ly = lys[i]
+                entry = layer_entry(
+                    helds[i], ly.input_norm, ly.post_norm, ly.fused, ly.q_norm, ly.k_norm,
+                    cache.k[i], cache.v[i], ly.window,
+                )  # fmt: skip
+            this = numba.typeof(entry) if entry is not None else None
+            if group and (entry is None or this != kind):  # the group so far is a run
+                run = (List([e for _, e in group]), group[0][0], [helds[j] for j, _ in group])
+                runs.update((j, run) for j, _ in group)
+                group = []
+            if entry is not None:
+                group.append((i, entry))
+                kind = this
+        self._runs_key, self._runs_by_layer = (cache, lys, helds), runs
+        return runs
 
     def _resident(self, i: int) -> ResidentExperts | None:
-        """Layer i's in-RAM experts, where a decode row's may run in `decode_layer`'s call:
+        """Layer i's in-RAM experts, where a decode row's may run in `decode_layers`' call:
         the backend holds them in one arena (`ExpertsBackend.resident`) and a row routes to
         two or more (as `decode_weighted_sum`).  (The embedded model's four experts: 9 us in
         the pool, 12 on one thread, against 24 through `LocalExperts.__call__`'s Python; a
