@@ -65,7 +65,7 @@ def _count_decode_layers(monkeypatch) -> None:
 
     def counting(*args):
         out = real(*args)
-        first, last, splits, stop = args[1], args[2], args[3], out[0]
+        first, last, splits, stop = args[3], args[4], args[5], out[0]
         ran = stop - first + (stop < last)  # (a handed-back layer ran up to its router)
         counts["in call"] += stop - first
         counts["handed back"] += stop < last

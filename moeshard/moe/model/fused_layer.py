@@ -170,24 +170,29 @@ def _rounded(total):
 PREFETCH_BYTES = 1 << 18
 
 
-def layer_entry(held: ResidentExperts, in_norm, post_norm, plan, q_norm, k_norm, kc, vc, window):
+def layer_entry(held: ResidentExperts, in_norm, post_norm, plan, q_norm, k_norm, window):
     """One layer as `decode_layers` takes it from its typed list: its experts' arena and
-    offset table (`ResidentExperts`), norms, `FusedPlan` products and KV cache (all the
-    entries of one list must have one numba type: layers of one model in the same formats)."""
+    offset table (`ResidentExperts`), norms, `FusedPlan` products and attention window (all
+    the entries of one list must have one numba type: layers of one model in the same
+    formats).  Its KV cache comes in lists of their own: the entries are a model's, made
+    once, the caches a sequence's."""
     return (
         held.table, held.arena, held.kernel_args, in_norm, post_norm, plan.qkv, q_norm, k_norm,
-        kc, vc, window, plan.o, plan.gate,
+        window, plan.o, plan.gate,
     )  # fmt: skip
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def decode_layers(layers, first, last, splits, x, delta, has_delta, consts, cos, sin, start):
-    """A decode row through layers[first:last] of a numba typed list of `layer_entry`s, in
-    one call, each layer as the step-by-step path computes it: x += delta (if has_delta);
-    h = norm(x); q, k, v; attention over the cache (k, v appended at `start`); x += o_proj;
-    h2 = norm(x); the router's top-k of h2; the routed experts' weighted sum, the next
-    delta.  x [1, H] float32 is updated in place.  `consts`: (eps, int8, lut, qk_norm, clip,
-    scaling, top_k, renorm), the model's; splits [n, 2] bool: per layer whether its q/k/v
+def decode_layers(
+    layers, kcs, vcs, first, last, splits, x, delta, has_delta, consts, cos, sin, start
+):
+    """A decode row through layers[first:last] of a numba typed list of `layer_entry`s
+    (their KV caches kcs[i], vcs[i] [S, Hkv, D], filled to `start`), in one call, each
+    layer as the step-by-step path computes it: x += delta (if has_delta); h = norm(x); q,
+    k, v; attention over the cache (k, v appended at `start`); x += o_proj; h2 = norm(x);
+    the router's top-k of h2; the routed experts' weighted sum, the next delta.  x [1, H]
+    float32 is updated in place.  `consts`: (eps, int8, lut, qk_norm, clip, scaling, top_k,
+    renorm), the model's; splits [n, 2] bool: per layer whether its q/k/v
     and o_proj rows and its attention's heads go across the pool's threads (as
     `entry.matmul_group_kernel`, `matmul_kernel` and `fused.attend_cache_parallel` split
     them: the same row kernels on the same inputs, so the same bits; the loops are repeated
@@ -209,7 +214,8 @@ def decode_layers(layers, first, last, splits, x, delta, has_delta, consts, cos,
     weights = np.empty((1, top_k), dtype=np.float32)  # [1, k]
     for i in range(first, last):
         table, arena, experts, in_norm, post_norm, qkv, q_norm, k_norm = layers[i][:8]
-        kc, vc, window, o, gate = layers[i][8:]
+        window, o, gate = layers[i][8:]
+        kc, vc = kcs[i], vcs[i]  # [S, Hkv, D] each
         split_products, split_attention = splits[i, 0], splits[i, 1]
         if split_products:  # (a layer this big was read from DRAM; a small one is in cache)
             prefetch_cached(kc, vc, start, window)  # (while q, k and v stream in)
@@ -317,8 +323,9 @@ def warmup() -> None:
     absent = np.full(h, -1, dtype=np.int64)  # [E]
     held = ResidentExperts.of(arena, absent, "q4_0", 32, 32, quant.SWIGLU)
     plan = FusedPlan(qkv, matrix.fused_args(), matrix.fused_args(), (h * h,) * 3)
-    layers = List([layer_entry(held, norm, norm, plan, none, none, kc, vc, 0)])
+    layers = List([layer_entry(held, norm, norm, plan, none, none, 0)])
+    kcs, vcs = List([kc]), List([vc])
     consts = (1e-6, quant._int8(), quant.dots.F16_LUT, 0, 0.0, 0.5, 2, True)
     for split in (False, True):  # (one compiled signature; each way run once)
         splits = np.full((1, 2), split)  # [1, 2]
-        decode_layers(layers, 0, 1, splits, x, x.copy(), True, consts, cos, sin, 0)
+        decode_layers(layers, kcs, vcs, 0, 1, splits, x, x.copy(), True, consts, cos, sin, 0)

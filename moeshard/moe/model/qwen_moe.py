@@ -291,7 +291,9 @@ class Transformer:
             f"model.layers.{i}.self_attn.q_proj.weight" for i in range(config.num_hidden_layers)
         ]
         self._head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
-        self._runs_key: tuple | None = None  # what `_runs_by_layer` was made for
+        self._runs_key: tuple | None = None  # the layers `_static_runs` were made of
+        self._static_runs: list[tuple] = []
+        self._kv_of: KVCache | None = None  # the sequence `_runs_by_layer` has the caches of
         self._runs_by_layer: dict[int, tuple] = {}
         self._lists_key: tuple = ()  # the caches whose typed lists `_lists` holds
         self._lists: dict[int, tuple] = {}
@@ -387,21 +389,22 @@ class Transformer:
             )  # fmt: skip
             h, ids, weights = attention_route(*args)
             return self._routed(i, ly, h, ids, weights, hints), i + 1
-        entries, base, helds = run
-        first, n = i - base, len(entries)
-        splits = np.zeros((n, 2), dtype=np.bool_)  # [n, 2]: each layer's products, heads
+        entries, base, lys, helds, kcs, vcs = run
+        first, n = i - base, len(lys)
+        # per layer of the call: are its products and its attention's heads split?
+        flags = [[not ly_j.fused.products_serial(), split_heads] for ly_j in lys]
+        splits = np.array(flags, dtype=np.bool_)  # [n, 2] (rows before `first` unused)
         read = 0  # the most weights a layer of the call reads: what decides the threads
         for j in range(first, n):
-            splits[j] = (not self._layer(base + j).fused.products_serial(), split_heads)
             layer_read = self.config.top_k * helds[j].weights_per_expert
-            read = max(read, quant.PARALLEL_MIN_WEIGHTS if splits[j].any() else layer_read)
+            read = max(read, quant.PARALLEL_MIN_WEIGHTS if any(flags[j]) else layer_read)
         consts = (
             self.config.rms_norm_eps, quant._int8(), quant.dots.F16_LUT, self._qk_norm,
             self._clip, self.scaling, self.config.top_k, self.config.norm_topk_prob,
         )  # fmt: skip
         stop, h, ids, weights, out = quant.run_kernel(
-            decode_layers, read, entries, first, n, splits, x, x if delta is None else delta,
-            delta is not None, consts, cos, sin, cache.length,
+            decode_layers, read, entries, kcs, vcs, first, n, splits, x,
+            x if delta is None else delta, delta is not None, consts, cos, sin, cache.length,
         )  # fmt: skip
         if stop < n:  # an expert not read yet: the backend's own call reads it
             j = base + stop
@@ -411,11 +414,13 @@ class Transformer:
     def _runs(self, cache: KVCache) -> dict[int, tuple]:
         """Layer -> its run: (a typed list of `layer_entry`s for consecutive layers whose
         decode rows `decode_layers` can take in one call, the first one's layer number, their
-        `ResidentExperts`).  Layers with a fused plan and resident experts, split where the
-        numba type changes (a layer in other formats); remade when the cache, a layer's
-        handles or a backend's arena changes (another sequence), else kept: making the lists
-        costs more than a token.  No runs for a trunk that streams its layers (under --ram,
-        where the experts are not resident either)."""
+        `_Layer`s and `ResidentExperts`, and typed lists of their KV caches' k and v).
+
+        Layers with a fused plan and resident experts, split where the numba type changes
+        (a layer in other formats).  The entries are remade only when a layer's handles or a
+        backend's arena changes (numba types each entry in 0.2 ms), the caches' lists for
+        each sequence.  No runs for a trunk that streams its layers (under --ram, where the
+        experts are not resident either)."""
         if getattr(self.trunk, "streamed", None):
             return {}  # (layer i + 1 is not in RAM before `enter_layer(i + 1)`: no runs)
         n = self.config.num_hidden_layers
@@ -423,32 +428,43 @@ class Transformer:
         helds = tuple(self._resident(i) if ly.fused is not None else None for i, ly in
                       enumerate(lys))  # fmt: skip
         key = self._runs_key
-        if (
-            key is not None and key[0] is cache
-            and all(a is b for a, b in zip(key[1], lys, strict=True))
-            and all(a is b for a, b in zip(key[2], helds, strict=True))
-        ):  # fmt: skip
-            return self._runs_by_layer
-        runs: dict[int, tuple] = {}
+        if key is None or not all(a is b for a, b in zip(key, lys + helds, strict=True)):
+            self._runs_key, self._static_runs = lys + helds, self._layer_runs(lys, helds)
+            self._kv_of = None
+        if self._kv_of is not cache:  # another sequence: its caches' lists
+            self._runs_by_layer = {}
+            for entries, base, run_lys, run_helds in self._static_runs:
+                layers = range(base, base + len(run_lys))
+                kcs, vcs = List([cache.k[i] for i in layers]), List([cache.v[i] for i in layers])
+                run = (entries, base, run_lys, run_helds, kcs, vcs)
+                self._runs_by_layer.update((i, run) for i in layers)
+            self._kv_of = cache
+        return self._runs_by_layer
+
+    @staticmethod
+    def _layer_runs(lys, helds) -> list[tuple]:
+        """`_runs`' entries: (typed list, first layer, `_Layer`s, `ResidentExperts`) each."""
+        runs: list[tuple] = []
         group: list[tuple[int, tuple]] = []  # (layer, its entry) of the run being gathered
         kind = None  # their numba type
-        for i in range(n + 1):
+        for i in range(len(lys) + 1):
             entry = None
-            if i < n and helds[i] is not None:
+            if i < len(lys) and helds[i] is not None:
                 ly = lys[i]
                 entry = layer_entry(
                     helds[i], ly.input_norm, ly.post_norm, ly.fused, ly.q_norm, ly.k_norm,
-                    cache.k[i], cache.v[i], ly.window,
+                    ly.window,
                 )  # fmt: skip
             this = numba.typeof(entry) if entry is not None else None
             if group and (entry is None or this != kind):  # the group so far is a run
-                run = (List([e for _, e in group]), group[0][0], [helds[j] for j, _ in group])
-                runs.update((j, run) for j, _ in group)
+                layers = [j for j, _ in group]
+                entries = List([e for _, e in group])
+                runs.append((entries, layers[0], [lys[j] for j in layers], [helds[j] for j in
+                             layers]))  # fmt: skip
                 group = []
             if entry is not None:
                 group.append((i, entry))
                 kind = this
-        self._runs_key, self._runs_by_layer = (cache, lys, helds), runs
         return runs
 
     def _resident(self, i: int) -> ResidentExperts | None:
