@@ -109,9 +109,11 @@ def test_a_full_queue_refuses(demo):
         engine.close()
 
 
-def test_finished_sequences_leave_no_cache_behind(demo):
+@pytest.mark.parametrize("n", [1, 4])
+def test_finished_sequences_leave_no_cache_behind(demo, n):
     """Once the batch empties, no finished sequence's KV cache is still referenced (the
-    model's kept typed lists of the last batch are dropped too)."""
+    model's kept typed lists of the last batch are dropped too, and those of a sequence
+    decoded alone: `Transformer._runs`)."""
     import gc
     import weakref
 
@@ -126,7 +128,7 @@ def test_finished_sequences_leave_no_cache_behind(demo):
     demo.new_cache = recording
     engine = Engine(demo, max_batch=4, max_queue=8)
     try:
-        requests = [engine.submit(p, SamplingOptions(max_tokens=4)) for p in PROMPTS[:4]]
+        requests = [engine.submit(p, SamplingOptions(max_tokens=4)) for p in PROMPTS[:n]]
         for r in requests:
             list(r.stream(timeout=60))
         wait = threading.Event()
@@ -135,7 +137,7 @@ def test_finished_sequences_leave_no_cache_behind(demo):
             if all(ref() is None for ref in made):
                 break
             wait.wait(0.05)
-        assert len(made) == 4 and all(ref() is None for ref in made), "a cache is still alive"
+        assert len(made) == n and all(ref() is None for ref in made), "a cache is still alive"
     finally:
         engine.close()
         del demo.new_cache

@@ -533,9 +533,11 @@ class Transformer:
         return self._lists[i]
 
     def forget_caches(self) -> None:
-        """Drop the typed lists of the last batch's caches (the engine calls this when its
-        batch empties: else those sequences' KV caches would live until the next batch)."""
+        """Drop the typed lists of the last batch's caches, and of the last decoded
+        sequence's (`_runs`) (the engine calls this when its batch empties: else those
+        sequences' KV caches would live until the next batch)."""
         self._lists_key, self._lists = (), {}
+        self._kv_of, self._runs_by_layer = None, {}
 
     def route(self, i: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Softmax top-k router of layer i: h [T, H] -> expert ids [T, k], weights [T, k].
