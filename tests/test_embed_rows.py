@@ -34,9 +34,20 @@ def test_rows_equal_the_whole_tables_decode(fmt):
         quant.dequantize_rows(data, fmt, ROWS, COLS, [ROWS])
 
 
-def test_embed_keeps_no_float32_table():
-    data = packed("bf16")
-    trunk = Trunk({"model.embed_tokens.weight": TrunkTensor("bf16", (ROWS, COLS), data)})
+@pytest.mark.parametrize("fmt", ["bf16", "f32", "q8_0"])
+def test_embed_keeps_no_float32_table(fmt):
+    """`Trunk.embed` (float rows by `quant.float_rows_at`, in one kernel call) gives
+    `dequantize_rows`' values, keeps no float32 copy of the table, and refuses a row id
+    outside it."""
+    data = packed(fmt)
+    trunk = Trunk({"model.embed_tokens.weight": TrunkTensor(fmt, (ROWS, COLS), data)})
     got = trunk.embed("model.embed_tokens.weight", IDS)
-    np.testing.assert_array_equal(got, quant.dequantize_rows(data, "bf16", ROWS, COLS, IDS))
+    assert got.dtype == np.float32 and got.shape == (len(IDS), COLS)
+    np.testing.assert_array_equal(got, quant.dequantize_rows(data, fmt, ROWS, COLS, IDS))
+    one = trunk.embed("model.embed_tokens.weight", [IDS[1]])  # (a list, as a caller may give)
+    np.testing.assert_array_equal(one, got[1:2])
     assert not trunk._cache  # (it kept a float32 copy of the whole table before)
+    assert all(v[1].base is not None for v in trunk._row_views.values())  # views of the bytes
+    for bad in (ROWS, -1):
+        with pytest.raises(IndexError):
+            trunk.embed("model.embed_tokens.weight", np.array([3, bad]))

@@ -536,3 +536,21 @@ def _weighted_total(y, w):
         for j in range(y.shape[1]):
             total[j] += np.float64(y[e, j] * w[e])
     return total
+
+
+@njit(cache=True, nogil=True)
+def float_rows_at(table, ids):
+    """Rows `ids` (int64 [n]) of a table of float32 bits (uint32 [R, C]) or bf16 bits
+    (uint16 [R, C], the high half of a float32's) -> float32 [n, C], exactly
+    (`layout.dequantize_rows`' values, in one call: a decode step's embedding row, where a
+    dozen numpy calls ran cold after a big model's layers)."""
+    rows, cols = table.shape
+    shift = 32 - 8 * table.itemsize  # 0 for float32 bits, 16 for bf16's
+    out = np.empty((ids.shape[0], cols), dtype=np.float32)  # [n, C]
+    for i in range(ids.shape[0]):
+        r = ids[i]
+        if r < 0 or r >= rows:
+            raise IndexError("row ids must be within the table")
+        for j in range(cols):
+            out[i, j] = np.uint32(np.uint32(table[r, j]) << shift).view(np.float32)
+    return out

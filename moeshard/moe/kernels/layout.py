@@ -328,6 +328,16 @@ def _ggml_to_packed(g: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray
     return out
 
 
+def float_rows_view(data: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray:
+    """A packed f32 or bf16 matrix's rows as their bits, validated: uint32 [rows, cols] for
+    f32, uint16 [rows, cols] for bf16 (what `entry.float_rows_at` reads an embedding row
+    from)."""
+    if fmt not in ("f32", "bf16"):
+        raise ValueError(f"{fmt} rows are not float rows")
+    wq, _ = _views(data, fmt, rows, cols)  # [rows, row_bytes]
+    return wq.view(np.uint32 if fmt == "f32" else np.uint16)
+
+
 def dequantize_rows(data: np.ndarray, fmt: str, rows: int, cols: int, ids) -> np.ndarray:
     """Rows `ids` of a packed [rows, cols] matrix as float32 [len(ids), cols], decoding only
     the row groups that hold them (an embedding lookup: the whole table as float32 would be

@@ -33,6 +33,7 @@ from moeshard.moe.kernels.layout import (  # noqa: F401  (pack, dequantize, ...:
     _readonly,
     dequantize,
     dequantize_rows,
+    float_rows_view,
     ggml_block_size,
     nonfinite_scales,
     pack,
@@ -275,6 +276,10 @@ def _launch(kernel, want: int, args):
 
 # ---------------------------------------------------------------------------------------------
 # compute
+
+
+# rows ids (int64 [n]) of `float_rows_view`'s view -> float32 [n, cols]: an embedding lookup
+float_rows_at = entry.float_rows_at
 
 
 def matmul(data: np.ndarray, fmt: str, rows: int, cols: int, x: np.ndarray) -> np.ndarray:

@@ -88,6 +88,7 @@ class Trunk:
     def __init__(self, tensors: dict[str, TrunkTensor]):
         self.tensors = tensors
         self._cache: dict[str, object] = {}
+        self._row_views: dict[str, tuple] = {}  # name -> (tensor, its rows' view): `embed`
 
     def enter_layer(self, layer: int) -> None:
         """Called before layer `layer` runs; a fully resident trunk has nothing to do."""
@@ -119,7 +120,19 @@ class Trunk:
         bytes, outside any RAM budget)."""
         table = self.tensors[name]
         rows, cols = table.shape
-        return quant.dequantize_rows(table.data, table.fmt, rows, cols, ids)  # [T, H]
+        if table.fmt not in ("f32", "bf16"):
+            return quant.dequantize_rows(table.data, table.fmt, rows, cols, ids)  # [T, H]
+        # float rows: one kernel call, not a dozen numpy ones (a decode step's run cold after
+        # a big model's layers streamed through the caches: a row of the 706 MB model's
+        # table 68 -> 48 us so, 7.5 -> 1.4 us in cache)
+        held = self._row_views.get(name)
+        if held is None or held[0] is not table:  # (a view of its bytes, not a float32 copy)
+            held = self._row_views[name] = (
+                table, quant.float_rows_view(table.data, table.fmt, rows, cols)
+            )  # fmt: skip
+        if not (isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.ndim == 1):
+            ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # [T]
+        return quant.float_rows_at(held[1], ids)  # [T, H]
 
     def nbytes(self) -> int:
         return sum(t.data.nbytes for t in self.tensors.values())
