@@ -165,8 +165,8 @@ def _rounded(total):
 # cache's rows: `fused.PREFETCH_KV_BYTES`): the attention and the router's product are a big
 # layer's phases that wait on memory with the bus idle (a few reads in flight, one thread for
 # the router), so their data is fetched while the bandwidth-bound products before them
-# stream. Beyond this the phases stream well enough themselves.  See docs/results.md (issue
-# 38, the phases of a decode layer).
+# stream. Beyond this the phases stream well enough themselves.  See docs/results.md ("a
+# decode token in one kernel call, and what a layer waits for").
 PREFETCH_BYTES = 1 << 18
 
 
