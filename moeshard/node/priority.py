@@ -1,6 +1,15 @@
 """Threads of lower CPU priority, for the node's bulk work (large Forwards parsed, computed
 and serialized there): on a busy node the threads that receive, check and answer other
-clients' small requests go first."""
+clients' small requests go first.
+
+Lower, never idle: a bulk thread holds what the other threads need (the interpreter's lock
+while it runs Python, the compute turn while it computes a chunk). Under SCHED_IDLE it got no
+CPU at all while any other thread of the machine could run, and kept holding them: with two
+busy processes beside the node on 2 cores, one 30,840-row Forward took 87 s instead of 0.3 s
+(2 s at nice +10), and an honest client's call waiting behind it missed its 5 s deadline
+(docs/security.md, "The bulk threads' priority"). A nice value keeps the thread a bounded
+share of a core (about 10% against one busy thread at nice +10), so what it holds is given
+back within a few of its slices."""
 
 from __future__ import annotations
 
@@ -9,15 +18,9 @@ import threading
 
 
 def lower_priority(nice: int) -> None:
-    """Run the calling thread (Linux: a thread has a policy and nice value of its own) under
-    SCHED_IDLE: any other thread of the machine that wakes takes the core from it at once.
-    Under a nice value alone (the fallback) the kernel's EEVDF scheduler lets a running thread
-    finish its slice before a woken one runs, milliseconds per small request."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # (0: this thread)
-        return
-    except (OSError, AttributeError):  # not Linux
-        pass
+    """Run the calling thread at `nice` above the process's value (Linux: a thread has a nice
+    value of its own, set through its thread id); where that is refused, or not Linux, the
+    thread keeps the process's priority, which is still fair."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except (OSError, AttributeError):  # not allowed: same priority, still fair
