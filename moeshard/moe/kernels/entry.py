@@ -542,8 +542,8 @@ def _weighted_total(y, w):
 def float_rows_at(table, ids):
     """Rows `ids` (int64 [n]) of a table of float32 bits (uint32 [R, C]) or bf16 bits
     (uint16 [R, C], the high half of a float32's) -> float32 [n, C], exactly
-    (`layout.dequantize_rows`' values, in one call: a decode step's embedding row, where a
-    dozen numpy calls ran cold after a big model's layers)."""
+    (`layout.dequantize_rows`' float branch, and `Trunk.embed`'s: a decode step's embedding
+    row, where a dozen numpy calls ran cold after a big model's layers)."""
     rows, cols = table.shape
     shift = 32 - 8 * table.itemsize  # 0 for float32 bits, 16 for bf16's
     out = np.empty((ids.shape[0], cols), dtype=np.float32)  # [n, C]

@@ -41,6 +41,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, quants
 
 from moeshard.moe.kernels import dots
+from moeshard.moe.kernels.entry import float_rows_at
 
 FORMATS = ("f32", "bf16", "q8_0", "q4_0", "mxfp4")  # `quantize` makes these from floats
 BLOCK_FORMATS = ("q8_0", "q4_0", "mxfp4")  # 32-column blocks, a scale each
@@ -345,11 +346,9 @@ def dequantize_rows(data: np.ndarray, fmt: str, rows: int, cols: int, ids) -> np
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # [n]
     if ids.size and (ids.min() < 0 or ids.max() >= rows):
         raise IndexError(f"row ids must be within 0..{rows - 1}")  # (as numpy indexing)
+    if fmt in ("f32", "bf16"):
+        return float_rows_at(float_rows_view(data, fmt, rows, cols), ids)  # [n, cols]
     wq, ws = _views(data, fmt, rows, cols)
-    if fmt == "f32":
-        return wq.view(np.float32)[ids].copy()  # [n, cols]
-    if fmt == "bf16":
-        return (wq.view(np.uint16)[ids].astype(np.uint32) << 16).view(np.float32)  # [n, cols]
     groups, where = np.unique(ids // ROW_GROUP, return_inverse=True)  # [g], [n]
     n = groups.size * ROW_GROUP  # the groups' rows, as one smaller packed matrix
     payload, s_off, s_bytes = _sections(fmt, n, cols)

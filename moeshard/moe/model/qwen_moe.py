@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numba
 import numpy as np
 from numba.typed import List
 
@@ -34,12 +33,8 @@ from moeshard.moe.model.fused import (
     gqa_prepare,
     route_softmax_topk,
 )
-from moeshard.moe.model.fused_layer import (
-    FusedPlan,
-    attention_route,
-    decode_layers,
-    layer_entry,
-)
+from moeshard.moe.model.fused_layer import FusedPlan, attention_route, decode_layers
+from moeshard.moe.model.layer_runs import LayerRuns, Run
 from moeshard.moe.model.layers import Segments, rope_cos_sin, sigmoid, swiglu_mlp, uses_hints
 from moeshard.moe.model.trunk import LinearGroup, Trunk
 
@@ -291,10 +286,7 @@ class Transformer:
             f"model.layers.{i}.self_attn.q_proj.weight" for i in range(config.num_hidden_layers)
         ]
         self._head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
-        self._runs_key: tuple | None = None  # the layers `_static_runs` were made of
-        self._static_runs: list[tuple] = []
-        self._kv_of: KVCache | None = None  # the sequence `_runs_by_layer` has the caches of
-        self._runs_by_layer: dict[int, tuple] = {}
+        self._runs = LayerRuns()  # the resident layers `decode_layers` takes in one call
         self._lists_key: tuple = ()  # the caches whose typed lists `_lists` holds
         self._lists: dict[int, tuple] = {}
         self._qk_norm = QK_NORM_CODES[config.qk_norm]
@@ -360,7 +352,7 @@ class Transformer:
         form applies to layer i (then the step-by-step path runs).
 
         With the experts in RAM (`_resident`): `decode_layers` over layer i's run (the
-        layers around it whose experts are resident, in one typed list: `_runs`), whose q/k/v
+        layers around it whose experts are resident, in one typed list: `layer_runs`), whose q/k/v
         and o products and attention split across the pool's threads where they would in the
         step-by-step path (`FusedPlan.products_serial`; `_attention`'s PARALLEL_MIN_WORK; the
         router's product stays on this thread, the same bits); a layer whose routed expert is
@@ -376,7 +368,7 @@ class Transformer:
         if delta is not None and not delta.flags.writeable:
             delta = delta.copy()  # (one compiled signature: a writable delta)
         cos, sin = rope
-        run = self._runs(cache).get(i)
+        run = self._runs_of(cache).get(i)
         if run is None:
             if split_heads or not plan.products_serial():
                 return None  # (the steps split them; attention_route runs on this thread)
@@ -389,83 +381,39 @@ class Transformer:
             )  # fmt: skip
             h, ids, weights = attention_route(*args)
             return self._routed(i, ly, h, ids, weights, hints), i + 1
-        entries, base, lys, helds, kcs, vcs = run
-        first, n = i - base, len(lys)
-        # per layer of the call: are its products and its attention's heads split?
-        flags = [[not ly_j.fused.products_serial(), split_heads] for ly_j in lys]
-        splits = np.array(flags, dtype=np.bool_)  # [n, 2] (rows before `first` unused)
+        first, n = i - run.base, len(run.layers)
+        splits = np.zeros((n, 2), dtype=np.bool_)  # [n, 2]: per layer of the call, are its
+        # products and its attention's heads split? (rows before `first` unused)
         read = 0  # the most weights a layer of the call reads: what decides the threads
         for j in range(first, n):
-            layer_read = self.config.top_k * helds[j].weights_per_expert
-            read = max(read, quant.PARALLEL_MIN_WEIGHTS if any(flags[j]) else layer_read)
+            split_products = not run.layers[j].fused.products_serial()
+            splits[j] = split_products, split_heads
+            layer_read = self.config.top_k * run.helds[j].weights_per_expert
+            split = split_products or split_heads
+            read = max(read, quant.PARALLEL_MIN_WEIGHTS if split else layer_read)
         consts = (
             self.config.rms_norm_eps, quant._int8(), quant.dots.F16_LUT, self._qk_norm,
             self._clip, self.scaling, self.config.top_k, self.config.norm_topk_prob,
         )  # fmt: skip
         stop, h, ids, weights, out = quant.run_kernel(
-            decode_layers, read, entries, kcs, vcs, first, n, splits, x,
+            decode_layers, read, run.entries, run.kcs, run.vcs, first, n, splits, x,
             x if delta is None else delta, delta is not None, consts, cos, sin, cache.length,
         )  # fmt: skip
         if stop < n:  # an expert not read yet: the backend's own call reads it
-            j = base + stop
+            j = run.base + stop
             return self._routed(j, self._layer(j), h, ids, weights, hints), j + 1
-        return out, base + n  # (a layer with a fused plan has no shared expert)
+        return out, run.base + n  # (a layer with a fused plan has no shared expert)
 
-    def _runs(self, cache: KVCache) -> dict[int, tuple]:
-        """Layer -> its run: (a typed list of `layer_entry`s for consecutive layers whose
-        decode rows `decode_layers` can take in one call, the first one's layer number, their
-        `_Layer`s and `ResidentExperts`, and typed lists of their KV caches' k and v).
-
-        Layers with a fused plan and resident experts, split where the numba type changes
-        (a layer in other formats).  The entries are remade only when a layer's handles or a
-        backend's arena changes (numba types each entry in 0.2 ms), the caches' lists for
-        each sequence.  No runs for a trunk that streams its layers (under --ram, where the
-        experts are not resident either)."""
+    def _runs_of(self, cache: KVCache) -> dict[int, Run]:
+        """Layer -> its `Run` (`layer_runs`): the layers whose decode rows `decode_layers` can
+        take in one call, with `cache`'s arrays.  None for a trunk that streams its layers
+        (under --ram, where the experts are not resident either)."""
         if getattr(self.trunk, "streamed", None):
             return {}  # (layer i + 1 is not in RAM before `enter_layer(i + 1)`: no runs)
-        n = self.config.num_hidden_layers
-        lys = tuple(self._layer(i) for i in range(n))
+        lys = tuple(self._layer(i) for i in range(self.config.num_hidden_layers))
         helds = tuple(self._resident(i) if ly.fused is not None else None for i, ly in
                       enumerate(lys))  # fmt: skip
-        key = self._runs_key
-        if key is None or not all(a is b for a, b in zip(key, lys + helds, strict=True)):
-            self._runs_key, self._static_runs = lys + helds, self._layer_runs(lys, helds)
-            self._kv_of = None
-        if self._kv_of is not cache:  # another sequence: its caches' lists
-            self._runs_by_layer = {}
-            for entries, base, run_lys, run_helds in self._static_runs:
-                layers = range(base, base + len(run_lys))
-                kcs, vcs = List([cache.k[i] for i in layers]), List([cache.v[i] for i in layers])
-                run = (entries, base, run_lys, run_helds, kcs, vcs)
-                self._runs_by_layer.update((i, run) for i in layers)
-            self._kv_of = cache
-        return self._runs_by_layer
-
-    @staticmethod
-    def _layer_runs(lys, helds) -> list[tuple]:
-        """`_runs`' entries: (typed list, first layer, `_Layer`s, `ResidentExperts`) each."""
-        runs: list[tuple] = []
-        group: list[tuple[int, tuple]] = []  # (layer, its entry) of the run being gathered
-        kind = None  # their numba type
-        for i in range(len(lys) + 1):
-            entry = None
-            if i < len(lys) and helds[i] is not None:
-                ly = lys[i]
-                entry = layer_entry(
-                    helds[i], ly.input_norm, ly.post_norm, ly.fused, ly.q_norm, ly.k_norm,
-                    ly.window,
-                )  # fmt: skip
-            this = numba.typeof(entry) if entry is not None else None
-            if group and (entry is None or this != kind):  # the group so far is a run
-                layers = [j for j, _ in group]
-                entries = List([e for _, e in group])
-                runs.append((entries, layers[0], [lys[j] for j in layers], [helds[j] for j in
-                             layers]))  # fmt: skip
-                group = []
-            if entry is not None:
-                group.append((i, entry))
-                kind = this
-        return runs
+        return self._runs.of(lys, helds, cache)
 
     def _resident(self, i: int) -> ResidentExperts | None:
         """Layer i's in-RAM experts, where a decode row's may run in `decode_layers`' call:
@@ -534,10 +482,10 @@ class Transformer:
 
     def forget_caches(self) -> None:
         """Drop the typed lists of the last batch's caches, and of the last decoded
-        sequence's (`_runs`) (the engine calls this when its batch empties: else those
+        sequence's (`layer_runs`) (the engine calls this when its batch empties: else those
         sequences' KV caches would live until the next batch)."""
         self._lists_key, self._lists = (), {}
-        self._kv_of, self._runs_by_layer = None, {}
+        self._runs.forget_cache()
 
     def route(self, i: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Softmax top-k router of layer i: h [T, H] -> expert ids [T, k], weights [T, k].
