@@ -16,12 +16,17 @@ from __future__ import annotations
 import os
 import threading
 
+MAX_NICE = 19  # the lowest priority a nice value gives
+
 
 def lower_priority(nice: int) -> None:
-    """Run the calling thread at `nice` above the process's value (Linux: a thread has a nice
-    value of its own, set through its thread id); where that is refused, or not Linux, the
-    thread keeps the process's priority, which is still fair."""
+    """Run the calling thread at `nice` above its present nice value, at most MAX_NICE (Linux:
+    a thread has a nice value of its own, set through its thread id; relative, so a node
+    started under `nice -n 15` does not raise its bulk threads to 10); where that is refused,
+    or not Linux, the thread keeps its priority, which is still fair."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        tid = threading.get_native_id()
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(MAX_NICE, now + nice))
     except (OSError, AttributeError):  # not allowed: same priority, still fair
         pass
