@@ -10,6 +10,7 @@ import os
 import queue
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -395,6 +396,32 @@ def moeshard_run(*args, home) -> subprocess.CompletedProcess:
     env = dict(os.environ, MOESHARD_HOME=str(home))
     cmd = [sys.executable, "-m", "moeshard", *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+
+
+def popen_from_a_terminal(cmd, **kw) -> subprocess.Popen:
+    """`subprocess.Popen(cmd, **kw)` with SIGINT at its default in the child, as a terminal's
+    foreground command has it. Tests run in the background (`make test &`, a CI job) have
+    SIGINT ignored, and a child inherits that: Python keeps an ignored SIGINT ignored until
+    moeshard installs its own handler, so a Ctrl-C sent while a loaded machine was still
+    starting Python was lost (the command ran to its end, exit 0). A handler set here is
+    reset to the default by exec; an ignored signal would stay ignored. (Main thread only.)"""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(cmd, **kw)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+
+
+def wait_python_started(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Until `proc` (a Python started with SIGINT at its default) catches SIGINT: the
+    interpreter has started and installed its handler (the SigCgt mask of /proc/PID/status)."""
+
+    def catches() -> bool:
+        with open(f"/proc/{proc.pid}/status") as status:
+            mask = next(line for line in status if line.startswith("SigCgt:")).split()[1]
+        return bool(int(mask, 16) >> (signal.SIGINT - 1) & 1)
+
+    wait_until(catches, timeout, interval=0.005, what="the command's Python to start")
 
 
 # What a process interrupted by SIGINT may end with: exit status 130, or death by SIGINT itself

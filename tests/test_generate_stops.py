@@ -22,7 +22,14 @@ from moeshard.coordinator.generate import SamplingOptions, generate
 from moeshard.coordinator.runtime import open_local
 from moeshard.moe.convert.placement import shard_model
 from moeshard.node import failpoints
-from tests.helpers import ROOT, NodeProcess, assert_quiet_stop, wait_until
+from tests.helpers import (
+    ROOT,
+    NodeProcess,
+    assert_quiet_stop,
+    popen_from_a_terminal,
+    wait_python_started,
+    wait_until,
+)
 
 DEMO = ROOT / "models" / "demo-hf"
 PROMPT = "The function returns"
@@ -30,7 +37,7 @@ PROMPT = "The function returns"
 
 def _moeshard(*args: str, env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-X", "faulthandler", "-m", "moeshard", *args]
-    return subprocess.Popen(
+    return popen_from_a_terminal(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
 
@@ -276,7 +283,8 @@ def test_ctrl_c_at_any_moment_of_a_network_generation_is_one_line_and_130(demo, 
                 elif moment == "after":  # the last token is out: stats, audits, ledger, exit
                     first = proc.stderr.readline()
                     assert first, "no stats line"
-                else:
+                else:  # (after the interpreter's own start, however long that took)
+                    wait_python_started(proc)
                     time.sleep(float(moment))
                 proc.send_signal(signal.SIGINT)
                 _, err = proc.communicate(timeout=60)
@@ -324,6 +332,7 @@ def test_ctrl_c_while_the_kernels_compile_is_one_line_and_130(demo, tmp_path):
         env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / f"cache{i}"))
         proc = _moeshard("generate", str(demo), "--prompt", PROMPT, "--max-tokens", "50", env=env)
         try:
+            wait_python_started(proc)
             time.sleep(moment)
             proc.send_signal(signal.SIGINT)
             _, err = proc.communicate(timeout=120)

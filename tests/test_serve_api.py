@@ -20,7 +20,13 @@ from contextlib import contextmanager
 import numpy as np
 import openai
 import pytest
-from helpers import ROOT, assert_quiet_stop, wait_until
+from helpers import (
+    ROOT,
+    assert_quiet_stop,
+    popen_from_a_terminal,
+    wait_python_started,
+    wait_until,
+)
 
 from moeshard.coordinator.chat import chat_prompt
 from moeshard.coordinator.generate import SamplingOptions, generate
@@ -576,13 +582,14 @@ def test_ctrl_c_at_any_moment_of_serve_leaves_no_traceback(demo):
     # raised as KeyboardInterrupt once landed in an event loop's finaliser (a traceback and
     # "did not start", 3 runs in 24); it is deferred there now
     for moment in (0.1, 0.6, "serving", "serving+0.005", "serving+0.03"):
-        proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        proc = popen_from_a_terminal(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
         try:
             if moment.startswith("serving") if isinstance(moment, str) else False:
                 line = proc.stderr.readline()  # its one line on stderr says it serves
                 assert line.startswith("serving "), line
                 time.sleep(float(moment.partition("+")[2] or 0))
-            else:
+            else:  # (after the interpreter's own start, however long that took)
+                wait_python_started(proc)
                 time.sleep(moment)
             proc.send_signal(signal.SIGINT)
             _, err = proc.communicate(timeout=60)
