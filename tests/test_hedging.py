@@ -110,9 +110,13 @@ def test_a_node_that_dies_after_its_call_was_hedged_is_banned_at_once(
             assert freeze.victim is not None and result.tokens == cluster_reference.tokens
             assert killed.wait(5)
             node = next(p for p in remote.peers.peers if p.addr == freeze.addrs[freeze.victim])
-            wait_until(lambda: not node.up, 5, 0.02, what="the dead node to be banned")
-        bans = [r.getMessage() for r in caplog.records if "banned" in r.getMessage()]
-        assert any("abandoned for a hedge failed: UNAVAILABLE" in m for m in bans), bans
+
+            def bans() -> list[str]:
+                return [r.getMessage() for r in caplog.records if "banned" in r.getMessage()]
+
+            # (the ban is logged just after the node is marked down, outside the peers' lock)
+            wait_until(lambda: not node.up and bans(), 5, 0.02, what="the dead node banned")
+        assert any("abandoned for a hedge failed: UNAVAILABLE" in m for m in bans()), bans()
     finally:
         killed.wait(5)
         if freeze.timer is not None:
