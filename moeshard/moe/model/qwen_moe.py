@@ -406,7 +406,7 @@ class Transformer:
 
     def _runs_of(self, cache: KVCache) -> dict[int, Run]:
         """Layer -> its `Run` (`layer_runs`): the layers whose decode rows `decode_layers` can
-        take in one call, with `cache`'s arrays.  None for a trunk that streams its layers
+        take in one call, with `cache`'s arrays.  No runs for a trunk that streams its layers
         (under --ram, where the experts are not resident either)."""
         if getattr(self.trunk, "streamed", None):
             return {}  # (layer i + 1 is not in RAM before `enter_layer(i + 1)`: no runs)
