@@ -685,6 +685,10 @@ def warmup() -> float:
     sum_args = (code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x[:1], w, glu)
     entry.experts_b1_sum_kernel(*sum_args)
     entry.experts_b1_sum_serial_kernel(*sum_args)
+    for bits in (np.uint16, np.uint32):  # embedding rows of bf16 and f32 tables, in RAM or mapped
+        table = np.zeros((2, hidden), dtype=bits)  # [rows, cols]
+        entry.float_rows_at(table, ids[0])
+        entry.float_rows_at(_readonly(table), ids[0])
     if _wait["spinning"]:
         calibrate_matmul()
     return time.perf_counter() - t0
