@@ -566,6 +566,9 @@ def test_a_queued_request_whose_client_hangs_up_leaves_the_queue(demo, stream):
         third = send(8, stream)  # the room is free again: queued, not refused
         wait_until(lambda: health(base)["waiting"] == 1, 30, what="the third request to queue")
         hang_up(third)
+        # (its hang-up noticed before the slot frees: else a server that notices the two
+        # hang-ups the other way round admits it, and reads its prompt, before dropping it)
+        wait_until(lambda: health(base)["waiting"] == 0, 10, what="the queue to drop it")
         hang_up(holder)
         wait_until(lambda: health(base)["running"] + health(base)["waiting"] == 0, 30,
                    what="the server to be idle")  # fmt: skip
