@@ -907,6 +907,38 @@ def _group_x4(fmt, wq, ws, g, xq, xd, xc, u, nb):
 
 
 @njit(cache=True, nogil=True)
+def _group_x3(fmt, wq, ws, g, xq, xd, xc, u, nb):
+    """`_group_x4` for activation rows u .. u + 2 (a batched step's experts often have three,
+    or seven: else a pass of two and a pass of one, each loading and unpacking the blocks)."""
+    a = b = c = _vzero()
+    us = (u, u + 1, u + 2)
+    for k in range(nb):
+        if fmt == FMT_Q4_0:
+            a, b, c = _q4_group_block((a, b, c), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_MXFP4:
+            a, b, c = _mx_group_block((a, b, c), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q4_K:
+            a, b, c = _q4k_group_block((a, b, c), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q6_K:
+            a, b, c = _q6k_group_block((a, b, c), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q5_K:
+            a, b, c = _q5k_group_block((a, b, c), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q4_1:
+            a, b, c = _q41_group_block((a, b, c), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q5_0:
+            a, b, c = _q50_group_block((a, b, c), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_Q5_1:
+            a, b, c = _q51_group_block((a, b, c), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_IQ4_NL:
+            a, b, c = _iq4nl_group_block((a, b, c), wq, g, k, ws, xq, us, xd, xc)
+        elif fmt == FMT_IQ4_XS:
+            a, b, c = _iq4xs_group_block((a, b, c), wq, g, k, ws, xq, us, xd, xc)
+        else:
+            a, b, c = _q8_group_block((a, b, c), wq, g, k, ws, xq, us, xd, xc)
+    return a, b, c
+
+
+@njit(cache=True, nogil=True)
 def _put(out, u, r, r1, lanes, v):
     """out[u, r : min(r + 8, r1)] = the first lanes of v (lanes: an 8-float scratch)."""
     if r + LANES <= r1:
@@ -923,9 +955,9 @@ def int_rows(fmt, wq, ws, xq, xd, xc, out, r0, r1):
     multiple of 8 (a row group).
 
     One row group at a time: its bytes (nb * 128 or 256) are read from memory once and then
-    stay in L1/L2 while every activation row, four at a time (then two, then one), is
-    multiplied with them; at one or two activation rows the next group's bytes are
-    prefetched meanwhile (`dots.prefetch_line`).  The padding rows of a last partial group
+    stay in L1/L2 while every activation row, four at a time (the last three, two or one
+    together), is multiplied with them; at one or two activation rows the next group's bytes
+    are prefetched meanwhile (`dots.prefetch_line`).  The padding rows of a last partial group
     are computed and dropped."""
     b, nb = xq.shape[0], xd.shape[1]
     mw, ms, mx, md, mc = _mat(wq), _mat(ws), _mat(xq), _mat(xd), _mat(xc)
@@ -938,10 +970,15 @@ def int_rows(fmt, wq, ws, xq, xd, xc, out, r0, r1):
             _put(out, u + 1, r, r1, lanes, yb)
             _put(out, u + 2, r, r1, lanes, yc)
             _put(out, u + 3, r, r1, lanes, yd)
-        if b & 2:
-            u = b - b % 4
+        u = b - b % 4
+        if b % 4 == 3:
+            ya, yb, yc = _group_x3(fmt, mw, ms, g, mx, md, mc, u, nb)
+            _put(out, u, r, r1, lanes, ya)
+            _put(out, u + 1, r, r1, lanes, yb)
+            _put(out, u + 2, r, r1, lanes, yc)
+        elif b % 4 == 2:
             ya, yb = _group_x2(fmt, mw, ms, g, mx, md, mc, u, nb)
             _put(out, u, r, r1, lanes, ya)
             _put(out, u + 1, r, r1, lanes, yb)
-        if b & 1:
-            _put(out, b - 1, r, r1, lanes, _group_x1(fmt, mw, ms, g, mx, md, mc, b - 1, nb))
+        elif b % 4 == 1:
+            _put(out, u, r, r1, lanes, _group_x1(fmt, mw, ms, g, mx, md, mc, u, nb))
