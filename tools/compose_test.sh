@@ -36,7 +36,9 @@ dockerd_pid=  # set when this run starts the Docker daemon
 started=$(date +%s.%N)
 
 say() { echo "compose-test: $*"; }
-fail() { say "FAIL: $*"; exit 1; }
+failed=  # the failed check, said again as the last line (a CI log's tail shows the end)
+fail() { failed=$*; say "FAIL: $*"; exit 1; }
+give_up() { failed=$*; say "$*"; exit 2; }  # the engine or a tool could not be set up
 since() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
 step_start=
 step() {  # step NAME: ends the previous step with its time, starts NAME
@@ -51,7 +53,7 @@ apt_install() {
     export DEBIAN_FRONTEND=noninteractive
     apt-get install -y -qq "$@" >/dev/null 2>&1 \
         || { apt-get update -qq >/dev/null && apt-get install -y -qq "$@" >/dev/null; } \
-        || { say "cannot install $*"; exit 2; }
+        || give_up "cannot install $*"
 }
 if ! command -v dockerd >/dev/null 2>&1; then
     say "installing docker.io (Debian)"
@@ -66,8 +68,7 @@ if ! docker info >/dev/null 2>&1; then
     for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
     if ! docker info >/dev/null 2>&1; then
         tail -20 /var/log/moeshard-dockerd.log
-        say "dockerd did not start"
-        exit 2
+        give_up "dockerd did not start"
     fi
 fi
 if [[ -z ${COMPOSE:-} ]]; then
@@ -108,6 +109,9 @@ on_exit() {
     fi
     rm -rf "$work"
     stop_dockerd
+    if ((rc != 0)); then
+        say "FAILED (exit $rc)${failed:+: $failed}"
+    fi
     exit "$rc"
 }
 stop_dockerd() {  # only the daemon this run started
@@ -127,7 +131,7 @@ base=$(docker image inspect -f '{{.Id}}' python:3.11-slim)
 
 # ---- the local reference -----------------------------------------------------------------
 step "local reference (.venv/bin/moeshard, q4_0 experts, greedy, $TOKENS tokens)"
-[[ -x .venv/bin/moeshard ]] || { say "no .venv/bin/moeshard: run \`make compose-test\`"; exit 2; }
+[[ -x .venv/bin/moeshard ]] || give_up "no .venv/bin/moeshard: run \`make compose-test\`"
 .venv/bin/moeshard convert models/demo-hf "$LOCAL" --experts q4_0 --force --quiet
 .venv/bin/moeshard generate "$LOCAL" --prompt "$PROMPT" --max-tokens "$TOKENS" \
     >"$work/local.txt" 2>"$work/local.err"
