@@ -14,6 +14,13 @@ import sys
 import pytest
 
 from moeshard.bench import llamacpp
+from moeshard.bench.compare_batched import (
+    PROMPT_TOKENS,
+    Batched,
+    batched_decode_tps,
+    llama_batched_cmd,
+    parse_batched_jsonl,
+)
 from moeshard.bench.compare_table import (
     GOALS,
     Goal,
@@ -87,6 +94,57 @@ def test_the_build_switches_amx_off_with_the_compiler_flags():
         assert f"-DCMAKE_{lang}_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" in args
 
 
+def test_batched_bench_json_lines_give_decode_speed_per_sequence_count():
+    text = (FIXTURES / "llama-batched-bench.jsonl").read_text()
+    speeds = parse_batched_jsonl("llama_context: a log line\n" + text)
+    assert speeds == {1: pytest.approx(307.190155), 16: pytest.approx(552.039978)}
+
+
+def test_the_batched_command_has_room_for_every_sequence(tmp_path):
+    build = llamacpp.LlamaCpp(tmp_path)
+    cmd = llama_batched_cmd(build, tmp_path / "m.gguf", 2, 16, 64)
+    arg = dict(zip(cmd[1::2], cmd[2::2], strict=True))
+    assert cmd[0].endswith("/build/bin/llama-batched-bench")
+    assert arg["-npl"] == "1,16" and arg["-ntg"] == "64" and arg["--output-format"] == "jsonl"
+    assert int(arg["-c"]) >= 16 * (PROMPT_TOKENS + 64) and arg["-t"] == arg["-tb"] == "2"
+
+
+def test_a_build_without_a_newer_target_is_made_again(tmp_path):
+    build = llamacpp.LlamaCpp(tmp_path)
+    (tmp_path / "build" / "bin").mkdir(parents=True)
+    assert llamacpp.missing_targets(build) == list(llamacpp.TARGETS)
+    for name in llamacpp.TARGETS[:-1]:
+        build.bin(name).write_bytes(b"")
+    assert llamacpp.missing_targets(build) == [llamacpp.TARGETS[-1]]
+
+
+def test_the_scaling_line_divides_each_side_by_its_own_one_sequence_speed():
+    suite = Batched.__new__(Batched)
+    suite.sequences = 16
+    suite.rows = {
+        1: Row("batched 1", "one", moeshard=[100.0, 110.0], llama=[200.0, None]),
+        16: Row("batched 16", "many", moeshard=[300.0, 220.0], llama=[300.0, 330.0]),
+    }
+    line = suite.scaling_line()
+    assert "moeshard 2.50x [2.00x-3.00x]" in line and "llama.cpp 1.50x," not in line
+    assert "llama.cpp 1.50x (" in line  # the round llama.cpp gave no 1-sequence value is left out
+
+
+def test_moeshards_batched_side_decodes_every_sequence_its_own_way(demo):
+    """The batched rows' moeshard side on the demo model: sequences of random tokens, each
+    cache advanced by its prompt and every step's token."""
+    from moeshard.coordinator.runtime import open_local
+
+    rt = open_local(demo)
+    model = rt.transformer
+    made = []
+    real = model.new_cache
+    model.new_cache = lambda n: made.append(real(n)) or made[-1]
+    tps = batched_decode_tps(model, rt.config.vocab_size, 3, 5, seed=0)
+    assert tps > 0 and len(made) == 3
+    assert [c.length for c in made] == [PROMPT_TOKENS + 5] * 3
+
+
 def test_cells_ratios_and_the_table():
     assert [fmt_value(v) for v in (16431, 436.2, 43.27, 6.274)] == ["16431", "436", "43.3", "6.27"]
     assert spread([3.0, 1.0, 2.0]) == "2.00 [1.00-3.00]" and spread([5.0]) == "5.00"
@@ -126,6 +184,7 @@ def test_goal_lines_say_met_or_not_met():
             "--only: choose from kernels,bandwidth,demo,big,capped,kquants",
         ),
         (["--rounds", "0"], "at least 1"),
+        (["--sequences", "1"], "--sequences: at least 2"),
         (["--cap", "100M"], "--cap must exceed"),
         (["--threads", "999"], "--threads"),
     ],

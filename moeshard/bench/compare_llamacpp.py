@@ -17,7 +17,10 @@ moeshard/llama.cpp ratio of each round's pair.
 - memory-capped (when a cgroup memory controller is writable): the big model under a hard
   memory limit below its size, llama-bench (its defaults, and mmap without repacking) against
   `moeshard generate --ram`, each in a fresh child cgroup, the model's pages dropped from the
-  page cache before each run (pages already cached would not be charged to the cgroup).
+  page cache before each run (pages already cached would not be charged to the cgroup);
+- batched: the big model with 1 and `--sequences` sequences decoding together,
+  llama-batched-bench against moeshard's batched pass, and each side's scaling
+  (`compare_batched`).
 
 The last lines compare the ratios with the goals (`compare_table.GOALS`). Unmet goals are results,
 not failures: the exit code is 0 unless the build, a conversion or a run fails.
@@ -40,6 +43,7 @@ import numba
 
 from moeshard.bench import llamacpp
 from moeshard.bench.compare_bandwidth import Bandwidth
+from moeshard.bench.compare_batched import PROMPT_TOKENS, Batched
 from moeshard.bench.compare_sides import MATRIX, REPETITIONS, RUN_TIMEOUT_S, InRam, Kernels
 from moeshard.bench.compare_table import GOALS, Row, goal_line, relative_goal_line, table
 from moeshard.bench.kernels import POOL_BYTES, _cpu_name
@@ -62,7 +66,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEMO_HF = REPO / "models" / "demo-hf"
 BIG_ARGS = ["--layers", "8", "--experts", "64", "--hidden", "1024", "--inter", "768"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-PARTS = ("kernels", "bandwidth", "demo", "big", "capped", "kquants")
+PARTS = ("kernels", "bandwidth", "demo", "big", "capped", "kquants", "batched")
 K_MIX = "Q4_K_M experts"  # the big model's llama-quantize Q4_K_M experts, bf16 trunk
 CAP_MARGIN = (
     256 << 20
@@ -258,6 +262,7 @@ class Config:
     cap: int  # bytes
     kernel_samples: int
     parts: tuple[str, ...]
+    sequences: int = 16  # the batched part's many
     llama: LlamaCpp | None = None  # the build, once it is there
 
 
@@ -286,6 +291,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--capped-tokens", type=int, help="decode tokens per capped run (default: 32, --quick 16)"
+    )
+    p.add_argument(
+        "--sequences", type=int, default=16, help="batched part: sequences decoding together"
     )
     p.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts of {PARTS}")
     p.add_argument("--quick", action="store_true", help="fewer rounds, tokens and samples")
@@ -322,7 +330,10 @@ def _config(args) -> Config:
         cap=parse_size(args.cap),
         kernel_samples=3 if args.quick else 7,
         parts=parts,
+        sequences=args.sequences,
     )
+    if cfg.sequences < 2:
+        raise MoeshardError("--sequences: at least 2")
     if min(cfg.rounds, cfg.tokens, cfg.prompt_tokens, cfg.capped_tokens) < 1:
         raise MoeshardError("--rounds, --tokens, --prompt-tokens, --capped-tokens: at least 1")
     if cfg.cap <= CAP_MARGIN:
@@ -418,7 +429,7 @@ def run(args) -> int:
         header.append(_models_line("demo model", demo, variants))
         work.step("demo model: opening and warming moeshard")
         suites.append(InRam("demo model", "demo", demo, variants, cfg))
-    if {"big", "capped", "kquants"} & set(cfg.parts):
+    if {"big", "capped", "kquants", "batched"} & set(cfg.parts):
         hf = work.big_hf()
         big = work.moeshard_convert(hf, work.root / "big")
         variants = work.llama_variants(hf, "big", True, k_mix="kquants" in cfg.parts)
@@ -438,6 +449,15 @@ def run(args) -> int:
                     f"moeshard --ram {fmt_bytes(cfg.cap - CAP_MARGIN)}; {cfg.capped_tokens} "
                     f"decode tokens per run; page cache of the model files dropped before each"
                 )
+        if "batched" in cfg.parts:
+            work.step("big model, batched: opening and warming moeshard")
+            same = variants["same formats"]
+            suites.append(Batched("big model", big, same, cfg, cfg.sequences))
+            header.append(
+                f"batched: llama-batched-bench -npp {PROMPT_TOKENS} -ntg {cfg.tokens} "
+                f"-npl 1,{cfg.sequences} on {same.name} against moeshard's forward_batch, "
+                f"random tokens on both sides"
+            )
         if k_file is not None:  # the same GGUF file on both sides: its experts kept as they are
             big_k = work.moeshard_convert(k_file, work.root / "big-q4_k_m")
             header.append(
@@ -467,6 +487,10 @@ def run(args) -> int:
     if vs_dram:
         print("\n".join(table(vs_dram, against="DRAM read")))
         print()
+    for suite in suites:
+        if isinstance(suite, Batched):
+            print(suite.scaling_line())
+            print()
     by_key = {row.key: row for row in rows}
     print("goals:")
     for goal in GOALS:

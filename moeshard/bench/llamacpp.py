@@ -36,7 +36,7 @@ from moeshard.moe.errors import MoeshardError
 
 LLAMA_CPP_PYTHON = "0.3.36"
 SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
-TARGETS = ("llama-bench", "test-backend-ops", "llama-quantize")
+TARGETS = ("llama-bench", "test-backend-ops", "llama-quantize", "llama-batched-bench")
 # The native build segfaults in ggml-cpu's AMX path on Q4_0 models on some CPUs. With
 # GGML_NATIVE=ON the instruction sets come from -march=native (the GGML_AMX_* switches only
 # act on non-native builds), so AMX is switched off with the compiler's own flags; GCC and
@@ -194,8 +194,16 @@ def ensure_built(cache: Path, sdist: str | None, isa: str = "native") -> LlamaCp
     if isa not in ISAS:
         raise MoeshardError(f"llama.cpp build {isa!r}: expected one of {', '.join(ISAS)}")
     final = cache / f"llama.cpp-{LLAMA_CPP_PYTHON}{'' if isa == 'native' else '-' + isa}"
+    built = LlamaCpp(final)
     if (final / "build-info.json").is_file():
-        return LlamaCpp(final)
+        missing = missing_targets(built)
+        if not missing:
+            return built
+        # a build from before a target was added: made again (its object files are not kept)
+        print(
+            f"llama.cpp build {final} lacks {', '.join(missing)}: building it again",
+            file=sys.stderr,
+        )
     cache.mkdir(parents=True, exist_ok=True)
     log = cache / f"{final.name}.build.log"
     log.write_text("")
@@ -208,7 +216,12 @@ def ensure_built(cache: Path, sdist: str | None, isa: str = "native") -> LlamaCp
         os.rename(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return LlamaCpp(final)
+    return built
+
+
+def missing_targets(build: LlamaCpp) -> list[str]:
+    """The TARGETS a finished build has no binary for."""
+    return [t for t in TARGETS if not build.bin(t).is_file()]
 
 
 def _build(archive: Path, root: Path, log: Path, isa: str) -> None:
