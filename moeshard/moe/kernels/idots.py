@@ -809,133 +809,55 @@ _iq4xs_group_block = _group_block_kernel("iq4_xs")
 
 
 # ---------------------------------------------------------------------------------------------
-# one row group against one or two activation rows
+# one row group against a few activation rows
+
+
+@intrinsic
+def _rows_from(typingctx, u, acc):
+    """(u, u + 1, ..., u + m - 1) for an m-tuple acc."""
+    if not (isinstance(u, types.Integer) and isinstance(acc, types.UniTuple)):
+        return None
+    m = len(acc)
+
+    def codegen(context, builder, sig, args):
+        base = context.cast(builder, args[0], u, types.intp)
+        rows = [builder.add(base, ir.Constant(base.type, i)) for i in range(m)]
+        return context.make_tuple(builder, sig.return_type, rows)
+
+    return types.UniTuple(types.intp, m)(u, acc), codegen
 
 
 @njit(cache=True, nogil=True)
-def _group_x1(fmt, wq, ws, g, xq, xd, xc, u, nb):
-    """Lane r: weight row 8g + r . quantised activation row u (every matrix a `_mat` pair)."""
-    a = _vzero()
-    us = (u,)
+def _group_rows(fmt, wq, ws, g, xq, xd, xc, u, acc, nb):
+    """Lane r of the result's i-th vector: weight row 8g + r . quantised activation row u + i
+    (every matrix a `_mat` pair), for as many rows as acc has (zero) vectors.  Each weight
+    block is loaded and unpacked once for them all; numba compiles one version per count,
+    and each row's arithmetic is the same in every one of them."""
+    us = _rows_from(u, acc)
     for k in range(nb):
         if fmt == FMT_Q4_0:
-            (a,) = _q4_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
+            acc = _q4_group_block(acc, wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_MXFP4:
-            (a,) = _mx_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
+            acc = _mx_group_block(acc, wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_Q4_K:
-            (a,) = _q4k_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
+            acc = _q4k_group_block(acc, wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_Q6_K:
-            (a,) = _q6k_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
+            acc = _q6k_group_block(acc, wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_Q5_K:
-            (a,) = _q5k_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
+            acc = _q5k_group_block(acc, wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_Q4_1:
-            (a,) = _q41_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
+            acc = _q41_group_block(acc, wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_Q5_0:
-            (a,) = _q50_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
+            acc = _q50_group_block(acc, wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_Q5_1:
-            (a,) = _q51_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
+            acc = _q51_group_block(acc, wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_IQ4_NL:
-            (a,) = _iq4nl_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
+            acc = _iq4nl_group_block(acc, wq, g, k, ws, xq, us, xd, xc)
         elif fmt == FMT_IQ4_XS:
-            (a,) = _iq4xs_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
+            acc = _iq4xs_group_block(acc, wq, g, k, ws, xq, us, xd, xc)
         else:
-            (a,) = _q8_group_block((a,), wq, g, k, ws, xq, us, xd, xc)
-    return a
-
-
-@njit(cache=True, nogil=True)
-def _group_x2(fmt, wq, ws, g, xq, xd, xc, u, nb):
-    """`_group_x1` for activation rows u and u + 1: each weight block is loaded once."""
-    a = b = _vzero()
-    us = (u, u + 1)
-    for k in range(nb):
-        if fmt == FMT_Q4_0:
-            a, b = _q4_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_MXFP4:
-            a, b = _mx_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_Q4_K:
-            a, b = _q4k_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_Q6_K:
-            a, b = _q6k_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_Q5_K:
-            a, b = _q5k_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_Q4_1:
-            a, b = _q41_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_Q5_0:
-            a, b = _q50_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_Q5_1:
-            a, b = _q51_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_IQ4_NL:
-            a, b = _iq4nl_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_IQ4_XS:
-            a, b = _iq4xs_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
-        else:
-            a, b = _q8_group_block((a, b), wq, g, k, ws, xq, us, xd, xc)
-    return a, b
-
-
-@njit(cache=True, nogil=True)
-def _group_x4(fmt, wq, ws, g, xq, xd, xc, u, nb):
-    """`_group_x1` for activation rows u .. u + 3: each weight block is loaded and unpacked
-    once for the four (a prefill's experts see a handful of rows each)."""
-    a = b = c = d = _vzero()
-    us = (u, u + 1, u + 2, u + 3)
-    for k in range(nb):
-        if fmt == FMT_Q4_0:
-            a, b, c, d = _q4_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_MXFP4:
-            a, b, c, d = _mx_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_Q4_K:
-            a, b, c, d = _q4k_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_Q6_K:
-            a, b, c, d = _q6k_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_Q5_K:
-            a, b, c, d = _q5k_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_Q4_1:
-            a, b, c, d = _q41_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_Q5_0:
-            a, b, c, d = _q50_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_Q5_1:
-            a, b, c, d = _q51_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_IQ4_NL:
-            a, b, c, d = _iq4nl_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_IQ4_XS:
-            a, b, c, d = _iq4xs_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
-        else:
-            a, b, c, d = _q8_group_block((a, b, c, d), wq, g, k, ws, xq, us, xd, xc)
-    return a, b, c, d
-
-
-@njit(cache=True, nogil=True)
-def _group_x3(fmt, wq, ws, g, xq, xd, xc, u, nb):
-    """`_group_x4` for activation rows u .. u + 2 (a batched step's experts often have three,
-    or seven: else a pass of two and a pass of one, each loading and unpacking the blocks)."""
-    a = b = c = _vzero()
-    us = (u, u + 1, u + 2)
-    for k in range(nb):
-        if fmt == FMT_Q4_0:
-            a, b, c = _q4_group_block((a, b, c), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_MXFP4:
-            a, b, c = _mx_group_block((a, b, c), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_Q4_K:
-            a, b, c = _q4k_group_block((a, b, c), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_Q6_K:
-            a, b, c = _q6k_group_block((a, b, c), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_Q5_K:
-            a, b, c = _q5k_group_block((a, b, c), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_Q4_1:
-            a, b, c = _q41_group_block((a, b, c), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_Q5_0:
-            a, b, c = _q50_group_block((a, b, c), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_Q5_1:
-            a, b, c = _q51_group_block((a, b, c), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_IQ4_NL:
-            a, b, c = _iq4nl_group_block((a, b, c), wq, g, k, ws, xq, us, xd, xc)
-        elif fmt == FMT_IQ4_XS:
-            a, b, c = _iq4xs_group_block((a, b, c), wq, g, k, ws, xq, us, xd, xc)
-        else:
-            a, b, c = _q8_group_block((a, b, c), wq, g, k, ws, xq, us, xd, xc)
-    return a, b, c
+            acc = _q8_group_block(acc, wq, g, k, ws, xq, us, xd, xc)
+    return acc
 
 
 @njit(cache=True, nogil=True)
@@ -947,6 +869,13 @@ def _put(out, u, r, r1, lanes, v):
         _vstore(lanes, 0, v)
         for i in range(r1 - r):
             out[u, r + i] = lanes[i]
+
+
+@njit(cache=True, nogil=True)
+def _put_rows(out, u, r, r1, lanes, ys):
+    """`_put` of each vector of the tuple ys, for activation rows u, u + 1, ..."""
+    for i in range(len(ys)):
+        _put(out, u + i, r, r1, lanes, ys[i])
 
 
 @njit(cache=True, nogil=True)
@@ -962,23 +891,19 @@ def int_rows(fmt, wq, ws, xq, xd, xc, out, r0, r1):
     b, nb = xq.shape[0], xd.shape[1]
     mw, ms, mx, md, mc = _mat(wq), _mat(ws), _mat(xq), _mat(xd), _mat(xc)
     lanes = np.empty(LANES, dtype=np.float32)
+    z = _vzero()
     for g in range(r0 // ROW_GROUP, (r1 + ROW_GROUP - 1) // ROW_GROUP):
         r = ROW_GROUP * g
         for u in range(0, b - 3, 4):
-            ya, yb, yc, yd = _group_x4(fmt, mw, ms, g, mx, md, mc, u, nb)
-            _put(out, u, r, r1, lanes, ya)
-            _put(out, u + 1, r, r1, lanes, yb)
-            _put(out, u + 2, r, r1, lanes, yc)
-            _put(out, u + 3, r, r1, lanes, yd)
+            ys = _group_rows(fmt, mw, ms, g, mx, md, mc, u, (z, z, z, z), nb)
+            _put_rows(out, u, r, r1, lanes, ys)
         u = b - b % 4
         if b % 4 == 3:
-            ya, yb, yc = _group_x3(fmt, mw, ms, g, mx, md, mc, u, nb)
-            _put(out, u, r, r1, lanes, ya)
-            _put(out, u + 1, r, r1, lanes, yb)
-            _put(out, u + 2, r, r1, lanes, yc)
+            ys = _group_rows(fmt, mw, ms, g, mx, md, mc, u, (z, z, z), nb)
+            _put_rows(out, u, r, r1, lanes, ys)
         elif b % 4 == 2:
-            ya, yb = _group_x2(fmt, mw, ms, g, mx, md, mc, u, nb)
-            _put(out, u, r, r1, lanes, ya)
-            _put(out, u + 1, r, r1, lanes, yb)
+            ys = _group_rows(fmt, mw, ms, g, mx, md, mc, u, (z, z), nb)
+            _put_rows(out, u, r, r1, lanes, ys)
         elif b % 4 == 1:
-            _put(out, u, r, r1, lanes, _group_x1(fmt, mw, ms, g, mx, md, mc, u, nb))
+            (y,) = _group_rows(fmt, mw, ms, g, mx, md, mc, u, (z,), nb)
+            _put(out, u, r, r1, lanes, y)
