@@ -485,10 +485,10 @@ def _group_block_kernel(kind: str):
             loads = [
                 _load(builder, builder.gep(group, [_I32(32 * c)]), _V32I8) for c in range(n_loads)
             ]
-            if m <= 2:  # a decode's rows: the next group's block is read ahead (`prefetch_line`)
+            if m <= 2:  # a decode's rows: the next group's block is read ahead, into L1
                 nxt = _at(context, builder, args[1], builder.add(gi, const(AHEAD)), wbase)
                 for line in range(0, 32 * n_loads, 64):
-                    prefetch_line(builder, builder.gep(nxt, [_I32(line)]))
+                    prefetch_line(builder, builder.gep(nxt, [_I32(line)]), into_l1=True)
                 if super_scales:  # the super-block's 160 or 144 bytes: a line each at s = 0..2
                     sub = builder.and_(ki, const(7))
                     line = builder.select(builder.icmp_unsigned("<", sub, const(2)), sub, const(2))
@@ -497,7 +497,7 @@ def _group_block_kernel(kind: str):
                 else:
                     s_off = builder.mul(ki, const(8 * scale_bytes))
                 nxt_scales = builder.add(gi, const(AHEAD)), s_off
-                prefetch_line(builder, _at(context, builder, args[4], *nxt_scales))
+                prefetch_line(builder, _at(context, builder, args[4], *nxt_scales), into_l1=True)
             xs = _Broadcasts(context, builder, args[5], rows, builder.mul(ki, const(QK)))
             sums = sums_of(builder, loads, xs)  # m x <8 x i32>, exact
             if kind in ("q4_1", "q5_0", "q5_1"):
