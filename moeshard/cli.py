@@ -71,7 +71,9 @@ def _never_free(exc: BaseException) -> None:
 
 
 if __name__ == "__main__":  # `python -m moeshard.cli` (the `moeshard` script: entry.py)
-    signal.signal(signal.SIGINT, quiet_interrupt)
+    from moeshard.moe import sigint
+
+    sigint.install(quiet_interrupt)
 
 import argparse  # noqa: E402
 import importlib  # noqa: E402

@@ -2,8 +2,9 @@
 while the command line's modules are still being imported (`moeshard.cli.main` hands
 SIGINT back to Python once the command line is read)."""
 
-import signal
 import sys
+
+from moeshard.moe import sigint  # first: it reads the SIGINT disposition the process got
 
 
 def main() -> int:
@@ -11,8 +12,8 @@ def main() -> int:
         print("moeshard: interrupted", file=sys.stderr)
         raise SystemExit(130)
 
-    signal.signal(signal.SIGINT, interrupted)
+    sigint.install(interrupted)
     from moeshard import cli
 
-    signal.signal(signal.SIGINT, cli.quiet_interrupt)  # (main() recognises it and hands back)
+    sigint.install(cli.quiet_interrupt)  # (main() recognises it and hands back)
     return cli.main()

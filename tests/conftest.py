@@ -4,6 +4,7 @@ a cluster of node daemons on loopback. Plain helpers and constants are in helper
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -12,8 +13,15 @@ from helpers import PROMPT, ROOT, TOKENS, checkpoint_in_dialect, start_nodes
 
 from moeshard.coordinator.generate import SamplingOptions, generate
 from moeshard.coordinator.runtime import open_local
+from moeshard.moe import sigint
 from moeshard.moe.convert.converter import convert
 from moeshard.moe.convert.placement import shard_model
+
+# The suite runs as a terminal's foreground command, whatever started it. A CI job or
+# `make test &` starts it with SIGINT ignored, and moeshard keeps an inherited ignored SIGINT
+# ignored (`moe.sigint`): the in-process signal tests would find their handlers not set.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+sigint.IGNORED = False
 
 # Keys, ledgers and reputations the tests' processes make by default stay out of the real home.
 os.environ["MOESHARD_HOME"] = tempfile.mkdtemp(prefix="moeshard-test-home-")

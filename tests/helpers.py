@@ -401,9 +401,9 @@ def moeshard_run(*args, home) -> subprocess.CompletedProcess:
 def popen_from_a_terminal(cmd, **kw) -> subprocess.Popen:
     """`subprocess.Popen(cmd, **kw)` with SIGINT at its default in the child, as a terminal's
     foreground command has it. Tests run in the background (`make test &`, a CI job) have
-    SIGINT ignored, and a child inherits that: Python keeps an ignored SIGINT ignored until
-    moeshard installs its own handler, so a Ctrl-C sent while a loaded machine was still
-    starting Python was lost (the command ran to its end, exit 0). A handler set here is
+    SIGINT ignored, and a child inherits that: Python and moeshard keep an ignored SIGINT
+    ignored (`moeshard.moe.sigint`), so a Ctrl-C sent to such a child is lost (the command
+    runs to its end, exit 0). A handler set here is
     reset to the default by exec; an ignored signal would stay ignored. (Main thread only.)"""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:

@@ -16,6 +16,7 @@ import numpy as np
 from moeshard.coordinator.decode import MAX_LAG, ROLLBACK_STEPS, Decoder, LieTooFarBack, Verifier
 from moeshard.coordinator.profile import DecodeProfile, format_profile
 from moeshard.coordinator.sampling import SamplingOptions
+from moeshard.moe import sigint
 from moeshard.moe.errors import MoeshardError, Terminated  # noqa: F401  (Terminated: re-exported)
 from moeshard.moe.storage.traces import DECODE, PREFILL
 
@@ -49,7 +50,8 @@ def stop_between_steps() -> Iterator[None]:
         _ASKED.append(signum)
         _PENDING.append(exc)
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {signal.SIGINT: sigint.install(handler)}  # (an ignored SIGINT stays ignored)
+    previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, handler)
     try:
         yield
         _raise_pending()  # (a signal after the last step still counts)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 
+from moeshard.moe import sigint
 from moeshard.moe.errors import MoeshardError
 from moeshard.moe.experts.backend import ExpertsBackend
 from moeshard.moe.experts.local import LocalExperts
@@ -271,8 +272,8 @@ def run(config: NodeConfig, out) -> int:
     return_big_buffers()
     node = Node(config)
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    sigint.install(lambda *_: stop.set())  # (not when it came ignored: a background job)
     port = node.start()
     held = node.servicer.held - node.servicer.bad
     ident = node.identity

@@ -276,8 +276,10 @@ def interrupts_deferred():
     handler is back on exit (main thread only, as every signal handler)."""
     import signal
 
+    from moeshard.moe import sigint
+
     interrupted = threading.Event()
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.set())
+    previous = sigint.install(lambda signum, frame: interrupted.set())
     try:
         yield interrupted
     finally:
@@ -291,13 +293,20 @@ def serve_http(app, sock, guard: ConnectionGuard, interrupted: threading.Event) 
     over stops the server as soon as it has started (exit 0), or, if it never started,
     raises KeyboardInterrupt here."""
     import gc
+    import signal
     import socket
 
     import uvicorn
 
+    from moeshard.moe import sigint
     from moeshard.moe.errors import MoeshardError
 
     class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if sig == signal.SIGINT and sigint.IGNORED:  # a background job: it stays ignored
+                return
+            super().handle_exit(sig, frame)
+
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             # What was made before serving (modules, model, tokenizer: ~100,000 objects) lives
