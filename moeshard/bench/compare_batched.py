@@ -28,13 +28,13 @@ from pathlib import Path
 import numpy as np
 
 from moeshard.bench import llamacpp
+from moeshard.bench.compare_sides import RUN_TIMEOUT_S
 from moeshard.bench.compare_table import Row, spread
 from moeshard.bench.llamacpp import LlamaCpp
 from moeshard.coordinator.runtime import open_local
 from moeshard.moe.errors import MoeshardError
 
 PROMPT_TOKENS = 32  # each sequence's prompt (llama-batched-bench -npp)
-RUN_TIMEOUT_S = 900
 
 
 def llama_batched_cmd(
