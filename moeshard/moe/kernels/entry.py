@@ -371,14 +371,24 @@ def experts_rows_kernel(
     y = np.empty_like(x)  # [N, hidden]
     order, bounds = _deal(starts, min(shares, offsets.shape[0]))
     for b in prange(bounds.shape[0] - 1):
-        for i in range(bounds[b], bounds[b + 1]):
-            e = order[i]
-            r0, r1 = starts[e], starts[e + 1]
-            if r1 > r0:
-                record = arena[offsets[e] : offsets[e] + nbytes]
-                xe, ye = x[r0:r1], y[r0:r1]
-                _expert_serial(fmt, int8, record, hidden, inter, layout, lut, xe, ye, glu)
+        mine = order[bounds[b] : bounds[b + 1]]
+        _experts_share(fmt, int8, arena, offsets, nbytes, hidden, inter, layout, lut, x, starts,
+                       glu, mine, y)  # fmt: skip
     return y
+
+
+@njit(cache=True, nogil=True)
+def _experts_share(
+    fmt, int8, arena, offsets, nbytes, hidden, inter, layout, lut, x, starts, glu, mine, y
+):
+    """One thread's share of `experts_rows_kernel`: the experts `mine` (indices into
+    offsets and starts), each on its rows of x, into the same rows of y."""
+    for e in mine:
+        r0, r1 = starts[e], starts[e + 1]
+        if r1 > r0:
+            record = arena[offsets[e] : offsets[e] + nbytes]
+            xe, ye = x[r0:r1], y[r0:r1]
+            _expert_serial(fmt, int8, record, hidden, inter, layout, lut, xe, ye, glu)
 
 
 @njit(cache=True, nogil=True)

@@ -245,8 +245,13 @@ def run_parallel(kernel, items: int, work: int, *args):
     """Call a parallel=True kernel outside this module (e.g. attention over several
     sequences) on as many of `threads()` threads as it has independent items, or on this
     thread alone when its `work` (multiply-adds) is below PARALLEL_MIN_WORK."""
-    want = min(threads(), items) if work >= PARALLEL_MIN_WORK else 1
-    return _launch(kernel, max(1, want), args)
+    return _launch(kernel, parallel_threads(items, work), args)
+
+
+def parallel_threads(items: int, work: int) -> int:
+    """The threads `run_parallel` runs a kernel of `items` independent items and `work`
+    multiply-adds on (for a kernel that must know, e.g. to deal its work out itself)."""
+    return max(1, min(threads(), items) if work >= PARALLEL_MIN_WORK else 1)
 
 
 _pool = {"lock": threading.Lock(), "shared": None}  # shared: may threads launch at once?

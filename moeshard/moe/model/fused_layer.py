@@ -60,6 +60,7 @@ from moeshard.moe.model.fused import (
     rms_norm_rows,
     route_softmax_topk,
 )
+from moeshard.moe.model.fused_prefill import prefill_layers
 
 
 @njit(cache=True, nogil=True)
@@ -299,9 +300,9 @@ class FusedPlan:
 
 
 def warmup() -> None:
-    """Compile (or load from numba's cache) `attention_route` and `decode_layers` for the
-    argument types a forward pass gives them (`fused.warmup` calls this): a 16-wide bf16
-    layer, one step."""
+    """Compile (or load from numba's cache) `attention_route`, `decode_layers` and
+    `fused_prefill.prefill_layers` for the argument types a forward pass gives them
+    (`fused.warmup` calls this): a 16-wide bf16 layer, one step."""
     h, d, heads_kv = 16, 8, 2
     norm = np.ones(h, np.float32)  # [H]
     none = np.zeros(0, np.float32)
@@ -329,3 +330,6 @@ def warmup() -> None:
     for split in (False, True):  # (one compiled signature; each way run once)
         splits = np.full((1, 2), split)  # [1, 2]
         decode_layers(layers, kcs, vcs, 0, 1, splits, x, x.copy(), True, consts, cos, sin, 0)
+    rows = np.ones((2, h), np.float32)  # [2, H]: a prefill's rows (`fused_prefill`)
+    cos2, sin2 = np.ones((2, d // 2), np.float32), np.zeros((2, d // 2), np.float32)
+    prefill_layers(layers, kcs, vcs, 0, 1, rows, rows, False, consts, cos2, sin2, 0, 1)

@@ -34,6 +34,7 @@ from moeshard.moe.model.fused import (
     route_softmax_topk,
 )
 from moeshard.moe.model.fused_layer import FusedPlan, attention_route, decode_layers
+from moeshard.moe.model.fused_prefill import prefill_layers
 from moeshard.moe.model.layer_runs import LayerRuns, Run
 from moeshard.moe.model.layers import Segments, rope_cos_sin, sigmoid, swiglu_mlp, uses_hints
 from moeshard.moe.model.trunk import LinearGroup, Trunk
@@ -270,7 +271,8 @@ class Transformer:
     fused with the norm that follows it. Arrays handed to the experts backend are fresh for
     every call (a backend may keep them, e.g. to audit a node later)."""
 
-    fused_decode = True  # a decode row's layer in one call where it applies (`fused_layer`)
+    fused_decode = True  # one sequence's layers in one call where it applies (`fused_layer`,
+    # `fused_prefill`)
     LAYER = _Layer  # a layer's weights (GLM-4.5's differ in their MoE parts)
 
     def __init__(self, config: Config, trunk: Trunk, experts: ExpertsBackend):
@@ -339,7 +341,7 @@ class Transformer:
             return self._moe(i, ly, h, hints) if ly.moe else self._dense_mlp(ly, h)  # [N, H]
 
         fused = None
-        if len(seq.ids) == 1 and self.fused_decode:  # one decode row: a layer's calls fused
+        if len(seq) == 1 and self.fused_decode:  # one sequence: a layer's calls fused
 
             def fused(i: int, x: np.ndarray, delta: np.ndarray | None):
                 return self._fused_layers(i, x, delta, rope, caches[0], hints)
@@ -363,6 +365,9 @@ class Transformer:
         plan = ly.fused
         if plan is None:
             return None
+        if x.shape[0] > 1:  # several rows (a prefill): all in one call, or step by step
+            run = self._runs_of(cache).get(i)
+            return None if run is None else self._fused_rows(i, x, delta, rope, cache, run, hints)
         q_cols = self.config.num_attention_heads * self.config.head_dim
         split_heads = _attention_work(1, cache.length, q_cols) >= quant.PARALLEL_MIN_WORK
         if delta is not None and not delta.flags.writeable:
@@ -403,6 +408,33 @@ class Transformer:
             j = run.base + stop
             return self._routed(j, self._layer(j), h, ids, weights, hints), j + 1
         return out, run.base + n  # (a layer with a fused plan has no shared expert)
+
+    def _fused_rows(self, i: int, x, delta, rope, cache: KVCache, run: Run, hints: bool):
+        """Layer i of several new rows of one sequence (a prefill) and the rest of its run
+        (`_fused_layers`), by `prefill_layers`, every part split across the pool's threads
+        by rows where the call's work pays for the pool; a layer whose routed expert is not
+        in RAM yet comes back here for the backend's own call."""
+        c, t = self.config, x.shape[0]
+        first, n = i - run.base, len(run.layers)
+        per_row = sum(  # one row's multiply-adds in the call's layers
+            sum(ly.fused.works) + c.top_k * 3 * held.weights_per_expert
+            for ly, held in zip(run.layers[first:], run.helds[first:], strict=True)
+        )
+        shares = quant.parallel_threads(t, t * per_row)
+        delta = x if delta is None else np.ascontiguousarray(delta, dtype=np.float32)
+        consts = (
+            c.rms_norm_eps, quant._int8(), quant.dots.F16_LUT, self._qk_norm, self._clip,
+            self.scaling, c.top_k, c.norm_topk_prob,
+        )  # fmt: skip
+        cos, sin = rope
+        stop, h, ids, weights, out = quant.run_parallel(
+            prefill_layers, t, t * per_row, run.entries, run.kcs, run.vcs, first, n, x, delta,
+            delta is not x, consts, cos, sin, cache.length, shares,
+        )  # fmt: skip
+        if stop < n:  # an expert not read yet: the backend's own call reads it
+            j = run.base + stop
+            return self._routed(j, self._layer(j), h, ids, weights, hints), j + 1
+        return out, run.base + n
 
     def _runs_of(self, cache: KVCache) -> dict[int, Run]:
         """Layer -> its `Run` (`layer_runs`): the layers whose decode rows `decode_layers` can
