@@ -44,8 +44,8 @@ Notes for whoever edits these loops (here and in `moeshard.moe.kernels.tiles`):
   of 8 columns in order.
 * numba's cache (``cache=True``) checks only each function's own file, yet compiles in the
   helpers and constants it imports: after editing this module or `tiles`, the cached kernels
-  of `tiles` and `entry` still hold the old code.  Delete ``moe/kernels/__pycache__/*.nbi``
-  and ``*.nbc`` after such an edit.
+  of `tiles` and `entry` would still hold the old code.  `numba_cache` keeps the cache in a
+  directory of the sources' version, so any edit starts a fresh one.
 """
 
 import functools

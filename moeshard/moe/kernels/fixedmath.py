@@ -33,9 +33,8 @@ exact values.
 
 `exp`/`tanh` are the numba functions (scalars, inlined into the kernels); `exp_array`/
 `tanh_array` are their numpy twins, the same operations on float64 arrays in the same order,
-hence the same bits (tested).  Editing either means editing both, and `build.ARITHMETIC`; and
-(numba's cache checks only each function's own file) deleting moe/kernels/__pycache__/*.nbi
-and *.nbc, or `entry`'s cached kernels keep the old code.
+hence the same bits (tested).  Editing either means editing both, and `build.ARITHMETIC`
+(numba's cache then starts afresh by itself: `numba_cache`).
 """
 
 import numpy as np
