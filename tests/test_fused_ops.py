@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from numba import njit
 
+from moeshard.moe.kernels import fixedmath
 from moeshard.moe.model import fused
 from moeshard.moe.model.layers import (
     apply_partial_rope,
@@ -159,9 +160,14 @@ def attend_position_by_position(q, kc, vc, start, scale, window, out):
             for s in range(lo, pos + 1):
                 scores[s] = fused._dot(q[t], h * d, kc, s, kv, d) * np.float32(scale)
                 best = max(best, scores[s])
-            total = 0.0
+            lanes = np.zeros(4)  # [4]: the softmax's sum, position lo + j in lane j mod 4
+            n = pos + 1 - lo
             for s in range(lo, pos + 1):
-                scores[s] = np.exp(scores[s] - best)
+                scores[s] = np.float32(fixedmath.exp(np.float64(scores[s] - best)))
+                if s - lo < n - n % 4:
+                    lanes[(s - lo) % 4] += scores[s]
+            total = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3])
+            for s in range(lo + n - n % 4, pos + 1):
                 total += scores[s]
             out[t, h * dv : (h + 1) * dv] = 0.0
             for s in range(lo, pos + 1):

@@ -13,11 +13,12 @@ compares them; the families' files state the math with those):
   position p reads keys lo..p); the dot products are float32 in another order than BLAS's
   (last-bit differences): eight lanes (`_dot`, explicit vector lanes, as numba runs no SLP
   vectoriser: 2.3x faster than eight scalar sums for 64-wide heads), then summed pairwise.
-  Keys go four at a time (four independent sums, the output row loaded once for four value
-  rows), each score and output element in the same order as one at a time, and head sizes
-  64 and 128 get the loops compiled for their size: together 2.4x faster on a 64-wide head
-  at 41 and 201 positions (2.5 against 5.8 us, 11 against 29 us: `attend_cache` alone, one
-  thread, a loop of 1000 calls inside numba).
+  Keys go eight at a time for the scores (their lane sums in one transposed tree) and four
+  at a time for the values (the output row loaded once for four value rows), each score and
+  output element in the same order as one at a time, and head sizes 64 and 128 get the loops
+  compiled for their size.  The softmax's exp is `fixedmath.exp` (the same bits on every
+  CPU, where libm's is chosen by CPU at run time), in vectorised loops, its sum in four
+  float64 chains (`_attend_head`; docs/kernels.md has the timings).
 * `gqa_attention`: everything between a GQA layer's projections and its o_proj in one call:
   q/k norms, clip, RoPE, the KV-cache write and `attend_cache`; `gqa_attention_many` does
   it for several sequences (continuous batching), each on its own cache.
@@ -47,6 +48,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.typed import List
 
+from moeshard.moe.kernels import fixedmath
 from moeshard.moe.kernels.dots import _V8F, F32X8, _splat, _vload, _vstore, _vzero, prefetch_span
 
 QK_NORM_NONE, QK_NORM_HEAD, QK_NORM_FULL = 0, 1, 2  # gqa_attention's qk_norm
@@ -240,6 +242,76 @@ def _pair_tree_sum(typingctx, v):
 
 
 @intrinsic
+def _pair_tree_sums8(typingctx, c0, c1, c2, c3, c4, c5, c6, c7):
+    """`_pair_tree_sum` of eight vectors at once -> their eight sums in one vector's lanes,
+    each added in the same order as alone: lane pairs first (two vectors' pairs per add),
+    then pairs of pairs, then the two halves; 14 shuffles and 7 adds for 56 scalar adds."""
+    if not all(c == F32X8 for c in (c0, c1, c2, c3, c4, c5, c6, c7)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        def pick(a, b, lanes):
+            return builder.shuffle_vector(
+                a, b, ir.Constant(ir.VectorType(ir.IntType(32), 8), lanes)
+            )
+
+        def pairs(a, b):  # [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7]
+            return builder.fadd(
+                pick(a, b, [0, 2, 8, 10, 4, 6, 12, 14]), pick(a, b, [1, 3, 9, 11, 5, 7, 13, 15])
+            )
+
+        c = args
+        h01, h23, h45, h67 = (
+            pairs(c[0], c[1]),
+            pairs(c[2], c[3]),
+            pairs(c[4], c[5]),
+            pairs(c[6], c[7]),
+        )
+        g0, g1 = pairs(h01, h23), pairs(h45, h67)  # lane i: vector i's (01)+(23), or (45)+(67)
+        return builder.fadd(
+            pick(g0, g1, [0, 1, 2, 3, 8, 9, 10, 11]), pick(g0, g1, [4, 5, 6, 7, 12, 13, 14, 15])
+        )
+
+    return F32X8(c0, c1, c2, c3, c4, c5, c6, c7), codegen
+
+
+@intrinsic
+def _vscale(typingctx, v, x):
+    """v * x in eight float32 lanes (each the scalar product's bits)."""
+    if not (v == F32X8 and x == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fmul(args[0], _splat(builder, args[1]))
+
+    return F32X8(v, x), codegen
+
+
+@intrinsic
+def _vmax_gt(typingctx, a, b):
+    """Lane by lane, b where b > a, else a: a running maximum that skips nan, as `>` does."""
+    if not (a == b == F32X8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.select(builder.fcmp_ordered(">", args[1], args[0]), args[1], args[0])
+
+    return F32X8(a, b), codegen
+
+
+@intrinsic
+def _lane(typingctx, v, i):
+    """Lane i of eight float32 lanes."""
+    if not (v == F32X8 and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.extract_element(args[0], args[1])
+
+    return types.float32(v, i), codegen
+
+
+@intrinsic
 def _vload_kv(typingctx, cache, s, h, j):
     """cache[s, h, j : j + 8] of a KV cache (float32 [S, H, D], C order), read in place: a
     view `cache[s, h]` per position cost two atomic reference-count updates, 28% of a prefill's
@@ -318,6 +390,82 @@ def _dots4(a, a0, kc, s, kv, n):
 
 
 @njit(cache=True, nogil=True)
+def _dots8(a, a0, kc, s, kv, n):
+    """`_dot` of a[a0:a0+n] with the eight positions s .. s + 7 -> their eight results in one
+    vector, each the same bits as alone (n a multiple of 8: no tail): eight accumulator
+    chains, and their lane sums in one transposed tree (`_pair_tree_sums8`)."""
+    c0, c1, c2, c3 = _vzero(), _vzero(), _vzero(), _vzero()
+    c4, c5, c6, c7 = _vzero(), _vzero(), _vzero(), _vzero()
+    for j in range(0, n, 8):
+        x = _vload(a, a0 + j)
+        c0 = _vmuladd(x, _vload_kv(kc, s, kv, j), c0)
+        c1 = _vmuladd(x, _vload_kv(kc, s + 1, kv, j), c1)
+        c2 = _vmuladd(x, _vload_kv(kc, s + 2, kv, j), c2)
+        c3 = _vmuladd(x, _vload_kv(kc, s + 3, kv, j), c3)
+        c4 = _vmuladd(x, _vload_kv(kc, s + 4, kv, j), c4)
+        c5 = _vmuladd(x, _vload_kv(kc, s + 5, kv, j), c5)
+        c6 = _vmuladd(x, _vload_kv(kc, s + 6, kv, j), c6)
+        c7 = _vmuladd(x, _vload_kv(kc, s + 7, kv, j), c7)
+    return _pair_tree_sums8(c0, c1, c2, c3, c4, c5, c6, c7)
+
+
+@njit(cache=True, nogil=True)
+def _best(scores, lo, end):
+    """The largest of scores[lo:end] (nan skipped, as a loop of `>` skips it), eight lanes
+    at a time: a maximum is the same value in any order."""
+    m = lo + (end - lo) // 8 * 8
+    best = np.float32(-np.inf)
+    if m > lo:
+        lanes = _vload(scores, lo)
+        for s in range(lo + 8, m, 8):
+            lanes = _vmax_gt(lanes, _vload(scores, s))
+        for i in range(8):
+            if _lane(lanes, i) > best:
+                best = _lane(lanes, i)
+    for s in range(m, end):
+        if scores[s] > best:
+            best = scores[s]
+    return best
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _exp_less(scores, lo, end, best):
+    """scores[s] = exp(scores[s] - best) for s in lo..end-1: the float32 difference, exp in
+    float64 by `fixedmath.exp` (the same bits on every CPU; libm's expf is picked by CPU at
+    run time), rounded to float32.  A loop LLVM vectorises (no libm call in it)."""
+    seg = scores[lo:end]  # (indexed from 0: see `_norm_row`)
+    for j in range(seg.shape[0]):
+        seg[j] = np.float32(fixedmath.exp(np.float64(seg[j] - best)))
+
+
+@njit(cache=True, nogil=True)
+def _total(scores, lo, end, first):
+    """first + the sum of scores[lo:end] in float64: four running sums (position lo + j in
+    sum j mod 4, the first starting from `first`), added as (s0 + s1) + (s2 + s3), then the
+    last 0-3 in order.  Four chains, where one waited on its own adds."""
+    seg = scores[lo:end]
+    n = seg.shape[0]
+    s0, s1, s2, s3 = first, 0.0, 0.0, 0.0
+    for j in range(0, n - n % 4, 4):
+        s0 += seg[j]
+        s1 += seg[j + 1]
+        s2 += seg[j + 2]
+        s3 += seg[j + 3]
+    total = (s0 + s1) + (s2 + s3)
+    for j in range(n - n % 4, n):
+        total += seg[j]
+    return total
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _divide(scores, lo, end, total):
+    """scores[s] = float32(scores[s] / total) (float64 division) for s in lo..end-1."""
+    seg = scores[lo:end]
+    for j in range(seg.shape[0]):
+        seg[j] = np.float32(seg[j] / total)
+
+
+@njit(cache=True, nogil=True)
 def _add_scaled4(out, o0, p0, p1, p2, p3, vc, s, kv, n):
     """`_add_scaled` of the four positions s .. s + 3 in turn (out += p0 vc[s, kv], then p1
     vc[s + 1, kv], ...), the same bits, with out loaded and stored once instead of four
@@ -341,39 +489,38 @@ def _attend_head(qt, a0, kc, vc, kv, lo, pos, scale, sink, scores, ot, o0, d, dv
     -> ot[o0:o0+dv]; scores float32 [> pos] is scratch.  sink > -inf is the head's attention
     sink (gpt-oss): one more logit in the softmax's denominator, with no value.
 
-    Positions go four at a time (`_dots4`, `_add_scaled4`), then one at a time: every score
-    and every output element gets the same operations in the same order either way."""
-    quads = lo + (pos + 1 - lo) // 4 * 4  # positions lo..quads-1 go four at a time
-    best = np.float32(-np.inf)
-    for s in range(lo, quads, 4):
+    Scores go eight positions at a time where d is a multiple of 8 (`_dots8`), else four
+    (`_dots4`), then one at a time; the weighted values four at a time (`_add_scaled4`),
+    then one: every score and every output element gets the same operations in the same
+    order either way.  The softmax: the largest score, exp(score - largest) (`_exp_less`),
+    their sum in float64 (`_total`, the sink's term first), each divided by it in float64
+    and rounded to float32 (`_divide`)."""
+    end = pos + 1
+    octs = lo + (end - lo) // 8 * 8 if d % 8 == 0 else lo  # lo..octs-1 go eight at a time
+    for s in range(lo, octs, 8):
+        _vstore(scores, s, _vscale(_dots8(qt, a0, kc, s, kv, d), scale))
+    quads = octs + (end - octs) // 4 * 4  # then octs..quads-1 four at a time
+    for s in range(octs, quads, 4):
         d0, d1, d2, d3 = _dots4(qt, a0, kc, s, kv, d)
         scores[s], scores[s + 1] = d0 * scale, d1 * scale
         scores[s + 2], scores[s + 3] = d2 * scale, d3 * scale
-    for s in range(quads, pos + 1):
+    for s in range(quads, end):
         scores[s] = _dot(qt, a0, kc, s, kv, d) * scale
-    for s in range(lo, pos + 1):
-        if scores[s] > best:
-            best = scores[s]
-    total = 0.0
+    best = _best(scores, lo, end)
     if sink > best:
         best = sink
+    first = 0.0  # the sink's term, or none
     if sink > -np.inf:
-        total += np.exp(sink - best)
-    for s in range(lo, pos + 1):
-        e = np.exp(scores[s] - best)
-        scores[s] = e
-        total += e
+        first = np.float64(np.float32(fixedmath.exp(np.float64(sink - best))))
+    _exp_less(scores, lo, end, best)
+    _divide(scores, lo, end, _total(scores, lo, end, first))
     for j in range(dv):
         ot[o0 + j] = np.float32(0.0)
+    quads = lo + (end - lo) // 4 * 4
     for s in range(lo, quads, 4):
-        _add_scaled4(
-            ot, o0,
-            np.float32(scores[s] / total), np.float32(scores[s + 1] / total),
-            np.float32(scores[s + 2] / total), np.float32(scores[s + 3] / total),
-            vc, s, kv, dv,
-        )  # fmt: skip
-    for s in range(quads, pos + 1):
-        _add_scaled(ot, o0, np.float32(scores[s] / total), vc, s, kv, dv)
+        _add_scaled4(ot, o0, scores[s], scores[s + 1], scores[s + 2], scores[s + 3], vc, s, kv, dv)
+    for s in range(quads, end):
+        _add_scaled(ot, o0, scores[s], vc, s, kv, dv)
 
 
 @njit(cache=True, nogil=True)
