@@ -31,6 +31,7 @@ from moeshard.bench.compare_table import (
     spread,
     table,
 )
+from moeshard.moe.errors import MoeshardError
 from tests.helpers import ROOT
 
 FIXTURES = ROOT / "tests" / "fixtures" / "llamacpp"
@@ -199,3 +200,17 @@ def test_bad_options_fail_before_anything_is_built(tmp_path, args, message):
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert not cache.exists()  # nothing downloaded, built or converted
+
+
+def test_a_failing_tool_is_named_with_its_last_line_of_output():
+    """`llamacpp.run_tool`: stdout back from a tool that succeeds; from one that fails, an
+    error naming it, its exit status and its last line (stderr's, else stdout's)."""
+    assert llamacpp.run_tool(["sh", "-c", "echo one; echo two"]) == "one\ntwo\n"
+    with pytest.raises(MoeshardError, match=r"^sh failed \(exit 3\): the reason$"):
+        llamacpp.run_tool(
+            ["sh", "-c", "echo progress; echo noise >&2; echo the reason >&2; exit 3"]
+        )
+    with pytest.raises(MoeshardError, match=r"^sh failed \(exit 4\): only stdout$"):
+        llamacpp.run_tool(["sh", "-c", "echo only stdout; exit 4"])
+    with pytest.raises(MoeshardError, match=r"\(exit 5\): \(no output\)$"):
+        llamacpp.run_tool(["sh", "-c", "exit 5"])

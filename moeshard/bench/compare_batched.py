@@ -21,7 +21,6 @@ issue 38's serve goal (16 concurrent >= 5x one).
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from pathlib import Path
 
@@ -32,7 +31,6 @@ from moeshard.bench.compare_sides import RUN_TIMEOUT_S
 from moeshard.bench.compare_table import Row, spread
 from moeshard.bench.llamacpp import LlamaCpp
 from moeshard.coordinator.runtime import open_local
-from moeshard.moe.errors import MoeshardError
 
 PROMPT_TOKENS = 32  # each sequence's prompt (llama-batched-bench -npp)
 
@@ -70,13 +68,7 @@ def parse_batched_jsonl(text: str) -> dict[int, float]:
 
 
 def run_llama_batched(cmd: list[str]) -> dict[int, float]:
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=llamacpp.tool_env()
-    )
-    if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise MoeshardError(f"llama-batched-bench failed (exit {proc.returncode}): {tail}")
-    return parse_batched_jsonl(proc.stdout)
+    return parse_batched_jsonl(llamacpp.run_tool(cmd, timeout=RUN_TIMEOUT_S))
 
 
 def batched_decode_tps(model, vocab: int, sequences: int, tokens: int, seed: int) -> float:

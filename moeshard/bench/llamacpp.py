@@ -462,12 +462,21 @@ def llama_bench_cmd(
     return cmd
 
 
-def run_llama_bench(cmd: Sequence[str], timeout: float | None = None) -> list[LlamaBenchResult]:
+def run_tool(cmd: Sequence[str], timeout: float | None = None) -> str:
+    """Run one of llama.cpp's tools -> its stdout; a clear error with its last line of output
+    (stderr's, else stdout's) when it fails."""
+    cmd = [str(c) for c in cmd]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=tool_env())
     if proc.returncode != 0:
-        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise MoeshardError(f"llama-bench failed (exit {proc.returncode}): {tail}")
-    return parse_llama_bench_json(proc.stdout)
+        lines = proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines()
+        tail = lines[-1] if lines else "(no output)"
+        name = os.path.basename(cmd[0])
+        raise MoeshardError(f"{name} failed (exit {proc.returncode}): {tail}")
+    return proc.stdout
+
+
+def run_llama_bench(cmd: Sequence[str], timeout: float | None = None) -> list[LlamaBenchResult]:
+    return parse_llama_bench_json(run_tool(cmd, timeout))
 
 
 def backend_ops_threads() -> int:
@@ -509,11 +518,7 @@ def parse_backend_ops_perf(text: str) -> dict[tuple[str, int], float]:
 
 def run_backend_ops(llama: LlamaCpp, filter_regex: str) -> dict[tuple[str, int], float]:
     cmd = [llama.bin("test-backend-ops"), "perf", "-o", "MUL_MAT", "-b", "CPU", "-p", filter_regex]
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=tool_env())
-    if proc.returncode != 0:
-        tail = ((proc.stderr + proc.stdout).strip().splitlines() or ["(no output)"])[-1]
-        raise MoeshardError(f"test-backend-ops failed (exit {proc.returncode}): {tail}")
-    return parse_backend_ops_perf(proc.stdout)
+    return parse_backend_ops_perf(run_tool(cmd))
 
 
 def packed_bytes(fmt: str, rows: int, cols: int) -> int:
