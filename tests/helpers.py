@@ -40,6 +40,14 @@ FAMILY_FIXTURES = (
     else []
 )
 DIALECTS = ("rope_theta", "rope_parameters")
+# (family, expert format, trunk format) of the converted tiny models whose fused decode and
+# prefill calls are checked against the step-by-step bits (tests/test_fused_*.py)
+FUSED_CASES = [
+    ("qwen3_moe", "q4_0", "bf16"),
+    ("qwen3_moe", "q8_0", "q8_0"),
+    ("olmoe", "f32", "f32"),
+    ("mixtral", "q4_0", "f32"),
+]
 
 T = TypeVar("T")
 

@@ -9,6 +9,7 @@ import sys
 import numba
 import numpy as np
 import pytest
+from helpers import FUSED_CASES
 
 from moeshard.coordinator.runtime import open_local, open_streaming
 from moeshard.moe.kernels import quant
@@ -90,15 +91,7 @@ def _same(a, b) -> None:
         assert ka[:n].tobytes() == kb[:n].tobytes() and va[:n].tobytes() == vb[:n].tobytes()
 
 
-@pytest.mark.parametrize(
-    "family, experts, trunk",
-    [
-        ("qwen3_moe", "q4_0", "bf16"),
-        ("qwen3_moe", "q8_0", "q8_0"),
-        ("olmoe", "f32", "f32"),
-        ("mixtral", "q4_0", "f32"),
-    ],
-)
+@pytest.mark.parametrize("family, experts, trunk", FUSED_CASES)
 def test_fused_decode_layer_gives_the_step_by_step_bits(
     converted, monkeypatch, family, experts, trunk
 ):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 import pytest
+from helpers import FUSED_CASES
 
 from moeshard.coordinator.runtime import open_local
 from moeshard.moe.kernels import quant
@@ -56,15 +57,7 @@ def _counting(monkeypatch) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.parametrize(
-    "family, experts, trunk",
-    [
-        ("qwen3_moe", "q4_0", "bf16"),
-        ("qwen3_moe", "q8_0", "q8_0"),
-        ("olmoe", "f32", "f32"),
-        ("mixtral", "q4_0", "f32"),
-    ],
-)
+@pytest.mark.parametrize("family, experts, trunk", FUSED_CASES)
 @pytest.mark.parametrize("mode", ["serial", "pool"])
 def test_a_prefill_in_one_call_gives_the_step_by_step_bits(
     converted, monkeypatch, family, experts, trunk, mode

@@ -254,6 +254,12 @@ def parallel_threads(items: int, work: int) -> int:
     return max(1, min(threads(), items) if work >= PARALLEL_MIN_WORK else 1)
 
 
+def run_parallel_on(kernel, n_threads: int, *args):
+    """`run_parallel` for a kernel that deals its work out itself: on the `n_threads` that
+    `parallel_threads` gave the caller to pass it (not worked out a second time)."""
+    return _launch(kernel, n_threads, args)
+
+
 _pool = {"lock": threading.Lock(), "shared": None}  # shared: may threads launch at once?
 _set = threading.local()  # .n: the thread count this thread last gave numba (numba's own
 # getter costs 0.6 us, an eighth of a small product's whole call)

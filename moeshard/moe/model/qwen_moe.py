@@ -427,8 +427,8 @@ class Transformer:
             self.scaling, c.top_k, c.norm_topk_prob,
         )  # fmt: skip
         cos, sin = rope
-        stop, h, ids, weights, out = quant.run_parallel(
-            prefill_layers, t, t * per_row, run.entries, run.kcs, run.vcs, first, n, x, delta,
+        stop, h, ids, weights, out = quant.run_parallel_on(
+            prefill_layers, shares, run.entries, run.kcs, run.vcs, first, n, x, delta,
             delta is not x, consts, cos, sin, cache.length, shares,
         )  # fmt: skip
         if stop < n:  # an expert not read yet: the backend's own call reads it
