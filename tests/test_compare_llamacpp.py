@@ -214,3 +214,5 @@ def test_a_failing_tool_is_named_with_its_last_line_of_output():
         llamacpp.run_tool(["sh", "-c", "echo only stdout; exit 4"])
     with pytest.raises(MoeshardError, match=r"\(exit 5\): \(no output\)$"):
         llamacpp.run_tool(["sh", "-c", "exit 5"])
+    with pytest.raises(MoeshardError, match=r"^sleep did not finish in 0.2 s \(stopped\)$"):
+        llamacpp.run_tool(["sleep", "30"], timeout=0.2)

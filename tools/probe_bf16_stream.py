@@ -134,9 +134,10 @@ def main() -> int:
     rng = np.random.default_rng(0)
     packed = quant.pack(rng.standard_normal((ROWS, COLS), dtype=np.float32), "bf16")
     x = rng.standard_normal((1, COLS), dtype=np.float32)  # [1, cols]
-    ref = quant.PackedMatrix(packed, "bf16", ROWS, COLS)(x)
+    matrix = quant.PackedMatrix(packed, "bf16", ROWS, COLS)
+    ref = matrix(x)
     rows, raw, inters, sums = _pools(packed)
-    m_args = quant.PackedMatrix(packed, "bf16", ROWS, COLS)._args[1:]
+    m_args = matrix._args[1:]
     code = quant._FMT_CODE["bf16"]
     variants = {
         "moeshard now": lambda k: entry.matmul_kernel(code, quant._int8(), raw[k], *m_args, x),

@@ -466,11 +466,14 @@ def run_tool(cmd: Sequence[str], timeout: float | None = None) -> str:
     """Run one of llama.cpp's tools -> its stdout; a clear error with its last line of output
     (stderr's, else stdout's) when it fails."""
     cmd = [str(c) for c in cmd]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=tool_env())
+    name = os.path.basename(cmd[0])
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=tool_env())
+    except subprocess.TimeoutExpired:
+        raise MoeshardError(f"{name} did not finish in {timeout:g} s (stopped)") from None
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines()
         tail = lines[-1] if lines else "(no output)"
-        name = os.path.basename(cmd[0])
         raise MoeshardError(f"{name} failed (exit {proc.returncode}): {tail}")
     return proc.stdout
 

@@ -245,7 +245,7 @@ def run_parallel(kernel, items: int, work: int, *args):
     """Call a parallel=True kernel outside this module (e.g. attention over several
     sequences) on as many of `threads()` threads as it has independent items, or on this
     thread alone when its `work` (multiply-adds) is below PARALLEL_MIN_WORK."""
-    return _launch(kernel, parallel_threads(items, work), args)
+    return run_parallel_on(kernel, parallel_threads(items, work), *args)
 
 
 def parallel_threads(items: int, work: int) -> int:
