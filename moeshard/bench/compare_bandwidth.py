@@ -31,9 +31,9 @@ class Bandwidth:
         rows, cols = TRUNK_SHAPE
         w = rng.standard_normal((rows, cols), dtype=np.float32)  # [rows, cols]
         self.trunk, self.trunk_at = _arena(quant.pack(w, "bf16"))
+        n = quant.packed_nbytes("bf16", rows, cols)
         self.trunk_mats = [
-            quant.PackedMatrix(self.trunk[o : o + rows * cols * 2], "bf16", rows, cols)
-            for o in self.trunk_at
+            quant.PackedMatrix(self.trunk[o : o + n], "bf16", rows, cols) for o in self.trunk_at
         ]
         self.x = rng.standard_normal((1, cols), dtype=np.float32)  # [1, cols]
         hidden, inter = EXPERT_SHAPE
