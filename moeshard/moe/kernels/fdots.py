@@ -216,7 +216,7 @@ def _bf16_dot4(w, rows, x, xp, u):
     [b, cols] (steps 1-3 of the module doc); xp is x with each 16 columns reordered evens
     then odds (`even_odd`), the order the bf16 lanes take them in.  No software prefetch: the
     group is one stream (`layout`), which the hardware prefetcher follows (prefetching the
-    next group as well lost 2-10%: `tools/probe_bf16_stream.py`)."""
+    next group as well was slower: `tools/probe_bf16_stream.py`, docs/kernels.md)."""
     cols = x.shape[1]
     r0, r1, r2, r3 = rows
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _vzero()

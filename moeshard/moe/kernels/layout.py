@@ -316,7 +316,7 @@ def _ggml_to_packed(g: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray
         out[:payload] = g.reshape(-1)
         return out
     if fmt == "bf16":
-        out[:payload] = _bf16_interleave(g.view(np.uint16).reshape(rows, cols)).view(np.uint8)
+        _bf16_interleave(g.view(np.uint16).reshape(rows, cols), out[:payload].view(np.uint16))
         return out
     if fmt == "q4_K":
         codes, scales = _q4k_split(g.reshape(rows, cols // QK_K, -1))
@@ -352,14 +352,20 @@ def _ggml_to_packed(g: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray
     return out
 
 
-def _bf16_interleave(w: np.ndarray) -> np.ndarray:
-    """bf16 bits uint16 [rows, cols] -> the kernel layout, flat uint16 [groups * pieces * 64]."""
+def _bf16_interleave(w: np.ndarray, out: np.ndarray) -> None:
+    """bf16 bits uint16 [rows, cols] -> out, the kernel layout's uint16 [groups * pieces * 64]
+    (zeros where it pads), written in place: a table of gigabytes (an embedding) is not
+    copied on the way."""
     rows, cols = w.shape
-    groups, pieces = _bf16_groups(rows), _bf16_pieces(cols)
-    padded = np.zeros((groups * BF16_GROUP, pieces * BF16_PIECE), dtype=np.uint16)
-    padded[:rows, :cols] = w
-    split = padded.reshape(groups, BF16_GROUP, pieces, BF16_PIECE)  # [g, i, p, l]
-    return np.ascontiguousarray(split.transpose(0, 2, 1, 3)).reshape(-1)  # [g, p, i, l]
+    whole = cols - cols % BF16_PIECE
+    dest = out.reshape(_bf16_groups(rows), -1, BF16_GROUP, BF16_PIECE)  # [g, p, i, l]
+    for i in range(BF16_GROUP):
+        part = w[i::BF16_GROUP]  # [rows of this place in their group, cols]
+        n = part.shape[0]
+        full = whole // BF16_PIECE
+        dest[:n, :full, i] = part[:, :whole].reshape(n, full, BF16_PIECE)
+        if whole < cols:
+            dest[:n, full, i, : cols - whole] = part[:, whole:]
 
 
 def _bf16_deinterleave(pieces: np.ndarray, rows: int, cols: int) -> np.ndarray:
