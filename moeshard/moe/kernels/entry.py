@@ -573,6 +573,8 @@ def f32_rows_at(table, ids):
 def bf16_rows_at(table, rows, cols, ids):
     """Rows `ids` (int64 [n]) of a rows x cols bf16 matrix in the kernel layout (uint16
     [groups, pieces, 4, 16]: `layout.float_rows_view`) -> float32 [n, cols], exactly."""
+    if rows > BF16_GROUP * table.shape[0] or cols > BF16_PIECE * table.shape[1]:
+        raise ValueError("the matrix is larger than its table")
     out = np.empty((ids.shape[0], cols), dtype=np.float32)  # [n, cols]
     for i in range(ids.shape[0]):
         r = ids[i]

@@ -15,8 +15,9 @@ matrix is zero-padded to a multiple of 64 bytes):
   ``[groups, pieces, 4, 16]`` with pieces = cols / 16 rounded up (a last piece padded with
   zeros), so value ``w[4g + i, 16p + l]`` is at ``[g, p, i, l]``.  The kernels take four rows
   at a time; row-major, that was four 2 KiB streams at once, too short for the hardware
-  prefetcher to follow, and the products read 0.75-0.87 of the DRAM rate; as one stream per
-  group, 0.92-1.02 with the same sums (`tools/probe_bf16_stream.py`, docs/results.md).
+  prefetcher to follow, and the batch-1 product read 0.75-0.87 of the DRAM rate; as one
+  stream per group, 0.91-0.94 with the same sums (AVX-512; `tools/probe_bf16_stream.py`,
+  docs/results.md).
 * ``q8_0``, ``q4_0`` and ``mxfp4``: rows in groups of eight (a last group padded with zero
   rows), each
   group's blocks interleaved so that one 32-byte load holds the same four columns of all
@@ -353,9 +354,9 @@ def _ggml_to_packed(g: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray
 
 
 def _bf16_interleave(w: np.ndarray, out: np.ndarray) -> None:
-    """bf16 bits uint16 [rows, cols] -> out, the kernel layout's uint16 [groups * pieces * 64]
-    (zeros where it pads), written in place: a table of gigabytes (an embedding) is not
-    copied on the way."""
+    """bf16 bits uint16 [rows, cols] -> out, the kernel layout's uint16 [groups * pieces * 64],
+    written in place (a table of gigabytes, an embedding, is not copied on the way); out
+    must be zeros, which the padding keeps."""
     rows, cols = w.shape
     whole = cols - cols % BF16_PIECE
     dest = out.reshape(_bf16_groups(rows), -1, BF16_GROUP, BF16_PIECE)  # [g, p, i, l]
