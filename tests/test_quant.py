@@ -114,6 +114,9 @@ def test_bf16_layout_is_four_row_groups_in_sixteen_column_pieces():
     np.testing.assert_array_equal(
         quant.dequantize_rows(packed, "bf16", rows, cols, ids), values[ids]
     )
+    view = quant.float_rows_view(packed, "bf16", rows, cols)  # [2, 3, 4, 16]
+    with pytest.raises(ValueError, match="larger than its table"):  # (it would read past it)
+        quant.float_rows_at(view, 100, cols, np.array([50], dtype=np.int64))
     x = random_x(3, cols)
     y = quant.matmul(packed, "bf16", rows, cols, x)  # [3, rows]
     ref = x.astype(np.float64) @ values.astype(np.float64).T
