@@ -33,6 +33,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from moeshard.coordinator.serve.engine import Engine, Event, QueueFull
+from moeshard.moe import sigint
 from moeshard.moe.errors import MoeshardError
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,25 @@ class RemoteRequest:
                 return
 
 
+def _start_holding_ctrl_c(proc) -> None:
+    """proc.start() with a Ctrl-C held until it returns, then acted on as it would have been.
+    Interrupted between launching the spawned child and handing it its work, the parent left
+    the child reading an empty pipe: its EOFError traceback on the shared stderr (`serve`
+    stopped 0.6 s after start, once in a CI run). Once started, the child is a daemon: it
+    stops with its parent."""
+    if threading.current_thread() is not threading.main_thread():
+        proc.start()  # (only the main thread receives signals)
+        return
+    held: list[int] = []
+    previous = sigint.install(lambda signum, frame: held.append(signum))
+    try:
+        proc.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held and callable(previous):  # (Python's own handler raises KeyboardInterrupt)
+        previous(signal.SIGINT, None)
+
+
 class EngineProcess:
     """An `Engine` over the runtime `opener(opener_args)` opens, in a child process.
 
@@ -99,7 +119,7 @@ class EngineProcess:
             name="moeshard-engine",
             daemon=True,
         )
-        self._proc.start()
+        _start_holding_ctrl_c(self._proc)
         child.close()
         try:
             kind, info = self._conn.recv()
