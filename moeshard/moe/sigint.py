@@ -7,7 +7,9 @@ ignored. SIGTERM still stops such a process as it stops any other.
 The console script imports this module before it sets any handler (`moeshard.entry`), so
 `IGNORED` is the disposition the process inherited."""
 
+import contextlib
 import signal
+import threading
 
 IGNORED = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
@@ -18,3 +20,18 @@ def install(handler):
     if IGNORED:
         return signal.SIG_IGN
     return signal.signal(signal.SIGINT, handler)
+
+
+@contextlib.contextmanager
+def held(act_after: bool = False):
+    """Within the block a SIGINT sets the yielded event instead of acting; the handler before
+    is back at its end (main thread only, as every signal handler).  With `act_after`, a
+    SIGINT held is then handed to that handler, as if it had come just after the block."""
+    got = threading.Event()
+    previous = install(lambda signum, frame: got.set())
+    try:
+        yield got
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if act_after and got.is_set() and callable(previous):
+        previous(signal.SIGINT, None)

@@ -274,16 +274,10 @@ def interrupts_deferred():
     there, it once landed in an event loop's finaliser mid-start ("Exception ignored ...
     Traceback" and "did not start"). `serve_http` stops at once if it is set. The previous
     handler is back on exit (main thread only, as every signal handler)."""
-    import signal
-
     from moeshard.moe import sigint
 
-    interrupted = threading.Event()
-    previous = sigint.install(lambda signum, frame: interrupted.set())
-    try:
+    with sigint.held() as interrupted:
         yield interrupted
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def serve_http(app, sock, guard: ConnectionGuard, interrupted: threading.Event) -> None:

@@ -94,14 +94,8 @@ def _start_holding_ctrl_c(proc) -> None:
     if threading.current_thread() is not threading.main_thread():
         proc.start()  # (only the main thread receives signals)
         return
-    held: list[int] = []
-    previous = sigint.install(lambda signum, frame: held.append(signum))
-    try:
+    with sigint.held(act_after=True):
         proc.start()
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if held and callable(previous):  # (Python's own handler raises KeyboardInterrupt)
-        previous(signal.SIGINT, None)
 
 
 class EngineProcess:
