@@ -14,16 +14,23 @@ are cached under $MOESHARD_CACHE (default ~/.cache/moeshard) in numba/<digest>, 
 of every moeshard source file that mentions numba: any change to any of them compiles
 everything once, in a fresh directory.  The directories of other versions are removed once
 they have not been used for a day, keeping the last few (`KEEP`).
+
+Every cache file is read and written under a lock (`lock_cache_files`): numba's own files are
+not safe for several processes at once, and a node, its siblings and a coordinator all compile
+the same kernels on a cold cache.  See `LockedIndexDataCacheFile`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
 import time
 from pathlib import Path
 
+import numba.core.caching
 import numba.core.config
 
 PACKAGE = Path(__file__).resolve().parents[2]  # moeshard/
@@ -53,6 +60,7 @@ def use_source_keyed_cache() -> Path | None:
     renewed: it is in use) unless NUMBA_CACHE_DIR is set; remove the stale directories of
     other versions.  -> the directory, or None where the user's or numba's default stands
     (a cache directory that cannot be made leaves numba's default)."""
+    lock_cache_files()
     if numba.core.config.CACHE_DIR:  # (NUMBA_CACHE_DIR, read when numba was imported)
         return None
     here = cache_root() / source_digest()
@@ -82,3 +90,55 @@ def prune(root: Path, keep: Path, now: float | None = None) -> list[Path]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+class LockedIndexDataCacheFile(numba.core.caching.IndexDataCacheFile):
+    """numba's index-and-data cache of one function, read and written under a file lock.
+
+    numba saves a compiled overload by reading the function's index, picking the first free
+    data file name, writing the index, then the data.  Two processes compiling two overloads
+    of one function at once (say, for arrays of two layouts) can both pick `f.1.nbc`: the
+    index then names one overload's data file while it holds the other's machine code
+    (tests/test_numba_cache.py times this).  A process loading that entry runs code compiled
+    for other argument types on its arguments (numba issue 4807: segfaults).  A reader can
+    also meet an index written a moment before its data, whose file may still hold another
+    overload's code from a stale version of the source.  (The likely cause of the segfaults
+    of two fresh-clone test suites in `quant.warmup`, while node processes compiled the same
+    kernels beside it: stop 58.)  Here a save holds an exclusive
+    lock on `<index>.lock` from reading the index to writing the data, and a load a shared
+    one from reading the index to reading the data: every entry read names its own code."""
+
+    def save(self, key, data):
+        with _locked(self._index_path, fcntl.LOCK_EX):
+            super().save(key, data)
+
+    def load(self, key):
+        with _locked(self._index_path, fcntl.LOCK_SH):
+            return super().load(key)
+
+
+@contextlib.contextmanager
+def _locked(index_path: str, how: int):
+    """Hold flock(how) on index_path + '.lock' (made if absent).  Where the lock file cannot
+    be made or locked (a read-only cache, such as a container image's, that nobody saves to;
+    a file system without locks) the cache is used as numba alone would use it."""
+    try:
+        fd = os.open(index_path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, how)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)  # (which releases the lock)
+
+
+def lock_cache_files() -> None:
+    """Make numba cache every function created from now on through
+    `LockedIndexDataCacheFile` (numba's `Cache` makes its file object from this module
+    attribute when a `cache=True` function is defined)."""
+    numba.core.caching.IndexDataCacheFile = LockedIndexDataCacheFile
