@@ -43,8 +43,9 @@ fixtures: $(REF_VENV)/.stamp
 	$(REF_PY) tools/make_kda_fixture.py --out tests/fixtures/kda/kimi_linear_kda.npz
 	$(REF_PY) tools/make_kimi_linear_fixture.py --out tests/fixtures/kimi_linear
 
+# (manifest.py holds the store's format version: a new one converts the demo again)
 $(DEMO_OUT)/moeshard.json: $(DEMO_SRC)/model.safetensors $(DEMO_SRC)/config.json \
-		$(DEMO_SRC)/tokenizer_config.json $(VENV)/.stamp
+		$(DEMO_SRC)/tokenizer_config.json $(VENV)/.stamp moeshard/moe/storage/manifest.py
 	$(VENV)/bin/moeshard convert $(DEMO_SRC) $(DEMO_OUT) --force
 
 # The network mode on one machine: three node daemons on loopback, found with zeroconf.

@@ -216,3 +216,23 @@ def test_a_failing_tool_is_named_with_its_last_line_of_output():
         llamacpp.run_tool(["sh", "-c", "exit 5"])
     with pytest.raises(MoeshardError, match=r"^sleep did not finish in 0.2 s \(stopped\)$"):
         llamacpp.run_tool(["sleep", "30"], timeout=0.2)
+
+
+def test_the_bandwidth_round_reads_dram_between_the_calls(monkeypatch):
+    """A round of the bandwidth rows times the DRAM read SLICES times, between slices of the
+    products' calls (so both see the same moment of a shared host), and gives each row one
+    value: GB/s of the products, the median DRAM read beside them."""
+    from moeshard.bench import compare_bandwidth, kernels
+
+    monkeypatch.setattr(kernels, "POOL_BYTES", 8 << 20)
+    monkeypatch.setattr(compare_bandwidth, "CALLS", 8)
+    monkeypatch.setattr(compare_bandwidth, "DRAM_BYTES", 16 << 20)
+    sums = []
+    real_sum = compare_bandwidth._parallel_sum
+    monkeypatch.setattr(compare_bandwidth, "_parallel_sum", lambda a: sums.append(1) or real_sum(a))
+    bw = compare_bandwidth.Bandwidth()
+    bw.round()
+    assert len(sums) == 1 + compare_bandwidth.SLICES  # a first touch, then one per slice
+    for row in bw.rows.values():
+        assert len(row.moeshard) == len(row.llama) == 1
+        assert row.moeshard[0] > 0 and row.llama[0] > 0

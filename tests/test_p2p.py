@@ -22,6 +22,7 @@ from moeshard.moe.p2p.daemon import P2PDaemon, hub_args, load_or_make_key, peer_
 from moeshard.moe.p2p.registry import GRPC_PROTOCOL, RECORD_PROTOCOL, registry_key, write_record
 from moeshard.moe.p2p.relay import Relay, RelayLimits
 from moeshard.moe.p2p.tunnel import Forward, Inbound, open_relayed
+from moeshard.moe.storage.manifest import FORMAT_VERSION
 
 HUB_PER_PEER = 3
 
@@ -192,7 +193,9 @@ def test_forged_expired_foreign_and_replayed_records_are_ignored(hub, tmp_path):
     ignored, with its reason; an honest one beside them is kept."""
     model_id = "ab" * 32
     key = make_key(tmp_path / "k.pem")
-    fields = {"name": "n", "model_id": model_id, "fmt": "2", "wire": "1", "records": "1"}
+    fields = {
+        "name": "n", "model_id": model_id, "fmt": str(FORMAT_VERSION), "wire": "1", "records": "1"
+    }  # fmt: skip
     daemons, inbound = [], []
 
     def peer_serving(make_record) -> str:

@@ -94,6 +94,35 @@ def test_pack_is_ggml_bit_for_bit(fmt, shape):
     np.testing.assert_array_equal(quant.unpack_to_ggml(packed, fmt, *shape), ref)
 
 
+def test_bf16_layout_is_four_row_groups_in_sixteen_column_pieces():
+    """Format version 3's bf16 layout, pinned: w[4g + i, 16p + l] at [g, p, i, l], rows padded
+    with zero rows to a multiple of four and columns with zeros to a multiple of sixteen, the
+    matrix to a multiple of 64 bytes; the products and row lookups on such a shape agree with
+    the row-major values."""
+    rows, cols = 7, 40  # a partial last group, a partial last piece
+    w = awkward(rows, cols)
+    bits = quant.quantize(w, "bf16").view(np.uint16)  # [rows, cols]
+    packed = quant.pack(w, "bf16")
+    assert packed.size == quant.packed_nbytes("bf16", rows, cols) == 2 * 3 * 4 * 16 * 2
+    pieces = packed.view(np.uint16).reshape(2, 3, 4, 16)  # [g, p, i, l]
+    for r in range(8):
+        for c in range(48):
+            want = bits[r, c] if r < rows and c < cols else 0
+            assert pieces[r // 4, c // 16, r % 4, c % 16] == want, (r, c)
+    values = quant.dequantize(bits.view(np.uint8), "bf16", (rows, cols))  # [rows, cols]
+    ids = np.array([6, 0, 3, 4], dtype=np.int64)
+    np.testing.assert_array_equal(
+        quant.dequantize_rows(packed, "bf16", rows, cols, ids), values[ids]
+    )
+    view = quant.float_rows_view(packed, "bf16", rows, cols)  # [2, 3, 4, 16]
+    with pytest.raises(ValueError, match="larger than its table"):  # (it would read past it)
+        quant.float_rows_at(view, 100, cols, np.array([50], dtype=np.int64))
+    x = random_x(3, cols)
+    y = quant.matmul(packed, "bf16", rows, cols, x)  # [3, rows]
+    ref = x.astype(np.float64) @ values.astype(np.float64).T
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
 def test_packed_nbytes():
     for fmt in quant.FORMATS:
         assert quant.packed_nbytes(fmt, 3, 96) % 64 == 0
@@ -102,6 +131,7 @@ def test_packed_nbytes():
     assert quant.packed_nbytes("q8_0", 4096, 14336) == 4096 * 14336 * 17 // 16
     assert quant.packed_nbytes("mxfp4", 4096, 14336) == 4096 * 14336 * 17 // 32  # 4.25 bits
     assert quant.packed_nbytes("bf16", 4, 32) == 256
+    assert quant.packed_nbytes("bf16", 1, 16) == 128  # a row is a group of four: padded
     assert quant.packed_nbytes("f32", 1, 1) == 64
 
 

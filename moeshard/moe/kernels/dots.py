@@ -93,6 +93,8 @@ TILE_ROWS = 4  # rows per unpacked tile (micro-kernel height)
 TILE_COLS = 1024  # columns per micro-kernel chunk of a tile (a multiple of 32)
 ROW_GROUP = 8  # q4_0/q8_0 rows interleaved in the packed layout (`moeshard.moe.kernels.quant`)
 ROWS_PER_ITEM = 16  # rows per parallel work item (a multiple of TILE_ROWS and ROW_GROUP)
+# bf16 rows interleaved in fours, sixteen columns (32 bytes) at a time (`layout`, `fdots`)
+BF16_GROUP, BF16_PIECE = 4, 16
 
 # MXFP4: the E2M1 value of each 4-bit code, doubled (exact small integers; ggml's kvalues),
 # and the E8M0 block scale halved to match (`e8m0_half`).

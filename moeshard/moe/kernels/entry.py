@@ -12,8 +12,9 @@ Entry points (called by `moeshard.moe.kernels.quant` only): `matmul_kernel`, `ex
 numbers, and slice each matrix into two 2-D views (`_matrix_views`; `moeshard.moe.kernels.quant`'s
 docstring has the byte layout):
 
-* ``wq`` uint8: f32/bf16 [rows, row_bytes], the raw rows; q4_0/q8_0/mxfp4 [groups of eight
-  rows, group bytes], the interleaved codes;
+* ``wq`` uint8: f32 [rows, row_bytes], the raw rows; bf16 [groups of four rows, group bytes],
+  the rows interleaved sixteen columns at a time; q4_0/q8_0/mxfp4 [groups of eight rows, group
+  bytes], the interleaved codes;
 * ``ws`` uint16: the block scales, [groups, cols // 32 * 8] float16 (mxfp4: its one-byte
   E8M0 scales two to a uint16), or [rows, 0] for f32/bf16.
 
@@ -43,6 +44,8 @@ from numba import njit, prange
 from moeshard.moe.kernels import fixedmath
 from moeshard.moe.kernels.activations import activation_buffers, quantize_activations
 from moeshard.moe.kernels.dots import (
+    BF16_GROUP,
+    BF16_PIECE,
     FMT_BF16,
     FMT_F32,
     FMT_IQ4_XS,
@@ -88,11 +91,13 @@ def _rows(fmt, wq, ws, lut, x, act, out, r0, r1):
 @njit(cache=True, nogil=True)
 def _matrix_views(fmt, data, rows, cols, row_bytes, scale_off):
     """The payload and scale views of one packed matrix (`moeshard.moe.kernels.quant` has the
-    layout): f32/bf16 (scale_off < 0): uint8 [rows, row_bytes] and empty scales; q4_0/q8_0/mxfp4:
+    layout): f32 (scale_off < 0): uint8 [rows, row_bytes] and empty scales; bf16 the same with
+    [groups of 4 rows, row_bytes]; q4_0/q8_0/mxfp4:
     uint8 [groups of 8 rows, row_bytes] and the scales as uint16 [groups, cols // 32 * 8]
     (float16) or [groups, cols // 32 * 4] (mxfp4: one-byte E8M0 scales, two to a uint16)."""
     if scale_off < 0:
-        wq = data[: rows * row_bytes].reshape((rows, row_bytes))
+        n = (rows + BF16_GROUP - 1) // BF16_GROUP if fmt == FMT_BF16 else rows
+        wq = data[: n * row_bytes].reshape((n, row_bytes))
         return wq, np.empty((rows, 0), dtype=np.uint16)
     groups, nb = (rows + ROW_GROUP - 1) // ROW_GROUP, cols // QK
     wq = data[: groups * row_bytes].reshape((groups, row_bytes))
@@ -549,18 +554,34 @@ def _weighted_total(y, w):
 
 
 @njit(cache=True, nogil=True)
-def float_rows_at(table, ids):
-    """Rows `ids` (int64 [n]) of a table of float32 bits (uint32 [R, C]) or bf16 bits
-    (uint16 [R, C], the high half of a float32's) -> float32 [n, C], exactly
-    (`layout.dequantize_rows`' float branch, and `Trunk.embed`'s: a decode step's embedding
-    row, where a dozen numpy calls ran cold after a big model's layers)."""
+def f32_rows_at(table, ids):
+    """Rows `ids` (int64 [n]) of a table of float32 bits (uint32 [R, C]) -> float32 [n, C]
+    (`layout.float_rows_at`, and `Trunk.embed`'s: a decode step's embedding row, where a
+    dozen numpy calls ran cold after a big model's layers)."""
     rows, cols = table.shape
-    shift = 32 - 8 * table.itemsize  # 0 for float32 bits, 16 for bf16's
     out = np.empty((ids.shape[0], cols), dtype=np.float32)  # [n, C]
     for i in range(ids.shape[0]):
         r = ids[i]
         if r < 0 or r >= rows:
             raise IndexError("row ids must be within the table")
         for j in range(cols):
-            out[i, j] = np.uint32(np.uint32(table[r, j]) << shift).view(np.float32)
+            out[i, j] = np.uint32(table[r, j]).view(np.float32)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def bf16_rows_at(table, rows, cols, ids):
+    """Rows `ids` (int64 [n]) of a rows x cols bf16 matrix in the kernel layout (uint16
+    [groups, pieces, 4, 16]: `layout.float_rows_view`) -> float32 [n, cols], exactly."""
+    if rows > BF16_GROUP * table.shape[0] or cols > BF16_PIECE * table.shape[1]:
+        raise ValueError("the matrix is larger than its table")
+    out = np.empty((ids.shape[0], cols), dtype=np.float32)  # [n, cols]
+    for i in range(ids.shape[0]):
+        r = ids[i]
+        if r < 0 or r >= rows:
+            raise IndexError("row ids must be within the table")
+        g, k = r // BF16_GROUP, r % BF16_GROUP
+        for j in range(cols):
+            bits = np.uint32(table[g, j // BF16_PIECE, k, j % BF16_PIECE]) << 16
+            out[i, j] = np.uint32(bits).view(np.float32)
     return out

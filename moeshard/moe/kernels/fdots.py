@@ -13,6 +13,10 @@ to float32), with C = cols rounded down to a multiple of 16:
 2. ``v_l = a_0l + a_1l``, then ``y = ((v_0 + v_4) + (v_2 + v_6)) + ((v_1 + v_5) + (v_3 + v_7))``;
 3. the columns from C on, in order: ``y = fma(w_c, x_c, y)``.
 
+bf16 rows are read from the packed layout's groups of four rows, sixteen columns of the four
+at a time (`layout`; `_bf16_lanes_at` addresses a value): the same values in the same order,
+one memory stream per group instead of four.
+
 Nothing depends on how many rows share the call or on the thread split, and no step is left
 to the compiler's choice (no fast-math flags), so a row's bits are the same in any batch and
 on any CPU.  Four weight rows are taken per pass (eight independent FMA chains: enough to hide
@@ -28,7 +32,16 @@ from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
 from moeshard.moe.kernels.build import cpu_level
-from moeshard.moe.kernels.dots import F32X8, FMT_BF16, LANES, _vsum, _vzero, prefetch_line
+from moeshard.moe.kernels.dots import (
+    BF16_GROUP,
+    BF16_PIECE,
+    F32X8,
+    FMT_BF16,
+    LANES,
+    _vsum,
+    _vzero,
+    prefetch_line,
+)
 
 _V8F = ir.VectorType(ir.FloatType(), LANES)
 _V8I16 = ir.VectorType(ir.IntType(16), LANES)
@@ -64,6 +77,38 @@ def _lanes_at(context, builder, sig, args, lane_type):
     return _ptr2(context, builder, sig.args[0], args[0], row, col, lane_type)
 
 
+def _bf16_lanes_at(context, builder, sig, args, lane_type):
+    """Codegen: a pointer (as `lane_type`) to value (r, j) = (args[1], args[2]) of a bf16
+    matrix in the kernel layout, args[0] uint16 [groups, pieces * 64] (`layout`: value
+    w[4g + i, 16p + l] at [g, 64p + 16i + l])."""
+    r = context.cast(builder, args[1], sig.args[1], types.intp)
+    j = context.cast(builder, args[2], sig.args[2], types.intp)
+    a = context.make_array(sig.args[0])(context, builder, args[0])
+    width = cgutils.unpack_tuple(builder, a.shape, 2)[1]
+    k = r.type
+
+    def const(v):
+        return ir.Constant(k, v)
+
+    group = builder.mul(builder.ashr(r, const(2)), width)
+    piece = builder.shl(builder.ashr(j, const(4)), const(6))
+    inner = builder.add(
+        builder.shl(builder.and_(r, const(3)), const(4)), builder.and_(j, const(15))
+    )
+    index = builder.add(builder.add(group, piece), inner)
+    return builder.bitcast(builder.gep(a.data, [index]), lane_type.as_pointer())
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _bf16_at(w, r, c):
+    """Value (r, c) of a bf16 matrix in the kernel layout (`_bf16_lanes_at`) as its exact
+    float32."""
+    g, i = r // BF16_GROUP, r % BF16_GROUP
+    return _widen(
+        w[g, (c // BF16_PIECE) * (BF16_GROUP * BF16_PIECE) + i * BF16_PIECE + c % BF16_PIECE]
+    )
+
+
 @intrinsic
 def _vload2(typingctx, ary, r, j):
     """ary[r, j : j + 8] of a float32 matrix."""
@@ -81,15 +126,15 @@ _ODD_MASK = -(1 << 16)  # 0xFFFF0000 as an i32: the high bf16 of a 32-bit pair, 
 
 @intrinsic
 def _vload2_bf16_pairs(typingctx, ary, r, j):
-    """Row r of a bfloat16 matrix (uint16 [R, cols]), elements j .. j + 15, as two exact
-    float32 vectors: (even elements j, j+2, ..., odd elements j+1, j+3, ...).  Each 32-bit
-    lane holds a pair; its high half is the odd value's float32 bits with the low half
-    cleared, and shifted left by 16 the even one's."""
+    """Row r of a bfloat16 matrix in the kernel layout (`_bf16_lanes_at`), elements j .. j + 15
+    (j a multiple of 16), as two exact float32 vectors: (even elements j, j+2, ..., odd
+    elements j+1, j+3, ...).  Each 32-bit lane holds a pair; its high half is the odd
+    value's float32 bits with the low half cleared, and shifted left by 16 the even one's."""
     if not _matrix_at(ary, r, j, types.uint16):
         return None
 
     def codegen(context, builder, sig, args):
-        pairs = builder.load(_lanes_at(context, builder, sig, args, _V8I32), align=2)
+        pairs = builder.load(_bf16_lanes_at(context, builder, sig, args, _V8I32), align=2)
         odd = builder.and_(pairs, ir.Constant(_V8I32, [_ODD_MASK] * LANES))
         even = builder.shl(pairs, ir.Constant(_V8I32, [16] * LANES))
         lanes = [builder.bitcast(even, _V8F), builder.bitcast(odd, _V8F)]
@@ -142,12 +187,14 @@ def _fma(typingctx, a, b, c):
 
 @intrinsic
 def _prefetch(typingctx, ary, r, j):
-    """`prefetch_line` of ary[r, j] (a bf16 or f32 matrix)."""
-    if not (_matrix_at(ary, r, j, types.uint16) or _matrix_at(ary, r, j, types.float32)):
+    """`prefetch_line` of value (r, j) of a bf16 matrix (in the kernel layout) or f32 one."""
+    bf16 = _matrix_at(ary, r, j, types.uint16)
+    if not (bf16 or _matrix_at(ary, r, j, types.float32)):
         return None
 
     def codegen(context, builder, sig, args):
-        prefetch_line(builder, _lanes_at(context, builder, sig, args, ir.IntType(8)))
+        at = _bf16_lanes_at if bf16 else _lanes_at
+        prefetch_line(builder, at(context, builder, sig, args, ir.IntType(8)))
         return context.get_dummy_value()
 
     return types.none(ary, r, j), codegen
@@ -164,17 +211,17 @@ def _fetch_ahead(w, ahead, j):
 
 
 @njit(cache=True, nogil=True)
-def _bf16_dot4(w, rows, x, xp, u, ahead):
-    """Four bfloat16 rows of w (uint16 [R, cols]; row numbers `rows`) . float32 row u of x
+def _bf16_dot4(w, rows, x, xp, u):
+    """Four bfloat16 rows of w (the kernel layout; row numbers `rows`) . float32 row u of x
     [b, cols] (steps 1-3 of the module doc); xp is x with each 16 columns reordered evens
-    then odds (`even_odd`), the order the bf16 lanes take them in. The rows `ahead` are
-    prefetched as these are read (`float_rows`)."""
+    then odds (`even_odd`), the order the bf16 lanes take them in.  No software prefetch: the
+    group is one stream (`layout`), which the hardware prefetcher follows (prefetching the
+    next group as well was slower: `tools/probe_bf16_stream.py`, docs/kernels.md)."""
     cols = x.shape[1]
     r0, r1, r2, r3 = rows
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _vzero()
     c16 = cols - cols % 16
     for j in range(0, c16, 16):
-        _fetch_ahead(w, ahead, j)  # (each line twice: a branch here cost the loop 3x at AVX2)
         xa, xb = _vload2(xp, u, j), _vload2(xp, u, j + 8)  # x's even, odd columns
         e0, o0 = _vload2_bf16_pairs(w, r0, j)
         e1, o1 = _vload2_bf16_pairs(w, r1, j)
@@ -188,10 +235,10 @@ def _bf16_dot4(w, rows, x, xp, u, ahead):
     y2, y3 = _vsum(_vadd(a2, b2)), _vsum(_vadd(a3, b3))
     for c in range(c16, cols):
         xc = x[u, c]
-        y0 = _fma(_widen(w[r0, c]), xc, y0)
-        y1 = _fma(_widen(w[r1, c]), xc, y1)
-        y2 = _fma(_widen(w[r2, c]), xc, y2)
-        y3 = _fma(_widen(w[r3, c]), xc, y3)
+        y0 = _fma(_bf16_at(w, r0, c), xc, y0)
+        y1 = _fma(_bf16_at(w, r1, c), xc, y1)
+        y2 = _fma(_bf16_at(w, r2, c), xc, y2)
+        y3 = _fma(_bf16_at(w, r3, c), xc, y3)
     return y0, y1, y2, y3
 
 
@@ -298,13 +345,14 @@ def _zload(typingctx, ary, r, j):
 
 @intrinsic
 def _zload_bf16(typingctx, ary, r, j):
-    """Row r of a bfloat16 matrix (uint16 [R, cols]), elements j .. j + 15 in order, as
-    sixteen exact float32 values (zero-extended, shifted into the high half)."""
+    """Row r of a bfloat16 matrix in the kernel layout (`_bf16_lanes_at`), elements j .. j + 15
+    (j a multiple of 16) in order, as sixteen exact float32 values (zero-extended, shifted
+    into the high half)."""
     if not _matrix_at(ary, r, j, types.uint16):
         return None
 
     def codegen(context, builder, sig, args):
-        halves = builder.load(_lanes_at(context, builder, sig, args, _V16I16), align=2)
+        halves = builder.load(_bf16_lanes_at(context, builder, sig, args, _V16I16), align=2)
         wide = builder.shl(builder.zext(halves, _V16I32), ir.Constant(_V16I32, [16] * 16))
         return builder.bitcast(wide, _V16F)
 
@@ -342,15 +390,13 @@ def _zpairs(typingctx, a):
 
 
 @njit(cache=True, nogil=True)
-def _bf16_dot4_wide(w, rows, x, u, ahead):
+def _bf16_dot4_wide(w, rows, x, u):
     """`_bf16_dot4` in sixteen lanes (see WIDE_BF16): the same bits, x read in order."""
     cols = x.shape[1]
     r0, r1, r2, r3 = rows
     a0 = a1 = a2 = a3 = _zzero()
     c16 = cols - cols % 16
     for j in range(0, c16, 16):
-        if j & 31 == 0:
-            _fetch_ahead(w, ahead, j)
         xj = _zload(x, u, j)
         a0 = _zfma(_zload_bf16(w, r0, j), xj, a0)
         a1 = _zfma(_zload_bf16(w, r1, j), xj, a1)
@@ -360,15 +406,15 @@ def _bf16_dot4_wide(w, rows, x, u, ahead):
     y2, y3 = _vsum(_zpairs(a2)), _vsum(_zpairs(a3))
     for c in range(c16, cols):
         xc = x[u, c]
-        y0 = _fma(_widen(w[r0, c]), xc, y0)
-        y1 = _fma(_widen(w[r1, c]), xc, y1)
-        y2 = _fma(_widen(w[r2, c]), xc, y2)
-        y3 = _fma(_widen(w[r3, c]), xc, y3)
+        y0 = _fma(_bf16_at(w, r0, c), xc, y0)
+        y1 = _fma(_bf16_at(w, r1, c), xc, y1)
+        y2 = _fma(_bf16_at(w, r2, c), xc, y2)
+        y3 = _fma(_bf16_at(w, r3, c), xc, y3)
     return y0, y1, y2, y3
 
 
 @njit(cache=True, nogil=True)
-def _bf16_dot4x2_wide(w, rows, x, u, ahead):
+def _bf16_dot4x2_wide(w, rows, x, u):
     """`_bf16_dot4_wide` for activation rows u and u + 1 at once: each weight load widened
     once for the two (eight sums in flight), the same bits per (row, activation row)."""
     cols = x.shape[1]
@@ -376,8 +422,6 @@ def _bf16_dot4x2_wide(w, rows, x, u, ahead):
     a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _zzero()
     c16 = cols - cols % 16
     for j in range(0, c16, 16):
-        if j & 31 == 0:
-            _fetch_ahead(w, ahead, j)
         xa, xb = _zload(x, u, j), _zload(x, u + 1, j)
         w0, w1 = _zload_bf16(w, r0, j), _zload_bf16(w, r1, j)
         w2, w3 = _zload_bf16(w, r2, j), _zload_bf16(w, r3, j)
@@ -389,7 +433,8 @@ def _bf16_dot4x2_wide(w, rows, x, u, ahead):
     q0, q1, q2, q3 = _vsum(_zpairs(b0)), _vsum(_zpairs(b1)), _vsum(_zpairs(b2)), _vsum(_zpairs(b3))
     for c in range(c16, cols):
         xca, xcb = x[u, c], x[u + 1, c]
-        w0c, w1c, w2c, w3c = _widen(w[r0, c]), _widen(w[r1, c]), _widen(w[r2, c]), _widen(w[r3, c])
+        w0c, w1c = _bf16_at(w, r0, c), _bf16_at(w, r1, c)
+        w2c, w3c = _bf16_at(w, r2, c), _bf16_at(w, r3, c)
         p0, q0 = _fma(w0c, xca, p0), _fma(w0c, xcb, q0)
         p1, q1 = _fma(w1c, xca, p1), _fma(w1c, xcb, q1)
         p2, q2 = _fma(w2c, xca, p2), _fma(w2c, xcb, q2)
@@ -398,19 +443,18 @@ def _bf16_dot4x2_wide(w, rows, x, u, ahead):
 
 
 @njit(cache=True, nogil=True)
-def _bf16_dot2x8_wide(w, r0, r1, x, u, ahead0, ahead1):
+def _bf16_dot2x8_wide(w, r0, r1, x, u, ahead):
     """Rows r0, r1 of w against activation rows u .. u + 7 of x, in sixteen lanes: each weight
     load widened once for eight FMAs (sixteen sums in flight, against two per widening in
     `_bf16_dot4x2_wide`: at many rows the widening, not memory, bounds the bf16 products),
-    the same bits per (row, activation row).  Rows ahead0, ahead1 are prefetched."""
+    the same bits per (row, activation row).  The line holding row `ahead` (with its pair
+    row: one line per sixteen columns, `layout`) is prefetched."""
     cols = x.shape[1]
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = _zzero()
     b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = _zzero()
     c16 = cols - cols % 16
     for j in range(0, c16, 16):
-        if j & 31 == 0:
-            _prefetch(w, ahead0, j)
-            _prefetch(w, ahead1, j)
+        _prefetch(w, ahead, j)
         v, t = _zload_bf16(w, r0, j), _zload_bf16(w, r1, j)
         x0, x1, x2, x3 = (
             _zload(x, u, j),
@@ -437,7 +481,7 @@ def _bf16_dot2x8_wide(w, r0, r1, x, u, ahead0, ahead1):
     q0, q1, q2, q3 = _vsum(_zpairs(b0)), _vsum(_zpairs(b1)), _vsum(_zpairs(b2)), _vsum(_zpairs(b3))
     q4, q5, q6, q7 = _vsum(_zpairs(b4)), _vsum(_zpairs(b5)), _vsum(_zpairs(b6)), _vsum(_zpairs(b7))
     for c in range(c16, cols):
-        v0, v1 = _widen(w[r0, c]), _widen(w[r1, c])
+        v0, v1 = _bf16_at(w, r0, c), _bf16_at(w, r1, c)
         p0, q0 = _fma(v0, x[u, c], p0), _fma(v1, x[u, c], q0)
         p1, q1 = _fma(v0, x[u + 1, c], p1), _fma(v1, x[u + 1, c], q1)
         p2, q2 = _fma(v0, x[u + 2, c], p2), _fma(v1, x[u + 2, c], q2)
@@ -451,18 +495,17 @@ def _bf16_dot2x8_wide(w, r0, r1, x, u, ahead0, ahead1):
 
 @njit(cache=True, nogil=True)
 def _bf16_rows_x8_wide(w, x, out, r0, r1, b8):
-    """out[:b8, r0:r1] (b8 a multiple of 8) for bfloat16 rows w (uint16 [R, cols]), two
+    """out[:b8, r0:r1] (b8 a multiple of 8) for bfloat16 rows w (the kernel layout), two
     weight rows at a time against eight activation rows (`_bf16_dot2x8_wide`); an odd last
     row is paired with itself.  Eight activation rows stay in L1 while the item's weight rows
     pass (from L2 after the first eight, which prefetch the next pair from memory): the
     other way round, sixteen activation rows were re-read from L2 for every pair, and that,
     not the FMAs, bounded the products."""
-    last = w.shape[0] - 1
+    last = BF16_GROUP * w.shape[0] - 1
     for u in range(0, b8, 8):
         for r in range(r0, r1, 2):
             s = min(r + 1, r1 - 1)
-            a0, a1 = (min(r + 2, last), min(r + 3, last)) if u == 0 else (r, s)
-            p, q = _bf16_dot2x8_wide(w, r, s, x, u, a0, a1)
+            p, q = _bf16_dot2x8_wide(w, r, s, x, u, min(r + 2, last) if u == 0 else r)
             for i in range(8):
                 out[u + i, r] = p[i]
                 out[u + i, s] = q[i]
@@ -490,7 +533,8 @@ def float_rows(fmt, wq, x, xp, out, r0, r1):
     weights, cheaper than a float32 scratch copy.  Narrow bf16 rows (`NARROW_COLS`) with four
     or more activation rows go four activation rows at a time instead; every (weight row,
     activation row) pair is summed in the same order either way, so the bits are the same.
-    The first pass over a group prefetches the next group's rows (`dots.prefetch_line`)."""
+    The first pass over an f32 group prefetches the next group's rows (`dots.prefetch_line`);
+    a bf16 group is one stream (`layout`), left to the hardware prefetcher."""
     b, cols = x.shape
     w32 = wq.view(np.float32) if fmt != FMT_BF16 else np.empty((0, 0), dtype=np.float32)
     w16 = wq.view(np.uint16) if fmt == FMT_BF16 else np.empty((0, 0), dtype=np.uint16)
@@ -505,23 +549,23 @@ def float_rows(fmt, wq, x, xp, out, r0, r1):
     for r in range(r0, r1, 4):
         group = (r, min(r + 1, r1 - 1), min(r + 2, r1 - 1), min(r + 3, r1 - 1))
         n = min(4, r1 - r)
-        # the next group's rows are prefetched while this one is read, by its first pass only
-        ahead = (min(r + 4, last), min(r + 5, last), min(r + 6, last), min(r + 7, last))
         if fmt == FMT_BF16 and WIDE_BF16:
             for u in range(first, b - 1, 2):
-                ya, yb = _bf16_dot4x2_wide(w16, group, x, u, ahead if u == first else group)
+                ya, yb = _bf16_dot4x2_wide(w16, group, x, u)
                 for i in range(n):
                     out[u, r + i] = ya[i]
                     out[u + 1, r + i] = yb[i]
             if (b - first) & 1:
-                y = _bf16_dot4_wide(w16, group, x, b - 1, ahead if b - 1 == first else group)
+                y = _bf16_dot4_wide(w16, group, x, b - 1)
                 for i in range(n):
                     out[b - 1, r + i] = y[i]
             continue
         for u in range(first, b):
             if fmt == FMT_BF16:
-                y = _bf16_dot4(w16, group, x, xp, u, ahead if u == first else group)
+                y = _bf16_dot4(w16, group, x, xp, u)
             else:
+                # the next group's rows are prefetched while this one is read, by its first pass
+                ahead = (min(r + 4, last), min(r + 5, last), min(r + 6, last), min(r + 7, last))
                 y = _f32_dot4(w32, group, x, u, ahead if u == first else group)
             for i in range(n):
                 out[u, r + i] = y[i]
@@ -529,7 +573,7 @@ def float_rows(fmt, wq, x, xp, out, r0, r1):
 
 @njit(cache=True, nogil=True)
 def _bf16_rows_x4(w, x, xp, out, r0, r1, b4):
-    """out[:b4, r0:r1] (b4 a multiple of 4) for bfloat16 rows w (uint16 [R, cols]): each
+    """out[:b4, r0:r1] (b4 a multiple of 4) for bfloat16 rows w (the kernel layout): each
     weight row against activation rows u .. u + 3."""
     for r in range(r0, r1):
         for u in range(0, b4, 4):
@@ -557,7 +601,7 @@ def _bf16_dot1x4(w, r, x, xp, u):
     y0, y1 = _vsum(_vadd(a0, b0)), _vsum(_vadd(a1, b1))
     y2, y3 = _vsum(_vadd(a2, b2)), _vsum(_vadd(a3, b3))
     for c in range(c16, cols):
-        wc = _widen(w[r, c])
+        wc = _bf16_at(w, r, c)
         y0 = _fma(wc, x[u, c], y0)
         y1 = _fma(wc, x[u + 1, c], y1)
         y2 = _fma(wc, x[u + 2, c], y2)

@@ -10,7 +10,14 @@ Matrix layout (``rows x cols``; every section starts at a multiple of 64 bytes a
 matrix is zero-padded to a multiple of 64 bytes):
 
 * ``f32``:  rows x cols little-endian float32, row-major.
-* ``bf16``: rows x cols uint16 (upper half of the float32), row-major.
+* ``bf16``: uint16 values (the upper half of the float32) in groups of four rows (a last
+  group padded with zero rows), each group's rows dealt out sixteen columns at a time:
+  ``[groups, pieces, 4, 16]`` with pieces = cols / 16 rounded up (a last piece padded with
+  zeros), so value ``w[4g + i, 16p + l]`` is at ``[g, p, i, l]``.  The kernels take four rows
+  at a time; row-major, that was four 2 KiB streams at once, too short for the hardware
+  prefetcher to follow, and the batch-1 product read 0.75-0.87 of the DRAM rate; as one
+  stream per group, 0.91-0.94 with the same sums (AVX-512; `tools/probe_bf16_stream.py`,
+  docs/results.md).
 * ``q8_0``, ``q4_0`` and ``mxfp4``: rows in groups of eight (a last group padded with zero
   rows), each
   group's blocks interleaved so that one 32-byte load holds the same four columns of all
@@ -41,7 +48,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, quants
 
 from moeshard.moe.kernels import dots
-from moeshard.moe.kernels.entry import float_rows_at
+from moeshard.moe.kernels.entry import bf16_rows_at, f32_rows_at
 
 FORMATS = ("f32", "bf16", "q8_0", "q4_0", "mxfp4")  # `quantize` makes these from floats
 BLOCK_FORMATS = ("q8_0", "q4_0", "mxfp4")  # 32-column blocks, a scale each
@@ -117,6 +124,7 @@ def _pad(n: int) -> int:
 
 
 ROW_GROUP = dots.ROW_GROUP  # q4_0/q8_0 rows interleaved together
+BF16_GROUP, BF16_PIECE = dots.BF16_GROUP, dots.BF16_PIECE  # bf16 rows, columns per piece
 # code bytes per 32 columns and row (q6_K: 16 of low nibbles, 8 of high 2-bit parts)
 _QUANT_BYTES = {
     "q8_0": 32, "q4_0": 16, "mxfp4": 16, "q4_K": 16, "q5_K": 20, "q6_K": 24, "iq4_nl": 16,
@@ -187,11 +195,22 @@ def _groups(rows: int) -> int:
     return -(-rows // ROW_GROUP)
 
 
+def _bf16_groups(rows: int) -> int:
+    return -(-rows // BF16_GROUP)
+
+
+def _bf16_pieces(cols: int) -> int:
+    return -(-cols // BF16_PIECE)
+
+
 def _view_row_bytes(fmt: str, cols: int) -> int:
-    """Bytes per row of the payload view: a matrix row (f32/bf16) or a row group (q4_0/q8_0)."""
+    """Bytes per row of the payload view: a matrix row (f32), a group of four rows (bf16) or
+    of eight (q4_0/q8_0 and the rest)."""
     if fmt in _QUANT_BYTES:
         return cols // QK * ROW_GROUP * _QUANT_BYTES[fmt]
-    return {"f32": 4 * cols, "bf16": 2 * cols}[fmt]
+    if fmt == "bf16":
+        return _bf16_pieces(cols) * BF16_GROUP * BF16_PIECE * 2
+    return 4 * cols
 
 
 def _sections(fmt: str, rows: int, cols: int) -> tuple[int, int, int]:
@@ -202,6 +221,8 @@ def _sections(fmt: str, rows: int, cols: int) -> tuple[int, int, int]:
             scales = _groups(rows) * (cols // QK_K) * ROW_GROUP * _SUPER_SCALE_BYTES[fmt]
         else:
             scales = _groups(rows) * (cols // QK) * ROW_GROUP * _SCALE_BYTES[fmt]
+    elif fmt == "bf16":
+        payload, scales = _bf16_groups(rows) * _view_row_bytes(fmt, cols), 0
     else:
         payload, scales = rows * _view_row_bytes(fmt, cols), 0
     return payload, _pad(payload), scales
@@ -292,8 +313,11 @@ def pack_ggml(g: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray:
 def _ggml_to_packed(g: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray:
     out = np.zeros(packed_nbytes(fmt, rows, cols), dtype=np.uint8)
     payload, s_off, s_bytes = _sections(fmt, rows, cols)
-    if fmt in ("f32", "bf16"):
+    if fmt == "f32":
         out[:payload] = g.reshape(-1)
+        return out
+    if fmt == "bf16":
+        _bf16_interleave(g.view(np.uint16).reshape(rows, cols), out[:payload].view(np.uint16))
         return out
     if fmt == "q4_K":
         codes, scales = _q4k_split(g.reshape(rows, cols // QK_K, -1))
@@ -329,14 +353,47 @@ def _ggml_to_packed(g: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray
     return out
 
 
+def _bf16_interleave(w: np.ndarray, out: np.ndarray) -> None:
+    """bf16 bits uint16 [rows, cols] -> out, the kernel layout's uint16 [groups * pieces * 64],
+    written in place (a table of gigabytes, an embedding, is not copied on the way); out
+    must be zeros, which the padding keeps."""
+    rows, cols = w.shape
+    whole = cols - cols % BF16_PIECE
+    dest = out.reshape(_bf16_groups(rows), -1, BF16_GROUP, BF16_PIECE)  # [g, p, i, l]
+    for i in range(BF16_GROUP):
+        part = w[i::BF16_GROUP]  # [rows of this place in their group, cols]
+        n = part.shape[0]
+        full = whole // BF16_PIECE
+        dest[:n, :full, i] = part[:, :whole].reshape(n, full, BF16_PIECE)
+        if whole < cols:
+            dest[:n, full, i, : cols - whole] = part[:, whole:]
+
+
+def _bf16_deinterleave(pieces: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """The inverse of `_bf16_interleave`: a view [groups, pieces, 4, 16] -> uint16 [rows, cols]."""
+    groups, n = pieces.shape[:2]
+    flat = pieces.transpose(0, 2, 1, 3).reshape(groups * BF16_GROUP, n * BF16_PIECE)
+    return flat[:rows, :cols]
+
+
 def float_rows_view(data: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray:
-    """A packed f32 or bf16 matrix's rows as their bits, validated: uint32 [rows, cols] for
-    f32, uint16 [rows, cols] for bf16 (what `entry.float_rows_at` reads an embedding row
-    from)."""
+    """A packed f32 or bf16 matrix's values as their bits, validated: uint32 [rows, cols] for
+    f32, uint16 [groups, pieces, 4, 16] for bf16 (the layout's; what `float_rows_at` reads an
+    embedding row from)."""
     if fmt not in ("f32", "bf16"):
         raise ValueError(f"{fmt} rows are not float rows")
-    wq, _ = _views(data, fmt, rows, cols)  # [rows, row_bytes]
-    return wq.view(np.uint32 if fmt == "f32" else np.uint16)
+    wq, _ = _views(data, fmt, rows, cols)  # [rows or groups, row_bytes]
+    if fmt == "f32":
+        return wq.view(np.uint32)
+    return wq.view(np.uint16).reshape(wq.shape[0], -1, BF16_GROUP, BF16_PIECE)
+
+
+def float_rows_at(view: np.ndarray, rows: int, cols: int, ids: np.ndarray) -> np.ndarray:
+    """Rows `ids` (int64 [n]) of `float_rows_view`'s view of a rows x cols matrix -> float32
+    [n, cols], exactly (an id outside 0..rows - 1 raises IndexError)."""
+    if view.ndim == 2:
+        return f32_rows_at(view, ids)
+    return bf16_rows_at(view, rows, cols, ids)
 
 
 def dequantize_rows(data: np.ndarray, fmt: str, rows: int, cols: int, ids) -> np.ndarray:
@@ -347,7 +404,7 @@ def dequantize_rows(data: np.ndarray, fmt: str, rows: int, cols: int, ids) -> np
     if ids.size and (ids.min() < 0 or ids.max() >= rows):
         raise IndexError(f"row ids must be within 0..{rows - 1}")  # (as numpy indexing)
     if fmt in ("f32", "bf16"):
-        return float_rows_at(float_rows_view(data, fmt, rows, cols), ids)  # [n, cols]
+        return float_rows_at(float_rows_view(data, fmt, rows, cols), rows, cols, ids)
     wq, ws = _views(data, fmt, rows, cols)
     groups, where = np.unique(ids // ROW_GROUP, return_inverse=True)  # [g], [n]
     n = groups.size * ROW_GROUP  # the groups' rows, as one smaller packed matrix
@@ -362,8 +419,11 @@ def dequantize_rows(data: np.ndarray, fmt: str, rows: int, cols: int, ids) -> np
 def unpack_to_ggml(data: np.ndarray, fmt: str, rows: int, cols: int) -> np.ndarray:
     """Kernel layout -> ggml bytes [rows, row_bytes] (the inverse of the layout step of `pack`)."""
     wq, ws = _views(data, fmt, rows, cols)
-    if fmt in ("f32", "bf16"):
+    if fmt == "f32":
         return wq.copy()
+    if fmt == "bf16":
+        view = float_rows_view(data, fmt, rows, cols)  # [groups, pieces, 4, 16]
+        return np.ascontiguousarray(_bf16_deinterleave(view, rows, cols)).view(np.uint8)
     nb = cols // QK
     if fmt == "q4_K":
         codes = _deinterleave(wq, rows, nb, 4)  # [rows, nb, 16]
@@ -702,13 +762,15 @@ def _check_buffer(data: np.ndarray, want: int, what: str) -> None:
 
 
 def _views(data: np.ndarray, fmt: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """Validated numpy views: f32/bf16 payload [rows, row_bytes] and empty scales [rows, 0];
-    q4_0/q8_0/mxfp4 payload uint8 [groups, group bytes] and scales as uint16 [groups,
-    nb * 8 * scale bytes / 2] (mxfp4's one-byte E8M0 scales two to a uint16)."""
+    """Validated numpy views: f32 payload [rows, row_bytes], bf16 payload [groups of four rows,
+    row_bytes], and empty scales [rows, 0]; q4_0/q8_0/mxfp4 payload uint8 [groups, group
+    bytes] and scales as uint16 [groups, nb * 8 * scale bytes / 2] (mxfp4's one-byte E8M0
+    scales two to a uint16)."""
     nbytes, row_bytes, s_off = _matrix_layout(fmt, rows, cols)
     _check_buffer(data, nbytes, f"packed {fmt} {rows}x{cols} matrix")
     if s_off < 0:
-        wq = data[: rows * row_bytes].reshape(rows, row_bytes)  # [rows, row_bytes]
+        n = _bf16_groups(rows) if fmt == "bf16" else rows
+        wq = data[: n * row_bytes].reshape(n, row_bytes)  # [rows or groups, row_bytes]
         return wq, np.empty((rows, 0), dtype=np.uint16)
     groups = _groups(rows)
     wq = data[: groups * row_bytes].reshape(groups, row_bytes)  # [groups, nb * 8 * 16 or 32]

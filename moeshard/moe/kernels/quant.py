@@ -33,6 +33,7 @@ from moeshard.moe.kernels.layout import (  # noqa: F401  (pack, dequantize, ...:
     _readonly,
     dequantize,
     dequantize_rows,
+    float_rows_at,
     float_rows_view,
     ggml_block_size,
     nonfinite_scales,
@@ -287,10 +288,6 @@ def _launch(kernel, want: int, args):
 
 # ---------------------------------------------------------------------------------------------
 # compute
-
-
-# rows ids (int64 [n]) of `float_rows_view`'s view -> float32 [n, cols]: an embedding lookup
-float_rows_at = entry.float_rows_at
 
 
 def matmul(data: np.ndarray, fmt: str, rows: int, cols: int, x: np.ndarray) -> np.ndarray:
@@ -696,10 +693,10 @@ def warmup() -> float:
     sum_args = (code, int8, rec, offsets, nbytes, hidden, inter, layout, lut, x[:1], w, glu)
     entry.experts_b1_sum_kernel(*sum_args)
     entry.experts_b1_sum_serial_kernel(*sum_args)
-    for bits in (np.uint16, np.uint32):  # embedding rows of bf16 and f32 tables, in RAM or mapped
-        table = np.zeros((2, hidden), dtype=bits)  # [rows, cols]
-        entry.float_rows_at(table, ids[0])
-        entry.float_rows_at(_readonly(table), ids[0])
+    for fmt in ("bf16", "f32"):  # embedding rows of bf16 and f32 tables, in RAM or mapped
+        table = pack(np.zeros((2, hidden), np.float32), fmt)
+        for data in (table, _readonly(table)):
+            float_rows_at(float_rows_view(data, fmt, 2, hidden), 2, hidden, ids[0])
     if _wait["spinning"]:
         calibrate_matmul()
     return time.perf_counter() - t0

@@ -134,7 +134,7 @@ class Trunk:
             )  # fmt: skip
         if not (isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.ndim == 1):
             ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # [T]
-        return quant.float_rows_at(held[1], ids)  # [T, H]
+        return quant.float_rows_at(held[1], rows, cols, ids)  # [T, H]
 
     def nbytes(self) -> int:
         return sum(t.data.nbytes for t in self.tensors.values())

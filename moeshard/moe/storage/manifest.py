@@ -32,7 +32,8 @@ from moeshard.moe.errors import StoreError
 from moeshard.moe.storage.io import write_file
 
 # 2: q4_0/q8_0 matrices in interleaved groups of eight rows (`moeshard.moe.kernels.quant`)
-FORMAT_VERSION = 2
+# 3: bf16 matrices in groups of four rows interleaved sixteen columns at a time (`layout`)
+FORMAT_VERSION = 3
 SHARD_MAX_BYTES = 4 << 30  # an expert shard file holds at most about this many record bytes
 MANIFEST = "moeshard.json"
 TRUNK_FILE = "trunk.gguf"
