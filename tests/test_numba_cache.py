@@ -7,6 +7,7 @@ own code (the cache's files are locked)."""
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -107,7 +108,10 @@ met = {}
 
 def at_the_barrier(self, key, data):
     (barrier / str(i)).touch()
+    deadline = time.time() + 60
     while len(list(barrier.iterdir())) < n:
+        if time.time() > deadline:
+            sys.exit("the other processes never came to the barrier")
         time.sleep(0.002)
     met["t"] = time.time()
     save(self, key, data)
@@ -133,8 +137,6 @@ _RACE_DTYPES = ("int64", "int32", "float64", "float32")
 def _compile_at_once(tmp_path, monkeypatch, lock: bool) -> tuple[dict, dict]:
     """Run the race's processes on a fresh cache -> ({argument types: the types of the code
     its index entry names}, the environment a process of that cache runs with)."""
-    import pickle
-
     name = "racemod_locked" if lock else "racemod_numba"
     run_dir = tmp_path / name
     run_dir.mkdir()

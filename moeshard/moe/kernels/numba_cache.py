@@ -60,7 +60,6 @@ def use_source_keyed_cache() -> Path | None:
     renewed: it is in use) unless NUMBA_CACHE_DIR is set; remove the stale directories of
     other versions.  -> the directory, or None where the user's or numba's default stands
     (a cache directory that cannot be made leaves numba's default)."""
-    lock_cache_files()
     if numba.core.config.CACHE_DIR:  # (NUMBA_CACHE_DIR, read when numba was imported)
         return None
     here = cache_root() / source_digest()
@@ -128,10 +127,8 @@ def _locked(index_path: str, how: int):
         yield
         return
     try:
-        try:
+        with contextlib.suppress(OSError):
             fcntl.flock(fd, how)
-        except OSError:
-            pass
         yield
     finally:
         os.close(fd)  # (which releases the lock)
